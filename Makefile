@@ -1,0 +1,45 @@
+# pipe: every target installs first when .venv/ is missing, so each is one command on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export OMP_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+
+.PHONY: install install-vllm quickstart test test-fast lint fmt schemas bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	# CPU build of torch from the wheel on disk; an unpinned torch would pull a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[train,tasks,dev]'
+	touch $@
+
+quickstart: install
+	$(VENV)/bin/pipe run pipelines/quickstart.yaml
+
+test: install
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow and not integration"
+
+lint: install
+	$(VENV)/bin/ruff check engine stages tests bench
+	$(VENV)/bin/ruff format --check engine stages tests bench
+	$(VENV)/bin/mypy
+
+fmt: install
+	$(VENV)/bin/ruff check --fix engine stages tests bench
+	$(VENV)/bin/ruff format engine stages tests bench
+
+schemas: install
+	$(VENV)/bin/pipe schema --out schemas
+
+bench: install
+	$(PY) bench/validate.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

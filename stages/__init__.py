@@ -1,0 +1,1 @@
+"""Built-in stage kinds: dataset, collect, filter, train, evaluate."""

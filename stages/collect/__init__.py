@@ -1,0 +1,74 @@
+"""collect: send prompts to a model backend, verify the answers, write rollouts.
+
+The config model lives here so `pipe validate` stays light; the collector
+itself (asyncio, aiohttp) is imported only when the stage runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from engine.stage import StageConfig, StageContext, stage
+from stages.common import Backend, CountOrAuto, LocalBackend, Verifier
+
+
+class CollectConfig(StageConfig):
+    """Generate `num_repeats` answers per prompt, score each, append them as rollouts."""
+
+    INPUTS = ("input",)
+    OUTPUTS = ("output",)
+
+    input: str | None = Field(
+        None,
+        description="Prompt JSONL (rows with messages or prompt); empty: the upstream stage's output.",
+    )
+    output: str = Field(
+        "rollouts.jsonl", description="Rollout JSONL written (appended, resumable)."
+    )
+    num_samples_in_parallel: CountOrAuto = Field(
+        32, description="Requests in flight at once, or auto to find and track the backend's knee."
+    )
+    limit: int | None = Field(
+        None, gt=0, description="Use at most this many prompts (after start_idx)."
+    )
+    start_idx: int = Field(0, ge=0, description="First prompt (row index in the input) to use.")
+    end_idx: int | None = Field(
+        None, gt=0, description="Stop before this prompt index (exclusive)."
+    )
+    num_repeats: int = Field(1, gt=0, description="Samples per prompt.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_output_tokens: int = Field(256, gt=0, description="Most tokens generated per answer.")
+    timeout_s: float = Field(120.0, gt=0, description="Per-request timeout in seconds.")
+    max_retries: int = Field(
+        4, ge=0, description="Retries per request on 429, 5xx, timeouts and connection errors."
+    )
+    shards: CountOrAuto = Field(
+        1, description="Split the prompts into this many Dask tasks, or auto from the workers."
+    )
+    seed: int = Field(0, description="Seed for sampling.")
+    backend: Backend = Field(
+        default_factory=lambda: LocalBackend(kind="local", model="checkpoint"),
+        description="Where answers come from: openai, vllm or local.",
+    )
+    verifier: Verifier = Field(
+        default_factory=Verifier, description="How answers are scored into rewards."
+    )
+
+    @field_validator("end_idx")
+    @classmethod
+    def _end_after_start(cls, value: int | None, info: ValidationInfo) -> int | None:
+        start = info.data.get("start_idx", 0)
+        if value is not None and isinstance(start, int) and value <= start:
+            raise ValueError(f"end_idx must be greater than start_idx ({start}), found {value}")
+        return value
+
+
+@stage("collect", config=CollectConfig)
+def collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
+    """Run the rollout collector for this stage."""
+    from stages.collect.run import run_collect
+
+    return run_collect(cfg, ctx)

@@ -1,0 +1,44 @@
+"""dataset: write prompt JSONL (a train and a test split) from a source."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from engine.stage import StageConfig, StageContext, stage
+
+
+class DatasetConfig(StageConfig):
+    """Prompts from reasoning-gym's procedural tasks, a local file, or a Hugging Face dataset."""
+
+    OUTPUTS = ("output", "test_output")
+
+    source: Literal["reasoning_gym", "jsonl", "parquet", "huggingface"] = Field(
+        "reasoning_gym", description="Where prompts come from."
+    )
+    task: str | None = Field(None, description="reasoning_gym: the task name, e.g. chain_sum.")
+    task_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="reasoning_gym: the task's own settings, e.g. {min_terms: 2, max_terms: 2}.",
+    )
+    path: str | None = Field(
+        None, description="jsonl/parquet: the file; huggingface: the dataset id."
+    )
+    split: str = Field("train", description="huggingface: the split to read.")
+    size: int = Field(1000, gt=0, description="Number of training prompts to write.")
+    test_size: int = Field(
+        0, ge=0, description="Number of held-out test prompts, disjoint from the training prompts."
+    )
+    seed: int = Field(0, description="Seed for generation and shuffling.")
+    system_prompt: str | None = Field(None, description="A system message put before every prompt.")
+    output: str = Field("train.jsonl", description="Training prompts written.")
+    test_output: str = Field("test.jsonl", description="Held-out test prompts written.")
+
+
+@stage("dataset", config=DatasetConfig)
+def dataset(cfg: DatasetConfig, ctx: StageContext) -> dict[str, Any]:
+    """Write the train and test prompt files."""
+    from stages.dataset_run import run_dataset
+
+    return run_dataset(cfg, ctx)

@@ -1,0 +1,33 @@
+"""Shared fixtures: paths, and a CLI runner that behaves like the real `pipe`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> Result:
+    """Run `pipe ARGS` in-process; stdout and stderr kept apart."""
+    from engine.cli import main
+
+    runner = CliRunner()
+    old = Path.cwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        return runner.invoke(main, list(args), catch_exceptions=False)
+    finally:
+        os.chdir(old)
+
+
+@pytest.fixture
+def pipe_cli():
+    return run_cli
