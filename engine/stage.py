@@ -47,7 +47,14 @@ C = TypeVar("C", bound=StageConfig)
 
 @dataclass
 class StageContext:
-    """What a running stage knows about its place in the run."""
+    """What a running stage knows about its place in the run.
+
+    By the time a stage function runs, its config is fully resolved: input fields
+    hold absolute paths (or URLs), `@stage` references are replaced by the paths
+    they name, and output fields are absolute paths inside `stage_dir`. The stage
+    returns a JSON-serialisable dict of metrics; the engine writes it to
+    `<stage_dir>/metrics.json` and puts it in the run report.
+    """
 
     name: str
     kind: str
@@ -56,7 +63,7 @@ class StageContext:
     pipeline_dir: str
     attempt: int = 1
     gpus: int = 0
-    upstream: dict[str, dict[str, str]] = field(default_factory=dict)
+    workers: int = 1
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("pipe.stage"))
 
     def path(self, name: str) -> str:
