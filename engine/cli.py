@@ -11,11 +11,14 @@ import sys
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from engine.errors import PipeError
+
+if TYPE_CHECKING:
+    from engine.plan import Plan
 
 F = TypeVar("F", bound=Callable[..., Any])
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
@@ -69,24 +72,88 @@ def main(verbose: bool) -> None:
     )
 
 
+def build_plan(
+    path: str, overrides: tuple[str, ...] = (), run_dir: str | None = None, notes: bool = True
+) -> Plan:
+    """load -> resolve -> plan; warnings and notes go to stderr (unless `notes` is off)."""
+    from engine.load import load_pipeline
+    from engine.plan import plan
+    from engine.resolve import resolve
+
+    result = plan(resolve(load_pipeline(path, overrides), run_dir=run_dir))
+    for note in result.resolved.notes if notes else ():
+        click.echo(note.render(), err=True)
+    return result
+
+
 @main.command()
 @click.argument("pipelines", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @set_option
 @_guard
 def validate(pipelines: tuple[str, ...], overrides: tuple[str, ...]) -> None:
     """Load, resolve and plan each PIPELINE; start nothing."""
-    from engine.load import load_pipeline
-
     errors = []
     for path in pipelines:
         try:
-            loaded = load_pipeline(path, overrides)
+            result = build_plan(path, overrides)
         except PipeError as exc:
             errors.extend(exc.diagnostics)
             continue
-        click.echo(f"{path}: ok ({len(loaded.spec.stages)} stages)")
+        click.echo(f"{path}: ok ({len(result.stages)} stages)")
     if errors:
         raise PipeError(errors)
+
+
+@main.command("plan")
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@click.option("--explain", is_flag=True, help="Show every resolved value with where it came from.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "yaml", "json"]),
+    default="text",
+    show_default=True,
+)
+@click.option("--run-dir", default=None, help="Run directory (default runs/<name>/).")
+@set_option
+@_guard
+def plan_cmd(
+    pipeline: str, explain: bool, fmt: str, run_dir: str | None, overrides: tuple[str, ...]
+) -> None:
+    """Resolve PIPELINE into explicit stage configs: what `pipe run` writes as plan.lock.yaml."""
+    result = build_plan(pipeline, overrides, run_dir, notes=not (explain and fmt == "text"))
+    if fmt == "json":
+        click.echo(result.to_json(), nl=False)
+    elif fmt == "yaml" or not explain:
+        click.echo(result.to_yaml(), nl=False)
+    else:
+        click.echo(result.explain(), nl=False)
+
+
+@main.command()
+@click.option(
+    "--dir",
+    "base",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Also list presets of this pipeline folder.",
+)
+@_guard
+def presets(base: str | None) -> None:
+    """List the profiles and memory presets, each setting with its reason."""
+    from engine.presets import all_presets
+
+    for src in all_presets(Path(base) if base else None):
+        p = src.preset
+        click.echo(f"{p.kind} {p.name}: {p.description}")
+        if p.caution:
+            click.echo(f"  caution: {p.caution}")
+        if p.resources.colocate is not None:
+            click.echo(
+                f"  colocate = {p.resources.colocate.value!r}: {p.resources.colocate.reason}"
+            )
+        for key, setting in p.settings.items():
+            click.echo(f"  {key} = {setting.value!r}: {setting.reason}")
 
 
 @main.command()

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.errors import PipeError
+from engine.errors import Location, PipeError
 
 HERE = Path(__file__).parent
 KINDS = ("profile", "memory")
@@ -59,10 +59,16 @@ class Preset(BaseModel):
 
 @dataclass(frozen=True)
 class PresetSource:
-    """A preset and the file it came from."""
+    """A preset, the file it came from, and where each setting's value was written."""
 
     preset: Preset
     path: Path
+    locations: dict[str, Location]
+
+    @property
+    def label(self) -> str:
+        """`profile high-performance` / `memory memory_constrained`."""
+        return f"{self.preset.kind} {self.preset.name}"
 
 
 def _files(base: Path | None, extra: Iterable[str]) -> list[Path]:
@@ -88,6 +94,13 @@ def _kind_of(path: Path) -> tuple[str, str] | None:
     return (name, kind) if kind in KINDS and name else None
 
 
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def available(kind: str, base: Path | None = None, extra: Iterable[str] = ()) -> list[str]:
     """Names of the presets of `kind` (built-in and the pipeline's own)."""
     names = []
@@ -109,12 +122,15 @@ def load_preset(
     if not found:
         raise KeyError(f"no {kind} preset named '{name}'")
     path = found[-1]
-    doc = load_document(path)
+    doc = load_document(path, _display(path))
     try:
         preset = Preset.model_validate(doc.data)
     except ValidationError as exc:
         raise PipeError(validation_diagnostics(exc, doc, (), doc.data, Preset)) from None
-    return PresetSource(preset, path)
+    locs = {key: doc.value_loc(("settings", key, "value")) for key in preset.settings}
+    if preset.resources.colocate is not None:
+        locs["colocate"] = doc.value_loc(("resources", "colocate", "value"))
+    return PresetSource(preset, path, locs)
 
 
 def all_presets(base: Path | None = None, extra: Iterable[str] = ()) -> list[PresetSource]:

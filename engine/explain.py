@@ -1,0 +1,68 @@
+"""`pipe plan --explain`: every resolved value beside the source it came from."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.plan import Plan
+    from engine.resolve import ResolvedStage
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value and key in ("backend", "verifier", "model"):
+            out.extend(_flat(value, dotted + "."))
+        else:
+            out.append((dotted, value))
+    return out
+
+
+def _value(value: Any) -> str:
+    return json.dumps(value, separators=(", ", ": "))
+
+
+def _source(stage: ResolvedStage, dotted: str) -> str:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        src = stage.sources.get(".".join(parts[:i]))
+        if src is not None:
+            return src.render()
+    return "kind default"
+
+
+def explain(plan: Plan) -> str:
+    res = plan.resolved
+    spec = res.loaded.spec
+    lines = [
+        f"pipeline {spec.name} ({res.loaded.path}): profile {spec.profile}, memory {spec.memory}"
+    ]
+    lines.append(f"run directory: {res.run_dir}")
+    c = spec.cluster
+    workers = f", {c.workers} workers" if c.scheduler == "local" else ""
+    lines.append(f"cluster: {c.scheduler}{workers}, {c.gpus} GPUs, {c.gpus_per_node} per node")
+    lines.append(f"colocate: {_value(res.colocate)}  <- {res.colocate_source.render()}")
+    lines.append("roles:")
+    for role, alloc in plan.as_dict()["roles"].items():
+        shared = (
+            f" (shared with {', '.join(alloc['colocated_with'])})"
+            if alloc["colocated_with"]
+            else ""
+        )
+        lines.append(f"  {role:8s} {alloc['gpus']} GPUs{shared}")
+    for name in plan.order:
+        st = res.stages[name]
+        needs = f" <- {', '.join(st.needs)}" if st.needs else ""
+        lines.append("")
+        lines.append(f"stage {name} ({st.kind}){needs}: {st.gpus} GPUs, {st.retries} retries")
+        items = _flat(st.config.model_dump(mode="json"))
+        width = max((len(k) for k, _ in items), default=0)
+        for dotted, value in items:
+            lines.append(f"  {dotted:{width}s}  {_value(value)}  <- {_source(st, dotted)}")
+    if res.notes:
+        lines.append("")
+        lines += [d.render() for d in res.notes]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,203 @@
+"""Resolve, part of: `@stage` references, default inputs, and relative paths of one stage.
+
+- `"@data"` names stage data's main output, `"@data.test_output"` a named one; the
+  stage referred to must be among this stage's (transitive) `needs`.
+- An empty `input` takes the main output of the first stage in `needs`; an empty
+  list of checkpoints takes the outputs of the `train` stages in `needs`.
+- A relative `input` resolves against the pipeline file's folder; a relative
+  model or checkpoint path does too when it exists there (otherwise it is kept:
+  a hub id such as `org/model`); a relative output lands in `<run-dir>/<stage>/`.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import Diagnostic, did_you_mean, one_of
+from engine.source import PathT
+
+if TYPE_CHECKING:
+    from engine.resolve import ResolvedStage, Source, _State
+    from engine.stage import StageKind
+
+MODEL_LIKE = ("model", "checkpoints", "baseline", "backend.model")
+
+
+def is_remote(value: str) -> bool:
+    return "://" in value
+
+
+def ancestors(spec: Any, name: str) -> set[str]:
+    seen: set[str] = set()
+    stack = list(spec.stages[name].needs)
+    while stack:
+        need = stack.pop()
+        if need in seen or need not in spec.stages:
+            continue
+        seen.add(need)
+        stack.extend(spec.stages[need].needs)
+    return seen
+
+
+def resolve_paths(
+    state: _State,
+    name: str,
+    kind: StageKind,
+    merged: dict[str, Any],
+    sources: dict[str, Source],
+    done: dict[str, ResolvedStage],
+) -> None:
+    """Rewrite references and relative paths in `merged` in place, recording sources."""
+    base = str(state.loaded.base_dir)
+    for field in (*kind.config.INPUTS, "backend.model"):
+        path = tuple(field.split("."))
+        value = _get(merged, path)
+        if isinstance(value, str):
+            _put(merged, path, _input_path(base, value, field))
+        elif isinstance(value, list):
+            _put(
+                merged,
+                path,
+                [_input_path(base, v, field) if isinstance(v, str) else v for v in value],
+            )
+    _references(state, name, merged, sources, done, ())
+    _defaults(state, name, kind, merged, sources, done)
+    for field in kind.config.OUTPUTS:
+        value = merged.get(field, kind.config.model_fields[field].default)
+        if isinstance(value, str) and not (value.startswith("/") or is_remote(value)):
+            merged[field] = posixpath.normpath(posixpath.join(state.run_dir, name, value))
+            src = sources.get(field)
+            if src is None:
+                from engine.resolve import Source
+
+                sources[field] = Source("kind default", "inside the stage's folder")
+
+
+def _input_path(base: str, value: str, field: str) -> str:
+    if value.startswith("/") or is_remote(value) or value.startswith("@"):
+        return value
+    candidate = posixpath.normpath(posixpath.join(base, value))
+    if field in MODEL_LIKE:
+        import os
+
+        return candidate if os.path.exists(candidate) else value
+    return candidate
+
+
+def _references(
+    state: _State,
+    name: str,
+    node: Any,
+    sources: dict[str, Source],
+    done: dict[str, ResolvedStage],
+    path: PathT,
+) -> None:
+    items = (
+        node.items()
+        if isinstance(node, dict)
+        else enumerate(node)
+        if isinstance(node, list)
+        else ()
+    )
+    for key, value in list(items):
+        sub = (*path, key)
+        if isinstance(value, dict | list):
+            _references(state, name, value, sources, done, sub)
+        elif isinstance(value, str) and value.startswith("@"):
+            target = _target(state, name, value, sources, done, sub)
+            if target is not None:
+                node[key] = target
+
+
+def _target(
+    state: _State,
+    name: str,
+    ref: str,
+    sources: dict[str, Source],
+    done: dict[str, ResolvedStage],
+    path: PathT,
+) -> str | None:
+    spec = state.loaded.spec
+    stage, _, field = ref[1:].partition(".")
+    src = sources.get(".".join(str(p) for p in path if isinstance(p, str)))
+    where = src.location if src is not None else state.doc.key_loc(("stages", name))
+    dotted = f"stages.{name}.config." + ".".join(str(p) for p in path if isinstance(p, str))
+    if stage not in spec.stages:
+        msg = f"'{ref}' refers to no stage named '{stage}'{did_you_mean(stage, list(spec.stages))}"
+        state.errors.append(Diagnostic(where, dotted, msg))
+        return None
+    if stage not in ancestors(spec, name):
+        msg = f"'{ref}' refers to stage '{stage}', which stage '{name}' does not need; add it to needs"
+        state.errors.append(Diagnostic(where, dotted, msg))
+        return None
+    upstream = done.get(stage)
+    if upstream is None:
+        return None
+    outputs = type(upstream.config).OUTPUTS
+    field = field or (outputs[0] if outputs else "")
+    if field not in outputs:
+        msg = f"stage '{stage}' ({upstream.kind}) has no output '{field}'; its outputs: {one_of(outputs)}"
+        state.errors.append(Diagnostic(where, dotted, msg))
+        return None
+    if src is not None:
+        from engine.resolve import Source
+
+        key = ".".join(str(p) for p in path if isinstance(p, str))
+        sources[key] = Source(src.label, ref if src.reason == "" else src.reason, src.location)
+    return str(getattr(upstream.config, field))
+
+
+def _defaults(
+    state: _State,
+    name: str,
+    kind: StageKind,
+    merged: dict[str, Any],
+    sources: dict[str, Source],
+    done: dict[str, ResolvedStage],
+) -> None:
+    from engine.resolve import Source
+
+    needs = state.loaded.spec.stages[name].needs
+    for field in kind.config.INPUTS:
+        if "." in field or merged.get(field) not in (None, []):
+            continue
+        annotation = str(kind.config.model_fields[field].annotation)
+        if "list" in annotation:
+            ups = [n for n in needs if n in done and done[n].kind == "train"]
+            if ups:
+                merged[field] = [
+                    str(getattr(done[n].config, type(done[n].config).OUTPUTS[0])) for n in ups
+                ]
+                sources[field] = Source(
+                    "upstream", f"outputs of the train stages in needs: {', '.join(ups)}"
+                )
+        elif field == "input":
+            if not needs:
+                where = state.doc.key_loc(("stages", name))
+                state.errors.append(
+                    Diagnostic(
+                        where,
+                        f"stages.{name}.config.input",
+                        "no input: set 'input' or add the stage that produces it to 'needs'",
+                    )
+                )
+                continue
+            up = done.get(needs[0])
+            if up is not None and type(up.config).OUTPUTS:
+                merged[field] = str(getattr(up.config, type(up.config).OUTPUTS[0]))
+                sources[field] = Source("upstream", f"main output of stage '{needs[0]}'")
+
+
+def _get(data: Any, path: PathT) -> Any:
+    for part in path:
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
+def _put(data: dict[str, Any], path: PathT, value: Any) -> None:
+    for part in path[:-1]:
+        data = data[str(part)]
+    data[str(path[-1])] = value

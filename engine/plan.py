@@ -1,0 +1,114 @@
+"""Plan: `ResolvedPipeline` -> `Plan`, the DAG in execution order with a cache key per stage.
+
+The graph comes from `needs:` (cycles were rejected at load). Each stage's
+static key hashes its resolved config and its kind's code version; execution
+adds the hashes of its inputs (upstream keys and external file contents).
+`Plan.as_dict()` is what `pipe plan --format json|yaml` prints and what
+`pipe run` writes as `plan.lock.yaml`; `Plan.explain()` adds each value's source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.graph import topological
+from engine.resolve import ResolvedPipeline, ResolvedStage
+from engine.stage import kinds
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """A stage ready to run: resolved config, resources and static cache key."""
+
+    resolved: ResolvedStage
+    config_hash: str
+    code_version: str
+
+    @property
+    def name(self) -> str:
+        return self.resolved.name
+
+    @property
+    def outputs(self) -> dict[str, str]:
+        cfg = self.resolved.config
+        return {f: str(getattr(cfg, f)) for f in type(cfg).OUTPUTS}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The stages in execution order."""
+
+    resolved: ResolvedPipeline
+    order: tuple[str, ...]
+    stages: dict[str, PlannedStage]
+
+    @property
+    def name(self) -> str:
+        return self.resolved.name
+
+    def as_dict(self) -> dict[str, Any]:
+        spec = self.resolved.loaded.spec
+        gpus_auto = spec.cluster.gpus == "auto" and not self.resolved.roles
+        roles = {
+            r: ({"gpus": "auto", "colocated_with": []} if gpus_auto else a.as_dict())
+            for r, a in self.resolved.roles.items()
+        }
+        if gpus_auto:
+            roles = {r: {"gpus": "auto", "colocated_with": []} for r in spec.resources.ratio}
+        return {
+            "name": spec.name,
+            "profile": spec.profile,
+            "memory": spec.memory,
+            "stages": {
+                n: {
+                    "kind": s.resolved.kind,
+                    "needs": list(s.resolved.needs),
+                    "resources": {"role": s.resolved.role, "gpus": s.resolved.gpus},
+                    "config": s.resolved.config.model_dump(mode="json"),
+                }
+                for n, s in self.stages.items()
+            },
+            "roles": roles,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2) + "\n"
+
+    def to_yaml(self) -> str:
+        from ruamel.yaml import YAML
+
+        yaml = YAML(typ="safe", pure=True)
+        yaml.default_flow_style = False
+        buf = io.StringIO()
+        buf.write(f"# plan of {self.resolved.loaded.path}: every value resolved\n")
+        yaml.dump(self.as_dict(), buf)
+        return buf.getvalue()
+
+    def explain(self) -> str:
+        from engine.explain import explain
+
+        return explain(self)
+
+
+def config_hash(stage: ResolvedStage) -> str:
+    text = json.dumps(stage.config.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(f"{stage.kind}\n{text}".encode()).hexdigest()[:16]
+
+
+def plan(resolved: ResolvedPipeline) -> Plan:
+    """Order the stages and compute their static cache keys."""
+    order = tuple(topological(resolved.loaded.spec))
+    registry = kinds()
+    stages = {
+        name: PlannedStage(
+            resolved.stages[name],
+            config_hash(resolved.stages[name]),
+            registry[resolved.stages[name].kind].code_version(),
+        )
+        for name in order
+    }
+    return Plan(resolved, order, stages)

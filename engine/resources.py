@@ -1,0 +1,85 @@
+"""GPU roles: split `cluster.gpus` among roles by `ratio`, apply colocation, check the arithmetic.
+
+Input: the pipeline's cluster and resources sections (already preset-resolved
+colocation). Output: `{role: RoleAlloc(gpus, colocated_with)}` or located
+errors. Rules:
+
+- Without colocation each role gets `gpus * r / sum(ratio)`; a split that does
+  not divide is an error listing GPU counts that would.
+- A colocation group is one unit of the split: its members share the same GPUs
+  (its weight is the largest ratio among members named in `ratio`).
+  `colocate: all` puts every role on all GPUs (the hybrid engine).
+- `gpus: 0` (CPU only) gives every role 0 GPUs; `gpus: auto` is resolved from
+  the Dask workers' resources at run time (`allocate` is called again then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import Diagnostic, Location
+
+ROLE_ORDER = ("vllm", "actor", "critic", "ref", "reward")
+
+
+@dataclass(frozen=True)
+class RoleAlloc:
+    """GPUs one role holds and the roles sharing them."""
+
+    gpus: int
+    colocated_with: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"gpus": self.gpus, "colocated_with": list(self.colocated_with)}
+
+
+def colocation_groups(ratio: dict[str, int], colocate: Any) -> list[tuple[str, ...]]:
+    """Units of the split: tuples of roles that share GPUs (singletons for the rest)."""
+    roles = [r for r in ROLE_ORDER if r in ratio]
+    if colocate == "all":
+        return [tuple(roles)] if roles else []
+    groups: list[tuple[str, ...]] = []
+    grouped: set[str] = set()
+    if isinstance(colocate, list):
+        for group in colocate:
+            members = tuple(r for r in ROLE_ORDER if r in group)
+            groups.append(members)
+            grouped.update(members)
+    groups += [(r,) for r in roles if r not in grouped]
+    return sorted(groups, key=lambda g: ROLE_ORDER.index(g[0]))
+
+
+def allocate(
+    gpus: int, ratio: dict[str, int], colocate: Any, where: Location, ratio_text: str
+) -> tuple[dict[str, RoleAlloc], list[Diagnostic]]:
+    """Split `gpus` among the roles; the error (if any) is located at `where` (cluster.gpus)."""
+    groups = colocation_groups(ratio, colocate)
+    weights = [max((ratio.get(r, 0) for r in g), default=0) or 1 for g in groups]
+    total = sum(weights)
+    out: dict[str, RoleAlloc] = {}
+    if gpus and total and gpus % total:
+        lower = gpus - gpus % total
+        options = [n for n in (lower, lower + total) if n > 0]
+        words = " or ".join(str(n) for n in options)
+        msg = (
+            f"{gpus} GPUs do not split {ratio_text} into whole GPUs per role"
+            f"; GPU counts that would: {words} (a multiple of {total})"
+        )
+        return out, [Diagnostic(where, "cluster.gpus", msg)]
+    for group, weight in zip(groups, weights, strict=True):
+        share = gpus * weight // total if total else 0
+        for role in group:
+            out[role] = RoleAlloc(share, tuple(r for r in group if r != role))
+    return out, []
+
+
+def ratio_text(ratio: dict[str, int]) -> str:
+    """`{vllm: 1, actor: 1, critic: 1}` -> `vllm:actor:critic = 1:1:1`."""
+    roles = [r for r in ROLE_ORDER if r in ratio]
+    return f"{':'.join(roles)} = {':'.join(str(ratio[r]) for r in roles)}"
+
+
+def tp_fits(tp: int, gpus_per_node: int) -> list[int]:
+    """Tensor-parallel sizes that keep a group on one node (divisors of gpus_per_node)."""
+    return [n for n in range(1, gpus_per_node + 1) if gpus_per_node % n == 0 and n <= gpus_per_node]
