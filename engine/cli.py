@@ -7,6 +7,7 @@ mistake prints compiler-style errors and no traceback; `-v` shows one for a bug.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -70,6 +71,12 @@ def main(verbose: bool) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s" if verbose else "%(message)s",
         stream=sys.stderr,
     )
+    if not verbose:
+        # Dask reads these when distributed is first imported, in the driver and in workers;
+        # stage failures are reported by pipe itself, with the stage's log file
+        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
+        for noisy in ("distributed", "tornado", "bokeh", "asyncio"):
+            logging.getLogger(noisy).setLevel(logging.CRITICAL)
 
 
 def build_plan(
@@ -128,6 +135,47 @@ def plan_cmd(
         click.echo(result.to_yaml(), nl=False)
     else:
         click.echo(result.explain(), nl=False)
+
+
+@main.command()
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@set_option
+@click.option(
+    "--scheduler",
+    default=None,
+    help="Dask scheduler address (default: DASK_SCHEDULER_ADDRESS, then cluster.scheduler).",
+)
+@click.option("--only", multiple=True, metavar="STAGE", help="Run only this stage (repeatable).")
+@click.option(
+    "--from",
+    "from_stage",
+    default=None,
+    metavar="STAGE",
+    help="Re-run this stage and everything after it.",
+)
+@click.option("--force", is_flag=True, help="Run the selected stages even when up to date.")
+@click.option(
+    "--keep-going", is_flag=True, help="After a failure, run independent stages to the end."
+)
+@click.option("--run-dir", default=None, help="Run directory (default runs/<name>/).")
+@_guard
+def run(
+    pipeline: str,
+    overrides: tuple[str, ...],
+    scheduler: str | None,
+    only: tuple[str, ...],
+    from_stage: str | None,
+    force: bool,
+    keep_going: bool,
+    run_dir: str | None,
+) -> None:
+    """Run PIPELINE on Dask: skip up-to-date stages, retry failures, record everything."""
+    from engine.execute import RunOptions
+    from engine.run import RunRequest, run_pipeline
+
+    options = RunOptions(only=only, from_stage=from_stage, force=force, keep_going=keep_going)
+    report = run_pipeline(RunRequest(pipeline, overrides, scheduler, run_dir, options))
+    sys.exit(EXIT_OK if report.status == "succeeded" else EXIT_FAILED)
 
 
 @main.command()

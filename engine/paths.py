@@ -173,6 +173,8 @@ def _defaults(
                     "upstream", f"outputs of the train stages in needs: {', '.join(ups)}"
                 )
         elif field == "input":
+            if not needs and kind.config.INPUT_OPTIONAL:
+                continue
             if not needs:
                 where = state.doc.key_loc(("stages", name))
                 state.errors.append(

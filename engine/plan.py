@@ -53,11 +53,10 @@ class Plan:
     def as_dict(self) -> dict[str, Any]:
         spec = self.resolved.loaded.spec
         gpus_auto = spec.cluster.gpus == "auto" and not self.resolved.roles
-        roles = {
-            r: ({"gpus": "auto", "colocated_with": []} if gpus_auto else a.as_dict())
-            for r, a in self.resolved.roles.items()
-        }
-        if gpus_auto:
+        roles: dict[str, Any] = {r: a.as_dict() for r, a in self.resolved.roles.items()}
+        raw = self.resolved.loaded.doc.data.get("resources")
+        if gpus_auto and isinstance(raw, dict) and "ratio" in raw:
+            # resolved from the workers at run time; the run's plan.lock.yaml has the numbers
             roles = {r: {"gpus": "auto", "colocated_with": []} for r in spec.resources.ratio}
         return {
             "name": spec.name,

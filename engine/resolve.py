@@ -109,7 +109,10 @@ def resolve(
     colocate, colocate_source = state.colocation()
     total = gpus if gpus is not None else spec.cluster.gpus
     roles: dict[str, RoleAlloc] = {}
-    if isinstance(total, int):
+    raw_resources = loaded.doc.data.get("resources")
+    wrote_ratio = isinstance(raw_resources, dict) and "ratio" in raw_resources
+    uses_roles = wrote_ratio or any(st.resources.role for st in spec.stages.values())
+    if isinstance(total, int) and uses_roles:
         where = loaded.doc.value_loc(("cluster", "gpus"))
         ratio = {str(role): n for role, n in spec.resources.ratio.items()}
         roles, errs = allocate(total, ratio, colocate, where, ratio_text(ratio))

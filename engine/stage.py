@@ -34,12 +34,14 @@ class StageConfig(BaseModel):
     against the pipeline's folder; left empty, the first upstream stage's main
     output). `OUTPUTS` name the fields the stage writes (relative paths resolve
     inside the stage's folder in the run directory); the first is its main output.
+    An empty `input` with nothing in `needs` is an error unless `INPUT_OPTIONAL`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     INPUTS: ClassVar[tuple[str, ...]] = ()
     OUTPUTS: ClassVar[tuple[str, ...]] = ()
+    INPUT_OPTIONAL: ClassVar[bool] = False
 
 
 C = TypeVar("C", bound=StageConfig)

@@ -1,0 +1,84 @@
+"""Benchmark: engine overhead per stage, 200 no-op stages on the embedded LocalCluster.
+
+    .venv/bin/python bench/engine_overhead.py [--stages 200]
+
+Runs a chain (each stage needs the previous: every stage is a scheduling round
+trip) and a fan-out (all independent), each through `pipe run`'s code path
+(load, resolve, plan, cache keys, submission, records), and prints the time per
+stage with the cluster's start-up excluded, beside a bare `client.submit` of the
+same no-op function for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
+
+
+def pipeline(n: int, chain: bool) -> str:
+    lines = ["name: bench", "cluster: {workers: 2}", "stages:"]
+    for i in range(n):
+        needs = f", needs: [s{i - 1}]" if chain and i else ""
+        lines.append(f"  s{i}: {{kind: toy{needs}, config: {{value: v{i}}}}}")
+    return "\n".join(lines) + "\n"
+
+
+def noop(x: int) -> int:
+    return x
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stages", type=int, default=200)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    from engine.cluster import connect
+    from engine.execute import RunOptions, execute, prepare
+    from engine.load import load_pipeline
+    from engine.plan import plan
+    from engine.report import RunReport, new_run_id
+    from engine.resolve import resolve
+    from tests.kinds import register
+
+    register()
+    cluster = connect("local", 2)
+    try:
+        t = time.perf_counter()
+        futures = [cluster.client.submit(noop, i, pure=False) for i in range(args.stages)]
+        cluster.client.gather(futures)
+        bare = (time.perf_counter() - t) / args.stages
+        print(f"stages: {args.stages}, workers: 2 (LocalCluster, processes)")
+        print(f"bare client.submit no-op, fan-out: {bare * 1e3:7.2f} ms per task")
+        for chain in (False, True):
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "bench.yaml"
+                path.write_text(pipeline(args.stages, chain))
+                t = time.perf_counter()
+                planned = plan(resolve(load_pipeline(path), run_dir=f"{tmp}/runs"))
+                report = RunReport(new_run_id(), str(path), "bench", "local")
+                keys, pending = prepare(planned, RunOptions(), report)
+                execute(planned, cluster, report, RunOptions(), keys, pending)
+                report.write(f"{tmp}/runs")
+                total = time.perf_counter() - t
+                ok = sum(r.status == "succeeded" for r in report.stages.values())
+                shape = "chain  " if chain else "fan-out"
+                per = total / args.stages * 1e3
+                print(
+                    f"pipe run, {shape}: {total:6.2f} s total, {per:7.2f} ms per stage ({ok} succeeded)"
+                    f", {per / (bare * 1e3):5.1f}x the bare submit"
+                )
+    finally:
+        cluster.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Execute on real Dask clusters: an external scheduler with GPU workers, the embedded
+LocalCluster, caching, retries, failures, a killed worker, and unplaceable stages."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+PIPE = [sys.executable, str(ROOT / "tests" / "pipe_with_toys.py")]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def pipe(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*PIPE, *args], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def write(tmp_path: Path, text: str) -> str:
+    (tmp_path / "p.yaml").write_text(textwrap.dedent(text))
+    return "p.yaml"
+
+
+def report(tmp_path: Path, name: str = "p") -> dict[str, Any]:
+    return json.loads((tmp_path / "runs" / name / "report.json").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def gpu_cluster(tmp_path: Path):
+    """A real `dask scheduler` and two `dask worker --resources GPU=1` processes on 127.0.0.1."""
+    port = free_port()
+    dask = str(Path(sys.executable).parent / "dask")
+    procs = [
+        subprocess.Popen(
+            [dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
+    address = f"tcp://127.0.0.1:{port}"
+    for i in range(2):
+        procs.append(
+            subprocess.Popen(
+                [
+                    dask,
+                    "worker",
+                    address,
+                    "--nthreads",
+                    "1",
+                    "--resources",
+                    "GPU=1",
+                    "--host",
+                    "127.0.0.1",
+                    "--name",
+                    f"gpu{i}",
+                    "--no-dashboard",
+                ],
+                env=ENV,
+                cwd=tmp_path,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    try:
+        from distributed import Client
+
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(2, timeout=60)
+        yield address
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_external_scheduler_places_gpu_stages_on_both_workers(tmp_path: Path, gpu_cluster: str):
+    write(
+        tmp_path,
+        """\
+        name: p
+        cluster: {gpus: auto}
+        stages:
+          prep: {kind: toy, config: {value: prep}}
+          left: {kind: toy, needs: [prep], resources: {gpus: 1}, config: {value: l, sleep_s: 1.5}}
+          right: {kind: toy, needs: [prep], resources: {gpus: 1}, config: {value: r, sleep_s: 1.5}}
+          join: {kind: toy, needs: [left, right], resources: {gpus: 1}, config: {value: j, sleep_s: 0.5}}
+        """,
+    )
+    result = pipe(tmp_path, "run", "p.yaml", "--scheduler", gpu_cluster)
+    assert result.returncode == 0, result.stderr
+    assert "cluster.gpus: auto -> 2 (from the workers' resources)" in result.stderr
+    stages = report(tmp_path)["stages"]
+    assert {s["status"] for s in stages.values()} == {"succeeded"}
+    assert len({s["worker"] for s in stages.values()}) == 2
+    assert stages["left"]["worker"] != stages["right"]["worker"]
+    gpu = [s for n, s in stages.items() if n != "prep"]
+    for a in gpu:
+        for b in gpu:
+            if a is not b and a["worker"] == b["worker"]:
+                assert a["end"] <= b["start"] or b["end"] <= a["start"], (a, b)
+    # join's input defaults to the main output of the first stage it needs (left)
+    assert (tmp_path / "runs" / "p" / "join" / "out.txt").read_text() == "prep\nl\nj\n"
+
+
+CHAIN = """\
+    name: p
+    cluster: {workers: 2}
+    stages:
+      a: {kind: toy, config: {value: a}}
+      b: {kind: toy, needs: [a], config: {value: b}}
+      c: {kind: toy, needs: [a], config: {value: c}}
+      d: {kind: toy, needs: [b], config: {value: d}}
+"""
+
+
+def _files(tmp_path: Path) -> dict[str, tuple[int, str]]:
+    out = {}
+    for name in "abcd":
+        path = tmp_path / "runs" / "p" / name / "out.txt"
+        out[name] = (path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
+    return out
+
+
+def test_second_run_is_all_cache_hits_and_touches_nothing(tmp_path: Path):
+    write(tmp_path, CHAIN)
+    first = pipe(tmp_path, "run", "p.yaml")
+    assert first.returncode == 0, first.stderr
+    before = _files(tmp_path)
+    second = pipe(tmp_path, "run", "p.yaml")
+    assert second.returncode == 0, second.stderr
+    stages = report(tmp_path)["stages"]
+    assert {n: (s["status"], s["cache_hit"]) for n, s in stages.items()} == {
+        n: ("cached", True) for n in "abcd"
+    }
+    assert _files(tmp_path) == before
+    assert "cluster:" not in second.stderr  # nothing to run: no cluster started
+    third = pipe(tmp_path, "run", "p.yaml", "--set", "stages.b.config.value=B")
+    assert third.returncode == 0, third.stderr
+    stages = report(tmp_path)["stages"]
+    assert {n: s["status"] for n, s in stages.items()} == {
+        "a": "cached",
+        "b": "succeeded",
+        "c": "cached",
+        "d": "succeeded",
+    }
+    after = _files(tmp_path)
+    assert after["a"] == before["a"] and after["c"] == before["c"]
+    assert (tmp_path / "runs" / "p" / "d" / "out.txt").read_text() == "a\nB\nd\n"
+    history = sorted((tmp_path / "runs" / "p" / "history").iterdir())
+    assert len(history) == 3
+    assert {p.name for p in history[-1].iterdir()} == {
+        "plan.lock.yaml",
+        "report.json",
+        "driver.log",
+    }
+
+
+def test_retries_failures_and_keep_going(tmp_path: Path):
+    write(
+        tmp_path,
+        """\
+        name: p
+        cluster: {workers: 2}
+        stages:
+          flaky: {kind: toy, retries: 1, config: {value: f, fail_times: 1}}
+          broken: {kind: toy, retries: 1, config: {always_fail: true}}
+          after: {kind: toy, needs: [broken], config: {value: x}}
+          later: {kind: toy, needs: [after], config: {value: y}}
+          other: {kind: toy, needs: [flaky], config: {value: o, sleep_s: 0.5}}
+        """,
+    )
+    result = pipe(tmp_path, "run", "p.yaml", "--keep-going")
+    assert result.returncode == 1
+    stages = report(tmp_path)["stages"]
+    assert (stages["flaky"]["status"], stages["flaky"]["attempts"]) == ("succeeded", 2)
+    assert (stages["broken"]["status"], stages["broken"]["attempts"]) == ("failed", 2)
+    assert stages["broken"]["error"] == "RuntimeError: broken always fails"
+    assert stages["after"]["status"] == "skipped"
+    assert stages["after"]["error"] == "skipped: broken did not finish"
+    assert stages["later"]["status"] == "skipped"
+    assert stages["other"]["status"] == "succeeded"
+    assert "broken: failed after 2 attempt(s): RuntimeError: broken always fails" in result.stderr
+    assert "skipping after, later" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_killed_worker_reschedules_the_stage(tmp_path: Path):
+    pid_file = tmp_path / "pids.txt"
+    write(
+        tmp_path,
+        f"""\
+        name: p
+        cluster: {{workers: 2}}
+        stages:
+          long: {{kind: toy, config: {{value: done, sleep_s: 4, pid_file: {pid_file}}}}}
+        """,
+    )
+    proc = subprocess.Popen(
+        [*PIPE, "run", "p.yaml"], cwd=tmp_path, env=ENV, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not (pid_file.exists() and pid_file.read_text().strip()):
+        time.sleep(0.1)
+    victim = int(pid_file.read_text().split()[0])
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    pids = pid_file.read_text().split()
+    assert len(pids) == 2 and pids[0] != pids[1]
+    stages = report(tmp_path)["stages"]
+    assert stages["long"]["status"] == "succeeded"
+    assert (tmp_path / "runs" / "p" / "long" / "out.txt").read_text() == "done\n"
+
+
+def test_stage_wanting_more_gpus_than_any_worker_fails_fast(tmp_path: Path):
+    write(
+        tmp_path,
+        """\
+        name: p
+        cluster: {workers: 1, gpus: 4}
+        resources: {ratio: {actor: 1}}
+        stages:
+          big: {kind: toy, resources: {gpus: 4}, config: {value: x}}
+        """,
+    )
+    start = time.time()
+    result = pipe(tmp_path, "run", "p.yaml", timeout=120)
+    elapsed = time.time() - start
+    assert result.returncode == 1
+    stages = report(tmp_path)["stages"]
+    assert stages["big"]["status"] == "failed"
+    assert stages["big"]["error"].startswith(
+        "stage 'big' needs 4 GPU(s); no worker offers that many (workers: tcp://127.0.0.1:"
+    )
+    assert stages["big"]["error"].endswith(" GPU=0)")
+    assert elapsed < 60
+
+
+def test_only_and_from_are_validated(tmp_path: Path):
+    write(tmp_path, CHAIN)
+    result = pipe(tmp_path, "run", "p.yaml", "--only", "bb")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "--only bb: no stage named 'bb'; did you mean 'b'?"
