@@ -20,7 +20,9 @@ def grad_accumulation(cfg: TrainConfig, world_size: int) -> int:
     return max(1, cfg.train_batch_size // per_step)
 
 
-def build_ds_config(cfg: TrainConfig, world_size: int, *, pin_memory: bool = False) -> dict[str, Any]:
+def build_ds_config(
+    cfg: TrainConfig, world_size: int, *, pin_memory: bool = False
+) -> dict[str, Any]:
     """The ds_config dict for `cfg` trained on `world_size` ranks."""
     zero: dict[str, Any] = {
         "stage": cfg.zero_stage,
@@ -32,7 +34,9 @@ def build_ds_config(cfg: TrainConfig, world_size: int, *, pin_memory: bool = Fal
     if cfg.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     return {
-        "train_batch_size": cfg.micro_train_batch_size * world_size * grad_accumulation(cfg, world_size),
+        "train_batch_size": cfg.micro_train_batch_size
+        * world_size
+        * grad_accumulation(cfg, world_size),
         "train_micro_batch_size_per_gpu": cfg.micro_train_batch_size,
         "gradient_accumulation_steps": grad_accumulation(cfg, world_size),
         "gradient_clipping": 1.0,
