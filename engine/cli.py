@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from engine.errors import PipeError
+from engine.tune import tune_command
 
 if TYPE_CHECKING:
     from engine.plan import Plan
@@ -259,6 +260,8 @@ def graph(pipeline: str, fmt: str, overrides: tuple[str, ...]) -> None:
 
     click.echo(render_graph(load_pipeline(pipeline, overrides).spec, fmt), nl=False)
 
+
+main.add_command(tune_command)
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,22 @@
-"""filter: keep rollouts by reward, length, duplicates and per-prompt group rules."""
+"""filter: keep rollouts by reward, length, duplicates and per-prompt group rules.
+
+Input: a rollout JSONL (collect's output). Output: the kept rows, byte for byte
+as they were read, plus `<stage_dir>/filter_report.json` and
+`<stage_dir>/reward_histogram.png`. The rules run in this order, each on the
+rows the earlier ones kept, and a dropped row is counted once, under the first
+rule that dropped it (`stages.filter_rules.RULES`):
+
+1. `uniform_group`: the prompt's samples, as collected, all scored the same.
+2. `min_reward`, `max_reward`: the row's reward is out of bounds.
+3. `min_length`, `max_length`: the completion is too short or too long.
+4. `duplicate`: the (prompt, completion) pair was already kept by rules 1-3
+   earlier in the file (exact, or with whitespace and case normalised).
+5. `predicate`: the user's `module:function` returned a false value.
+6. `top_k`: the prompt already has `top_k_per_prompt` better-scored samples
+   (ties: lower `sample_idx` first); best-of-n is `top_k_per_prompt: 1`.
+
+This module stays light (no numpy, no matplotlib): `pipe validate` imports it.
+"""
 
 from __future__ import annotations
 
@@ -24,23 +42,32 @@ class FilterConfig(StageConfig):
     min_length: int | None = Field(None, ge=0, description="Drop completions shorter than this.")
     max_length: int | None = Field(None, gt=0, description="Drop completions longer than this.")
     length_unit: Literal["chars", "tokens"] = Field(
-        "chars", description="Unit of min_length and max_length."
+        "chars",
+        description="Unit of min_length and max_length: characters of the completion, or tokens (usage.completion_tokens; characters for a row without it).",
     )
     dedup: Literal["none", "exact", "normalized"] = Field(
         "none",
-        description="Drop repeated (prompt, completion) pairs: exact text, or normalised whitespace and case.",
+        description="Drop repeated (prompt, completion) pairs, keeping the first: exact text, or normalised whitespace and case.",
     )
     drop_uniform_groups: bool = Field(
         False,
-        description="Drop prompts whose samples all scored the same (no learning signal for group-based RL).",
+        description="Drop prompts whose samples all scored the same (no learning signal for group-based RL); a prompt with one sample counts as uniform.",
     )
     top_k_per_prompt: int | None = Field(
-        None, gt=0, description="Keep at most the k best-scored samples per prompt."
+        None,
+        gt=0,
+        description="Keep at most the k best-scored samples per prompt (ties: lower sample_idx first); 1 is best-of-n.",
     )
     predicate: str | None = Field(
-        None, description="A user callable 'module:function' that returns True to keep a row."
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="A user callable 'module:function' given each row (a dict); a false result drops the row. The pipeline's folder is importable.",
     )
-    seed: int = Field(0, description="Seed for tie-breaking.")
+    partition_mb: float = Field(
+        64.0,
+        gt=0,
+        description="On a Dask cluster, inputs larger than two partitions are filtered in partitions of about this many MB, one task each.",
+    )
 
 
 @stage("filter", config=FilterConfig)

@@ -1,0 +1,335 @@
+"""`pipe tune`: measure a collect stage's throughput against parallelism; find the knee.
+
+Input: a pipeline file and the name of one of its collect stages. Output: a
+table (or JSON) of the levels measured, the knee and the recommended
+`num_samples_in_parallel` on stdout, a PNG of throughput and latency against
+parallelism, and with `--write` the value put into the file
+(`engine.tune_write`). `--diagnose` runs the bottleneck test instead
+(parallelism 5 against 20). The sweep logic is `engine.tune_sweep`; the
+measuring is the collector's own `stages.collect.measure.measure_level`, on
+the first rows of the stage's prompts file.
+
+Exit codes: 0 ok; 1 no level ran without errors; 2 an invalid pipeline or usage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from engine.errors import PipeError, did_you_mean
+from engine.tune_sweep import DIAGNOSE_LEVELS, Diagnosis, Level, MeasureFn, Sweep, diagnose, sweep
+
+if TYPE_CHECKING:
+    from engine.load import LoadedPipeline
+    from stages.collect import CollectConfig
+
+log = logging.getLogger("pipe.tune")
+SAMPLE_ROWS = 512
+KEY = "num_samples_in_parallel"
+MIN_LEVEL_S = 2.0
+LIMITS = {
+    "parallelism": "parallelism",
+    "backend": "the backend",
+    "verification": "verification",
+    "client": "the collecting machine",
+}
+
+
+def requests_for(parallelism: int, fixed: int | None, last_rate: float = 0.0) -> int:
+    """Requests sent at a level: `fixed`, or by default 4 waves, at least 100, and enough
+    for `MIN_LEVEL_S` seconds at the previous level's rate (short windows are noisy)."""
+    if fixed is not None:
+        return fixed
+    return max(100, 4 * parallelism, math.ceil(MIN_LEVEL_S * last_rate))
+
+
+def level_json(level: Level) -> dict[str, Any]:
+    return {
+        "parallelism": level.parallelism,
+        "rollouts_per_s": round(level.rollouts_per_s, 3),
+        "p50_s": round(level.p50_s, 4),
+        "p95_s": round(level.p95_s, 4),
+        "errors": level.errors,
+    }
+
+
+def sweep_json(result: Sweep) -> dict[str, Any]:
+    """The `--format json` document: levels, knee, recommended."""
+    return {
+        "levels": [level_json(lv) for lv in result.levels],
+        "knee": result.knee,
+        "recommended": result.recommended,
+    }
+
+
+def render_table(levels: tuple[Level, ...] | list[Level]) -> str:
+    lines = [f"{'parallelism':>11}  {'rollouts/s':>10}  {'p50 s':>7}  {'p95 s':>7}  {'errors':>6}"]
+    for lv in levels:
+        lines.append(
+            f"{lv.parallelism:>11}  {lv.rollouts_per_s:>10.1f}  {lv.p50_s:>7.3f}  {lv.p95_s:>7.3f}  {lv.errors:>6}"
+        )
+    return "\n".join(lines)
+
+
+def render_sweep(result: Sweep) -> str:
+    out = [render_table(result.levels), f"stopped: {result.stopped}"]
+    if result.knee is None:
+        out.append("knee: none (every level had errors); check the backend, or lower --start")
+        return "\n".join(out)
+    peak = max(lv.rollouts_per_s for lv in result.levels if not lv.errors)
+    out.append(
+        f"knee: {result.knee} (the lowest parallelism within 10% of the best, {peak:.1f} rollouts/s)"
+    )
+    out.append(f"recommended: {KEY}: {result.recommended} (80% of the knee, for headroom)")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The collect stage to measure: its config, prompt rows and where it is in the file."""
+
+    loaded: LoadedPipeline
+    stage: str
+    cfg: CollectConfig
+    rows: list[dict[str, Any]]
+
+
+def _collect_config(loaded: LoadedPipeline, stage: str) -> CollectConfig:
+    from engine.load import stage_config_data
+    from engine.stage import get_kind
+    from stages.collect import CollectConfig
+
+    spec = loaded.spec
+    if stage not in spec.stages:
+        hint = did_you_mean(stage, sorted(spec.stages))
+        raise PipeError.single(None, "--stage", f"no stage named '{stage}' in {loaded.path}{hint}")
+    kind_name = spec.stages[stage].kind
+    if kind_name != "collect":
+        collects = [n for n, s in spec.stages.items() if s.kind == "collect"]
+        hint = f"; collect stages: {', '.join(repr(n) for n in collects)}" if collects else ""
+        where = loaded.doc.value_loc(("stages", stage, "kind"))
+        msg = f"pipe tune measures a collect stage, found kind '{kind_name}'{hint}"
+        raise PipeError.single(where, f"stages.{stage}.kind", msg)
+    kind = get_kind("collect")
+    assert kind is not None
+    cfg = kind.config.model_validate(stage_config_data(spec, stage, kind))
+    assert isinstance(cfg, CollectConfig)
+    return cfg
+
+
+def _sample_rows(loaded: LoadedPipeline, stage: str, cfg: CollectConfig) -> list[dict[str, Any]]:
+    """The first `SAMPLE_ROWS` prompt rows from `start_idx` of the stage's input file."""
+    path = ("stages", stage, "config", "input")
+    where = loaded.doc.value_loc(path)
+    dotted = ".".join(path)
+    if not cfg.input or cfg.input.startswith("@") or "://" in cfg.input:
+        found = f"'{cfg.input}'" if cfg.input else "none (it comes from an upstream stage)"
+        msg = f"pipe tune needs a local prompts file, found {found}; give one with --set {dotted}=PATH"
+        raise PipeError.single(where, dotted, msg)
+    file = loaded.base_dir / cfg.input
+    rows: list[dict[str, Any]] = []
+    try:
+        with open(file, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if len(rows) >= SAMPLE_ROWS or (cfg.end_idx is not None and i >= cfg.end_idx):
+                    break
+                if i >= cfg.start_idx and line.strip():
+                    rows.append(json.loads(line))
+    except FileNotFoundError:
+        raise PipeError.single(where, dotted, f"no such file '{file}'") from None
+    except ValueError as exc:
+        raise PipeError.single(where, dotted, f"'{file}': not JSONL: {exc}") from None
+    if not rows:
+        raise PipeError.single(where, dotted, f"'{file}' holds no prompt rows from start_idx")
+    return rows
+
+
+def load_target(pipeline: str, stage: str, overrides: tuple[str, ...] = ()) -> Target:
+    """Load the pipeline and the collect stage's config and prompt sample; `PipeError` if unusable."""
+    from engine.load import load_pipeline
+
+    loaded = load_pipeline(pipeline, overrides)
+    cfg = _collect_config(loaded, stage)
+    return Target(loaded, stage, cfg, _sample_rows(loaded, stage, cfg))
+
+
+def collector_measure(target: Target, requests: int | None) -> MeasureFn:
+    """`measure(parallelism)` through the collector's real client and verifier."""
+    from stages.collect.measure import measure_level
+
+    last_rate = 0.0
+
+    def measure(parallelism: int) -> Level:
+        nonlocal last_rate
+        n = requests_for(parallelism, requests, last_rate)
+        log.info("measuring parallelism %d (%d requests)", parallelism, n)
+        try:
+            level: Level = measure_level(target.cfg, target.rows, parallelism, n)
+        except ValueError as exc:  # a prompt row the collector cannot use
+            path = ("stages", target.stage, "config", "input")
+            where = target.loaded.doc.value_loc(path)
+            raise PipeError.single(where, ".".join(path), str(exc)) from None
+        last_rate = level.rollouts_per_s
+        return level
+
+    return measure
+
+
+def plot_levels(
+    levels: tuple[Level, ...] | list[Level], path: Path, title: str, knee: int | None = None
+) -> Path | None:
+    """PNG of throughput and p50/p95 latency against parallelism; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed; no plot (pip install 'pipe-engine[plot]')")
+        return None
+    xs = [lv.parallelism for lv in levels]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(xs, [lv.rollouts_per_s for lv in levels], "o-", label="throughput")
+    left.set_ylabel("rollouts/s")
+    right.plot(xs, [lv.p50_s for lv in levels], "o-", label="p50")
+    right.plot(xs, [lv.p95_s for lv in levels], "s--", label="p95")
+    right.set_ylabel("latency (s)")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("parallelism (requests in flight)")
+        if knee is not None:
+            ax.axvline(knee, color="grey", linestyle=":", label=f"knee {knee}")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _run(
+    pipeline: str,
+    stage: str,
+    opts: dict[str, Any],
+    measure_factory: Any = collector_measure,
+) -> int:
+    """The command's body; returns the exit code."""
+    target = load_target(pipeline, stage, opts["overrides"])
+    measure = measure_factory(target, opts["requests"])
+    what = "diagnose" if opts["diagnose"] else "tune"
+    default_plot = target.loaded.path.with_name(f"{target.loaded.path.stem}.{what}-{stage}.png")
+    plot = Path(opts["plot"]) if opts["plot"] else default_plot
+    if opts["diagnose"]:
+        low, high = (measure(p) for p in DIAGNOSE_LEVELS)
+        _report_diagnosis([low, high], diagnose(low, high), opts["fmt"])
+        if plot_levels([low, high], plot, f"pipe tune --diagnose: {stage}"):
+            click.echo(f"plot: {plot}", err=True)
+        return 0
+    result = sweep(measure, start=opts["start"], max_levels=opts["max_levels"])
+    if opts["fmt"] == "json":
+        click.echo(json.dumps(sweep_json(result), indent=2))
+    else:
+        click.echo(render_sweep(result))
+    if plot_levels(result.levels, plot, f"pipe tune: {stage}", result.knee):
+        click.echo(f"plot: {plot}", err=True)
+    if result.recommended is None:
+        return 1
+    if opts["write"]:
+        from engine.tune_write import write_stage_config_value
+
+        write_stage_config_value(target.loaded.path, stage, KEY, result.recommended)
+        click.echo(f"wrote {pipeline}: stages.{stage}.config.{KEY}: {result.recommended}", err=True)
+    return 0
+
+
+def _report_diagnosis(levels: list[Level], verdict: Diagnosis, fmt: str) -> None:
+    if fmt == "json":
+        doc = {
+            "levels": [level_json(lv) for lv in levels],
+            "verdict": verdict.verdict,
+            "reason": verdict.reason,
+            "next_step": verdict.next_step,
+        }
+        click.echo(json.dumps(doc, indent=2))
+        return
+    click.echo(render_table(levels))
+    click.echo(f"verdict: {LIMITS[verdict.verdict]} is the limit")
+    click.echo(f"why: {verdict.reason}")
+    click.echo(f"next step: {verdict.next_step}")
+
+
+@click.command("tune")
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@click.option("--stage", required=True, help="The collect stage to measure.")
+@click.option(
+    "--start",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="First parallelism level.",
+)
+@click.option(
+    "--max-levels",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most levels measured (each doubles the last).",
+)
+@click.option(
+    "--requests-per-level",
+    "requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Requests sent at each level [default: 4 x parallelism, at least 100, and at least 2 s of the last level's rate].",
+)
+@click.option(
+    "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True
+)
+@click.option(
+    "--write",
+    is_flag=True,
+    help=f"Put the recommendation into the file's stages.STAGE.config.{KEY}, keeping its layout.",
+)
+@click.option(
+    "--diagnose", is_flag=True, help="Bottleneck test instead of a sweep: parallelism 5 against 20."
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Where to write the PNG [default: next to the pipeline file].",
+)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="PATH=VALUE",
+    help="Override a value, dotted from the document root.",
+)
+def tune_command(pipeline: str, stage: str, **opts: Any) -> None:
+    """Find the parallelism knee of a collect STAGE of PIPELINE; recommend 80% of it."""
+    if opts["write"] and opts["diagnose"]:
+        raise click.UsageError("--write needs a sweep; drop --diagnose")
+    try:
+        code = _run(pipeline, stage, opts)
+    except PipeError as exc:
+        click.echo(exc.render(), err=True)
+        sys.exit(2)
+    except Exception as exc:
+        if click.get_current_context().find_root().params.get("verbose"):
+            raise
+        click.echo(
+            f"internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)", err=True
+        )
+        sys.exit(1)
+    sys.exit(code)
