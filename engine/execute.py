@@ -101,6 +101,7 @@ class _Run:
     report: RunReport
     keys: dict[str, str] = field(default_factory=dict)
     futures: dict[Any, str] = field(default_factory=dict)
+    completed: Any = None  # distributed.as_completed: results are fetched as tasks finish
     stopped: str | None = None
     n_workers: int = 1
 
@@ -137,6 +138,7 @@ class _Run:
             pure=False,
         )
         self.futures[future] = name
+        self.completed.add(future)
         gpus = f", {st.resolved.gpus} GPU(s)" if st.resolved.gpus else ""
         log.info("%s: started (attempt %d%s)", name, rec.attempts, gpus)
 
@@ -235,8 +237,9 @@ def _ready(run: _Run, name: str) -> str:
 
 
 def _loop(run: _Run, pending: list[str]) -> None:
-    from distributed import wait
+    from distributed import as_completed
 
+    run.completed = as_completed([], with_results=True, raise_errors=False)  # type: ignore[no-untyped-call]
     while pending or run.futures:
         for name in list(pending):
             state = _ready(run, name)
@@ -267,22 +270,23 @@ def _loop(run: _Run, pending: list[str]) -> None:
             break
         if not run.futures:
             continue
-        done, _ = wait(list(run.futures), return_when="FIRST_COMPLETED")  # type: ignore[no-untyped-call]
-        for future in done:
-            _finished(run, future, run.futures.pop(future))
+        batch = [next(run.completed)]
+        if run.completed.has_ready():
+            batch += run.completed.next_batch(block=False)
+        for future, result in batch:
+            _finished(run, future, result, run.futures.pop(future))
 
 
-def _finished(run: _Run, future: Any, name: str) -> None:
+def _finished(run: _Run, future: Any, result: Any, name: str) -> None:
     rec = run.record(name)
     st = run.plan.stages[name].resolved
     if future.status == "finished":
-        result = future.result()
         rec.status = "succeeded"
         rec.worker, rec.start, rec.end = result.worker, result.start, result.end
         rec.metrics = result.metrics
         log.info("%s: succeeded on %s in %.2f s", name, result.worker, result.end - result.start)
         return
-    exc = future.exception()
+    exc = result if isinstance(result, BaseException) else future.exception()
     rec.error = f"{type(exc).__name__}: {exc}"
     if rec.attempts <= st.retries:
         log.warning("%s: attempt %d failed (%s); retrying", name, rec.attempts, rec.error)
