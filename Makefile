@@ -48,6 +48,8 @@ schemas: install
 
 bench: install
 	$(PY) bench/validate.py
+	$(PY) bench/engine_overhead.py
+	$(PY) bench/train.py
 
 clean:
 	rm -rf $(VENV) .venv-vllm runs .pytest_cache .mypy_cache .ruff_cache

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from engine.stage import StageConfig, StageContext, stage
-from stages.common import Block
+from stages.common import Block, CountOrAuto
 
 
 class TinyModel(Block):
@@ -90,20 +90,38 @@ class TrainConfig(StageConfig):
     )
     learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
     lr_scheduler: Literal["constant", "cosine", "linear"] = Field(
-        "cosine", description="Learning-rate schedule."
+        "cosine",
+        description="Learning-rate schedule after the linear warm-up: constant, or cosine / linear decay to a tenth of the peak.",
     )
     warmup_ratio: float = Field(
         0.03, ge=0, lt=1, description="Fraction of steps spent warming up the learning rate."
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_epochs: int = Field(1, gt=0, description="Passes over the data.")
-    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    max_steps: int | None = Field(
+        None,
+        gt=0,
+        description="Total optimizer steps; when set it overrides max_epochs (the data repeats as needed).",
+    )
     bf16: bool = Field(False, description="Train in bfloat16 (fp32 otherwise).")
     num_processes: int = Field(
         1, gt=0, description="Ranks launched on CPU (on GPU: one per GPU of the stage)."
     )
+    num_threads: CountOrAuto = Field(
+        "auto",
+        description="Torch threads per rank; auto: 1 or up to 2 (the cores shared among the ranks), whichever measures faster, re-measured every few hundred steps.",
+    )
+    trainer: Literal["auto", "deepspeed", "torch"] = Field(
+        "auto",
+        description="auto: DeepSpeed when it is installed, plain torch (AdamW) otherwise.",
+    )
+    logging_steps: int = Field(
+        50, gt=0, description="Log a progress line every this many steps (and at least every 30 s)."
+    )
     save_steps: int = Field(
-        200, gt=0, description="Save a resumable checkpoint every this many steps."
+        200,
+        gt=0,
+        description="Save a resumable checkpoint every this many steps (and always at the end).",
     )
     beta: float = Field(0.1, gt=0, description="dpo: strength of the KL penalty.")
     seed: int = Field(0, description="Seed for data order and initialisation.")

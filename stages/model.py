@@ -1,0 +1,149 @@
+"""Tiny models built from config, and the prompt format every stage shares.
+
+Input: a `TinyModel` spec and the texts to train a tokenizer on.
+Output: an ordinary Hugging Face checkpoint directory (config, weights,
+tokenizer with a chat template) that `AutoModelForCausalLM` and
+`AutoTokenizer` load like any other.
+
+The tokenizer is a byte-level BPE trained locally with the `tokenizers`
+library; digits are split one per token so that arithmetic is learnable by a
+small model. The chat template is deliberately plain:
+
+    <|bos|><|system|>...<|user|>...<|assistant|>ANSWER<|eos|>
+
+`format_prompt` renders a prompt (a string, or a list of chat messages) up to
+and including `<|assistant|>`; training appends the target and `<|eos|>`,
+generation continues from it. Tokenize its output with
+`add_special_tokens=False` (the template already holds `<|bos|>`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stages.train import TinyModel
+
+log = logging.getLogger("pipe.stages.model")
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)
+BYTE_ALPHABET = 256
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+Prompt = str | Sequence[dict[str, str]]
+
+
+def as_messages(prompt: Prompt) -> list[dict[str, str]]:
+    """A prompt as chat messages: a string becomes a single user message."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
+def format_prompt(tokenizer: Any, prompt: Prompt) -> str:
+    """The text a model sees before its answer, through the tokenizer's chat template."""
+    text = tokenizer.apply_chat_template(
+        as_messages(prompt), tokenize=False, add_generation_prompt=True
+    )
+    return str(text)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
+    """A fast byte-level BPE tokenizer trained on `texts`, digits split one per token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    floor = BYTE_ALPHABET + len(SPECIAL_TOKENS)
+    if vocab_size < floor:
+        raise ValueError(f"vocab_size must be at least {floor} for a byte-level BPE")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    wrap: Any = PreTrainedTokenizerFast  # untyped constructor
+    fast = wrap(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=list(ROLE_TOKENS),
+        padding_side="left",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _llama_config(spec: TinyModel, tokenizer: Any) -> Any:
+    from transformers import LlamaConfig
+
+    if spec.hidden_size % spec.num_heads:
+        raise ValueError(
+            f"num_heads ({spec.num_heads}) must divide hidden_size ({spec.hidden_size})"
+        )
+    return LlamaConfig(
+        vocab_size=max(spec.vocab_size, len(tokenizer)),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+
+
+def build_tiny_model(spec: TinyModel, texts: Iterable[str], out_dir: str, seed: int) -> None:
+    """Build a fresh Llama from `spec`, train its tokenizer on `texts`, save both to `out_dir`.
+
+    The directory appears complete or not at all: everything is written to a
+    temporary sibling first, then renamed into place.
+    """
+    import shutil
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    config = _llama_config(spec, tokenizer)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info(
+        "built tiny llama: %d parameters, vocabulary %d, in %s", n_params, len(tokenizer), out_dir
+    )

@@ -1,0 +1,213 @@
+"""The optimizer side of a rank: DeepSpeed's engine, or plain torch with the same interface.
+
+Input: the model, the resolved `TrainConfig`, the ds_config dict (DeepSpeed)
+and the run's total steps. Output: a `Trainer` whose `forward`, `backward`
+and `step` run one optimizer step as a series of micro batches, which saves
+and loads resumable checkpoints, and which hands rank 0 the full weights for
+the final Hugging Face checkpoint.
+
+Both use torch's AdamW (betas 0.9/0.95) with the schedule of
+`stages.train_schedule`, gradient clipping at 1.0, and gradients averaged over
+ranks. Gradient accumulation boundaries are set by the caller for each micro
+batch, because dynamic batching gives steps a varying number of them; the loss
+the caller passes is already scaled (DeepSpeed's own 1/accumulation scaling
+is off). On GPU with `adam_offload`, DeepSpeed's CPU Adam is used instead of
+torch's (torch's AdamW on offloaded fp32 states would be slow at scale).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from stages.train_schedule import lr_factor, warmup_steps
+
+if TYPE_CHECKING:
+    from stages.train import TrainConfig
+
+BETAS = (0.9, 0.95)
+log = logging.getLogger("pipe.train")
+
+
+def _scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, total: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    warm = warmup_steps(total, cfg.warmup_ratio)
+    kind = cfg.lr_scheduler
+    # LambdaLR's counter k is the number of updates done: the next update is step k+1
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: lr_factor(k + 1, total, warm, kind)
+    )
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay: list[torch.nn.Parameter] = []
+    plain: list[torch.nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (plain if p.ndim < 2 or "norm" in name else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": plain, "weight_decay": 0.0},
+    ]
+
+
+class TorchTrainer:
+    """Plain torch: AdamW, gradients all-reduced by hand at each step when world > 1."""
+
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, total: int, device: str):
+        self.module = model.to(device)
+        self.device, self.bf16 = device, cfg.bf16
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=BETAS
+        )
+        self.scheduler = _scheduler(self.optimizer, cfg, total)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def begin_micro(self, boundary: bool) -> None:
+        """Nothing to do: gradients are reduced in `step`."""
+
+    def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
+        with self._autocast():
+            return self.module(**inputs).logits  # type: ignore[no-any-return]
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def step(self) -> float | None:
+        """Average gradients over ranks, clip, update; returns the gradient norm."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.world > 1:
+            grads = [p.grad for p in params if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= self.world
+            at = 0
+            for g in grads:
+                g.copy_(flat[at : at + g.numel()].view_as(g))
+                at += g.numel()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def save(self, root: str, tag: str) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            state = {
+                "model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            }
+            os.makedirs(os.path.join(root, tag), exist_ok=True)
+            torch.save(state, os.path.join(root, tag, "torch_state.pt"))
+
+    def load(self, root: str, tag: str) -> None:
+        state = torch.load(os.path.join(root, tag, "torch_state.pt"), map_location=self.device)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    @contextlib.contextmanager
+    def full_weights(self) -> Iterator[torch.nn.Module]:
+        """The model with its complete weights (every rank holds them already)."""
+        yield self.module
+
+
+class DeepSpeedTrainer:
+    """DeepSpeed's engine with the generated ds_config (ZeRO 0-3, offload, bf16)."""
+
+    name = "deepspeed"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        total: int,
+        device: str,
+        ds_config: dict[str, Any],
+    ):
+        import deepspeed
+
+        groups = _param_groups(model, cfg.weight_decay)
+        optimizer: torch.optim.Optimizer
+        if cfg.adam_offload and cfg.zero_stage > 0 and device.startswith("cuda"):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(groups, lr=cfg.learning_rate, betas=BETAS)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=BETAS)
+        scheduler = _scheduler(optimizer, cfg, total)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        self.module = self.engine.module
+        self.zero3 = cfg.zero_stage == 3
+        if self.zero3:
+            self._log_partitioning()
+
+    def _log_partitioning(self) -> None:
+        """How much of the model ZeRO-3 split over the ranks (small tensors stay whole)."""
+        params = list(self.module.parameters())
+        split = [p for p in params if not getattr(p, "ds_persist", True)]
+        log.info(
+            "zero 3: %d of %d weight tensors partitioned, %d of %d elements held on this rank",
+            len(split),
+            len(params),
+            sum(p.ds_tensor.numel() for p in params),
+            sum(p.ds_numel for p in params),
+        )
+
+    def begin_micro(self, boundary: bool) -> None:
+        """Tell DeepSpeed whether this micro batch ends the step (before its forward)."""
+        self.engine.set_gradient_accumulation_boundary(boundary)
+
+    def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
+        return self.engine(**inputs).logits  # type: ignore[no-any-return]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float | None:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def save(self, root: str, tag: str) -> None:
+        self.engine.save_checkpoint(root, tag=tag, save_latest=False)
+
+    def load(self, root: str, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(root, tag=tag)
+        if path is None:
+            raise RuntimeError(f"deepspeed could not load the checkpoint {root}/{tag}")
+
+    @contextlib.contextmanager
+    def full_weights(self) -> Iterator[torch.nn.Module]:
+        """The model with its complete weights; under ZeRO-3 gathered on every rank for the duration."""
+        if not self.zero3:
+            yield self.module
+            return
+        import deepspeed
+
+        params = list(self.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield self.module

@@ -1,0 +1,171 @@
+"""Launch the training ranks as fresh processes and follow them.
+
+Input: the worker spec file, the number of ranks, the device kind, threads
+per rank, a log file and a logger.
+Output: returns when every rank exited 0; otherwise stops the others and
+raises `TrainingFailed` with the exit status and the last lines of the log.
+
+Each rank is `python -m stages.train_worker SPEC` with the usual
+torch.distributed environment (MASTER_ADDR=127.0.0.1, a free MASTER_PORT,
+RANK, WORLD_SIZE, LOCAL_RANK), OMP_NUM_THREADS set to its share of the cores,
+and `DS_ACCELERATOR=cpu` on CPU so DeepSpeed does not probe for GPUs. Every
+output line goes to the log file with its rank; the worker's own log records
+(marked `@pipe LEVEL`) also go to the stage's logger at their level, so the
+stage log shows progress without library noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import IO
+
+TAIL_LINES = 40
+MARK = "@pipe "  # as in stages.train_worker (not imported: that module is the worker's)
+
+
+class TrainingFailed(RuntimeError):
+    """A training rank exited with a non-zero status."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at the time of asking."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, world: int, port: int, threads: int, device: str) -> dict[str, str]:
+    """The environment of rank `rank`: this process's, plus the distributed settings."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p),
+        PIPE_TRAIN_PARENT_PID=str(os.getpid()),  # a rank exits when this process dies
+    )
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+class _Follower(threading.Thread):
+    """Copies one rank's output to the log file (and rank 0's to the logger)."""
+
+    def __init__(
+        self,
+        rank: int,
+        stream: IO[str],
+        sink: IO[str],
+        lock: threading.Lock,
+        logger: logging.Logger,
+        tail: deque[str],
+    ):
+        super().__init__(daemon=True)
+        self.rank, self.stream, self.sink, self.lock = rank, stream, sink, lock
+        self.logger, self.tail = logger, tail
+
+    def run(self) -> None:
+        for raw in self.stream:
+            line = raw.rstrip("\n")
+            shown = f"[rank {self.rank}] {line.removeprefix(MARK)}"
+            with self.lock:
+                self.sink.write(shown + "\n")
+                self.sink.flush()
+                self.tail.append(shown)
+            if line.startswith(MARK):
+                level, _, message = line[len(MARK) :].partition(" ")
+                prefix = f"rank {self.rank}: " if self.rank else ""
+                number = getattr(logging, level, logging.INFO)
+                self.logger.log(
+                    number if isinstance(number, int) else logging.INFO, "%s%s", prefix, message
+                )
+
+
+def _stop(procs: list[subprocess.Popen[str]], grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(
+    spec_path: str, world: int, device: str, threads: int, log_path: str, logger: logging.Logger
+) -> None:
+    """Run `world` ranks of `stages.train_worker` on `spec_path`; raise if any fails."""
+    port = free_port()
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    lock = threading.Lock()
+    procs: list[subprocess.Popen[str]] = []
+    followers: list[_Follower] = []
+    failed: tuple[int, int] | None = None
+    with open(log_path, "a", encoding="utf-8") as sink:
+        try:
+            for rank in range(world):
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "stages.train_worker", spec_path],
+                    env=rank_env(rank, world, port, threads, device),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    bufsize=1,
+                )
+                procs.append(proc)
+                assert proc.stdout is not None
+                followers.append(_Follower(rank, proc.stdout, sink, lock, logger, tail))
+                followers[-1].start()
+            failed = _wait(procs)
+        finally:
+            _stop(procs)
+            for f in followers:
+                f.join(timeout=5)
+    if failed is not None:
+        rank, code = failed
+        lines = "\n".join(tail)
+        raise TrainingFailed(
+            f"training rank {rank} {_describe(code)}; last lines of {log_path}:\n{lines}"
+        )
+
+
+def _wait(procs: list[subprocess.Popen[str]]) -> tuple[int, int] | None:
+    """Wait for every rank; the first to fail (rank, status), or None when all exit 0."""
+    while True:
+        codes = [p.poll() for p in procs]
+        for rank, code in enumerate(codes):
+            if code is not None and code != 0:
+                return rank, code
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(0.1)

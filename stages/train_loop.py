@@ -1,0 +1,230 @@
+"""The step loop of one rank: micro batches -> loss -> optimizer step, logging, checkpoints.
+
+Input: a `Trainer`, the `BatchPlan`, the `TrainingSet`, and where to write.
+Output: the trained `Trainer` (weights in place), `<stage_dir>/loss.jsonl`
+(one line per step, rank 0), resumable checkpoints every `save_steps` and at
+the end, and the run's counters.
+
+Each step's loss is the mean over the whole global batch: the summed loss of
+every response token (SFT) or pair (DPO) divided by the global batch's count,
+so micro batches and ranks of different sizes weigh what they hold. The
+reported loss is all-reduced over ranks; nothing else crosses ranks per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from stages import train_ckpt
+from stages.train_batch import BatchPlan, Micro, Step
+from stages.train_data import TrainingSet
+from stages.train_loss import Batch, collate, dpo_terms, sequence_logprobs, sft_loss_sum
+from stages.train_threads import ThreadTuner
+
+if TYPE_CHECKING:
+    from stages.train import TrainConfig
+
+log = logging.getLogger("pipe.train")
+LOG_EVERY_S = 30.0
+
+
+@dataclass
+class Counters:
+    """What a run has done: carried over a resume through the checkpoint."""
+
+    step: int = 0
+    tokens: int = 0
+    samples: int = 0
+    train_time_s: float = 0.0
+    run_tokens: int = 0  # this process's run only (tokens/s of this run)
+    run_samples: int = 0
+    run_time_s: float = 0.0
+    run_steps: int = 0
+    last: dict[str, float] = field(default_factory=dict)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "samples": self.samples,
+            "train_time_s": round(self.train_time_s, 3),
+        }
+
+
+@dataclass
+class Loop:
+    """One rank's training loop."""
+
+    cfg: TrainConfig
+    trainer: Any
+    plan: BatchPlan
+    data: TrainingSet
+    device: str
+    pad_id: int
+    stage_dir: str
+    rank: int = 0
+    world: int = 1
+    reference: torch.nn.Module | None = None
+    fingerprint: str = ""
+    threads: ThreadTuner | None = None  # num_threads: auto
+    counters: Counters = field(default_factory=Counters)
+    _ref_cache: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    # --- one step --------------------------------------------------------------
+
+    def run_step(self, step: Step) -> dict[str, float]:
+        """Forward and backward every micro batch of this rank, then update."""
+        units = self.data.units
+        if self.cfg.algorithm == "dpo":
+            norm = len(step.units)
+        else:
+            norm = sum(self.data.examples[s].response_len for u in step.units for s in units[u])
+        micros = step.micro[self.rank]
+        lr = self.trainer.lr()  # the rate this step's update uses
+        sums = torch.zeros(3, dtype=torch.float64)  # loss, dpo right-order count, dpo margin
+        for i, micro in enumerate(micros):
+            self.trainer.begin_micro(i == len(micros) - 1)
+            batch = collate(micro, self.data.examples, self.pad_id, self.cfg.packing_samples)
+            logits = self.trainer.forward(batch.model_inputs(self.device))
+            loss_sum, extra = self._loss(micro, batch, logits)
+            self.trainer.backward(loss_sum * (self.world / norm))
+            sums += torch.tensor([loss_sum.item(), *extra], dtype=torch.float64)
+        grad_norm = self.trainer.step()
+        if self.world > 1:  # NCCL reduces device tensors only
+            reduced = sums.to(self.device)
+            dist.all_reduce(reduced)
+            sums = reduced.cpu()
+        out = {"loss": float(sums[0]) / norm, "lr": lr}
+        if grad_norm is not None:
+            out["grad_norm"] = grad_norm
+        if self.cfg.algorithm == "dpo":
+            out["accuracy"] = float(sums[1]) / norm
+            out["margin"] = float(sums[2]) / norm
+        return out
+
+    def _loss(
+        self, micro: Micro, batch: Batch, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, list[float]]:
+        if self.cfg.algorithm != "dpo":
+            return sft_loss_sum(logits, batch), [0.0, 0.0]
+        if micro.dummy:
+            return logits.sum() * 0.0, [0.0, 0.0]
+        order = self._pair_order(micro, batch)
+        policy = sequence_logprobs(logits, batch)[order]
+        losses, margins = dpo_terms(policy, self._reference(micro, batch, order), self.cfg.beta)
+        return losses.sum(), [float((margins > 0).sum()), float(margins.sum())]
+
+    def _pair_order(self, micro: Micro, batch: Batch) -> torch.Tensor:
+        slot = {s: i for i, s in enumerate(batch.seqs)}
+        order = [slot[s] for u in micro.units for s in self.data.units[u]]
+        return torch.tensor(order, device=self.device)
+
+    def _reference(self, micro: Micro, batch: Batch, order: torch.Tensor) -> torch.Tensor:
+        """The frozen reference model's (chosen, rejected) log-probabilities, cached per pair."""
+        if any(u not in self._ref_cache for u in micro.units):
+            assert self.reference is not None
+            with torch.no_grad():
+                logits = self.reference(**batch.model_inputs(self.device)).logits
+                lp = sequence_logprobs(logits, batch)[order].detach()
+            for k, u in enumerate(micro.units):
+                self._ref_cache[u] = lp[2 * k : 2 * k + 2]
+        return torch.cat([self._ref_cache[u] for u in micro.units])
+
+    # --- the loop ----------------------------------------------------------------
+
+    def run(self) -> Counters:
+        """Train from `counters.step` to the plan's last step."""
+        c, total = self.counters, self.plan.total_steps
+        last_log = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            loss_log = None
+            if self.rank == 0:
+                loss_log = stack.enter_context(
+                    open(f"{self.stage_dir}/loss.jsonl", "a", encoding="utf-8")
+                )
+            while c.step < total:
+                if self.threads is not None:
+                    torch.set_num_threads(self.threads.threads_for(c.run_steps))
+                t = time.perf_counter()
+                step = self.plan.step(c.step)
+                record = self.run_step(step)
+                seconds = time.perf_counter() - t
+                tokens = self._count(step, seconds)
+                if self.threads is not None:
+                    self.threads.record(c.run_steps - 1, tokens, seconds)
+                c.last = {"step": c.step, **record, "epoch": step.epoch, "tokens": c.tokens}
+                if loss_log is not None:
+                    loss_log.write(json.dumps(c.last) + "\n")
+                now = time.perf_counter()
+                if (
+                    c.step % self.cfg.logging_steps == 0
+                    or c.step == total
+                    or now - last_log > LOG_EVERY_S
+                ):
+                    self._progress(c.last, total)
+                    last_log = now
+                if c.step % self.cfg.save_steps == 0 or c.step == total:
+                    if loss_log is not None:
+                        loss_log.flush()
+                    self._save(step)
+        return c
+
+    def _count(self, step: Step, seconds: float) -> int:
+        """Add a finished step to the counters; its real tokens."""
+        c = self.counters
+        tokens = sum(
+            len(self.data.examples[s].input_ids) for u in step.units for s in self.data.units[u]
+        )
+        c.step += 1
+        c.run_steps += 1
+        c.tokens += tokens
+        c.run_tokens += tokens
+        c.samples += len(step.units)
+        c.run_samples += len(step.units)
+        c.train_time_s += seconds
+        c.run_time_s += seconds
+        return tokens
+
+    def _progress(self, record: dict[str, Any], total: int) -> None:
+        if self.rank != 0:
+            return
+        c = self.counters
+        rate = c.run_steps / max(c.run_time_s, 1e-9)
+        extra = f" accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""
+        log.info(
+            "step %d/%d loss %.4f%s lr %.2e tokens/s %.0f samples/s %.1f steps/s %.2f eta %.0fs",
+            c.step,
+            total,
+            record["loss"],
+            extra,
+            record["lr"],
+            c.run_tokens / max(c.run_time_s, 1e-9),
+            c.run_samples / max(c.run_time_s, 1e-9),
+            rate,
+            (total - c.step) / max(rate, 1e-9),
+        )
+
+    def _save(self, step: Step) -> None:
+        t = time.perf_counter()
+        state = {
+            **self.counters.state(),
+            "epoch": (step.index + 1) // self.plan.steps_per_epoch,
+            "batch_in_epoch": (step.index + 1) % self.plan.steps_per_epoch,
+            "total_steps": self.plan.total_steps,
+            "world_size": self.world,
+            "fingerprint": self.fingerprint,
+        }
+        root = f"{self.stage_dir}/checkpoints"
+        train_ckpt.save(self.trainer, root, self.counters.step, state, self.rank)
+        if self.rank == 0:
+            log.info(
+                "saved checkpoint at step %d in %.2fs", self.counters.step, time.perf_counter() - t
+            )
