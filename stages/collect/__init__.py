@@ -45,8 +45,19 @@ class CollectConfig(StageConfig):
     max_retries: int = Field(
         4, ge=0, description="Retries per request on 429, 5xx, timeouts and connection errors."
     )
+    backoff_s: float = Field(
+        0.5,
+        gt=0,
+        description="First retry delay in seconds; it doubles with each retry (with jitter, capped at 30 s).",
+    )
+    max_failed_runs: int = Field(
+        3,
+        gt=0,
+        description="A restarted run retries rows in the failures sidecar until they have failed in this many runs.",
+    )
     shards: CountOrAuto = Field(
-        1, description="Split the prompts into this many Dask tasks, or auto from the workers."
+        1,
+        description="Split the prompts into this many Dask tasks (each with its own concurrency), or auto from the workers.",
     )
     seed: int = Field(0, description="Seed for sampling.")
     backend: Backend = Field(

@@ -1,0 +1,90 @@
+"""Where requests go: an HTTP endpoint for the `openai` and `vllm` backends.
+
+Input: a CollectConfig (and, for vllm, the GPUs the stage holds). Output: an
+`Endpoint` (base URL, model name, endpoint mode, API key) while a context is
+open, and `make_client`, the OpenAIClient for it. For `vllm` the context
+starts vLLM's OpenAI server (`stages.collect.vllm_server.vllm_server`) and
+stops it on exit, also on failure; rows with messages go to its chat endpoint
+and rows with a prompt string to its completions endpoint (no chat template
+applied to plain prompts, as the local backend does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from stages.collect.client import OpenAIClient
+from stages.common import OpenAIBackend, VLLMBackend
+
+if TYPE_CHECKING:
+    from stages.collect import CollectConfig
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An OpenAI-compatible server to send requests to."""
+
+    base_url: str
+    model: str
+    endpoint: str
+    api_key: str | None = None
+
+    def __repr__(self) -> str:  # the key never reaches a log line
+        return f"Endpoint({self.base_url!r}, model={self.model!r}, endpoint={self.endpoint!r})"
+
+
+def api_key(backend: OpenAIBackend) -> str | None:
+    """The API key from the environment variable the config names (None if none named)."""
+    if not backend.api_key_env:
+        return None
+    key = os.environ.get(backend.api_key_env)
+    if key is None:
+        raise ValueError(
+            f"backend.api_key_env names '{backend.api_key_env}', which is not set in the environment"
+        )
+    return key
+
+
+@contextmanager
+def http_endpoint(
+    cfg: CollectConfig, *, gpus: int, log: logging.Logger, log_file: str | None = None
+) -> Iterator[Endpoint]:
+    """The endpoint of an openai or vllm backend, open for the duration of the block.
+
+    For vllm, `log_file` receives the server's output; several engines give a
+    comma-separated base URL, which the client spreads prompts over.
+    """
+    backend = cfg.backend
+    if isinstance(backend, OpenAIBackend):
+        yield Endpoint(backend.base_url, backend.model, backend.endpoint, api_key(backend))
+    elif isinstance(backend, VLLMBackend):
+        from stages.collect.vllm_server import vllm_server
+
+        with vllm_server(backend, gpus=gpus, log=log, log_file=log_file) as base_url:
+            log.info("vLLM server ready at %s", base_url)
+            yield Endpoint(base_url, backend.model, "auto")
+    else:
+        raise ValueError(f"backend kind '{backend.kind}' has no HTTP endpoint")
+
+
+def make_client(cfg: CollectConfig, endpoint: Endpoint, connections: int) -> OpenAIClient:
+    """The client for `endpoint` with the config's sampling settings and timeout."""
+    sampling = {
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "max_tokens": cfg.max_output_tokens,
+    }
+    return OpenAIClient(
+        endpoint.base_url,
+        endpoint.model,
+        endpoint=endpoint.endpoint,
+        sampling=sampling,
+        timeout_s=cfg.timeout_s,
+        api_key=endpoint.api_key,
+        connections=connections,
+    )

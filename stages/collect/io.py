@@ -1,0 +1,341 @@
+"""Rollout files: append while running, resume after a kill, publish atomically.
+
+Input: rollout lines and failure records from the collector. Output, for an
+output path OUT:
+
+- `OUT.partial`: rollouts appended (flushed in batches) while running.
+- `OUT.partial.meta.json`: the fingerprint of the settings that shape a
+  rollout; a partial file written under other settings is discarded.
+- `OUT.failures.jsonl`: rows that failed for good, appended while running (a
+  history: one record per failed run of a pair), rewritten at the end to one
+  record per pair that is not in the output.
+- `OUT`: the partial file sorted by (prompt_idx, sample_idx), deduplicated,
+  written to a temporary name and moved into place with os.replace. Its
+  existence means the run is complete.
+
+A rollout line always starts `{"prompt_idx": P, "sample_idx": S, `, so its key
+is read without parsing the whole line. Memory stays bounded: keys done are a
+bitmap, and the final sort spills sorted runs of 20,000 lines to disk and
+merges them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from operator import itemgetter
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stages.collect import CollectConfig
+
+Key = tuple[int, int]
+_PREFIX = b'{"prompt_idx": '
+_SAMPLE = b' "sample_idx": '
+RUN_LINES = 20_000
+
+
+def partial_path(output: str) -> str:
+    return f"{output}.partial"
+
+
+def failures_path(output: str) -> str:
+    return f"{output}.failures.jsonl"
+
+
+def meta_path(output: str) -> str:
+    return f"{output}.partial.meta.json"
+
+
+class DoneSet:
+    """A bitmap of pairs with start <= prompt_idx < end (None: no end), 0 <= sample_idx < repeats."""
+
+    def __init__(self, start: int, repeats: int, end: int | None = None) -> None:
+        self.start = start
+        self.end = end
+        self.repeats = repeats
+        self.bits = bytearray()
+        self.count = 0
+
+    def _pos(self, prompt_idx: int, sample_idx: int) -> int:
+        if prompt_idx < self.start or not 0 <= sample_idx < self.repeats:
+            return -1
+        if self.end is not None and prompt_idx >= self.end:
+            return -1
+        return (prompt_idx - self.start) * self.repeats + sample_idx
+
+    def add(self, prompt_idx: int, sample_idx: int) -> bool:
+        """Mark a pair; False if it was marked already or lies outside the set's range."""
+        pos = self._pos(prompt_idx, sample_idx)
+        if pos < 0:
+            return False
+        byte, bit = pos >> 3, 1 << (pos & 7)
+        if byte >= len(self.bits):
+            self.bits.extend(bytes(max(byte + 1 - len(self.bits), len(self.bits))))
+        if self.bits[byte] & bit:
+            return False
+        self.bits[byte] |= bit
+        self.count += 1
+        return True
+
+    def has(self, prompt_idx: int, sample_idx: int) -> bool:
+        pos = self._pos(prompt_idx, sample_idx)
+        byte = pos >> 3
+        return pos >= 0 and byte < len(self.bits) and bool(self.bits[byte] & (1 << (pos & 7)))
+
+    def all_done(self, prompt_idx: int) -> bool:
+        return all(self.has(prompt_idx, s) for s in range(self.repeats))
+
+
+def rollout_key(line: bytes) -> Key | None:
+    """(prompt_idx, sample_idx) of a rollout line, or None when the line is not one."""
+    if line.startswith(_PREFIX):
+        comma = line.find(b",", len(_PREFIX))
+        if comma > 0 and line.startswith(_SAMPLE, comma + 1):
+            start = comma + 1 + len(_SAMPLE)
+            end = line.find(b",", start)
+            with contextlib.suppress(ValueError):
+                return int(line[len(_PREFIX) : comma]), int(line[start:end])
+    try:
+        record = json.loads(line)
+        return int(record["prompt_idx"]), int(record["sample_idx"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def fingerprint(cfg: CollectConfig) -> str:
+    """Hash of the settings that shape each rollout (not the slice, parallelism or retries)."""
+    backend = cfg.backend.model_dump(include={"kind", "model", "endpoint"})
+    shaping = {
+        "input": cfg.input,
+        "num_repeats": cfg.num_repeats,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "max_output_tokens": cfg.max_output_tokens,
+        "seed": cfg.seed,
+        "backend": backend,
+        "verifier": cfg.verifier.model_dump(),
+    }
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepare(output: str, stamp: str) -> bool:
+    """Keep partial files written under `stamp`, else clear them; True when resuming."""
+    meta = meta_path(output)
+    try:
+        with open(meta) as handle:
+            same = json.load(handle).get("fingerprint") == stamp
+    except (OSError, ValueError):
+        same = False
+    if same:
+        return os.path.exists(partial_path(output)) or os.path.exists(failures_path(output))
+    for path in (partial_path(output), failures_path(output)):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    write_atomic(meta, json.dumps({"fingerprint": stamp}) + "\n")
+    return False
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def scan_partial(path: str, done: DoneSet) -> int:
+    """Mark every rollout in the partial file done; repair a torn tail. Returns pairs marked.
+
+    A torn last line (a kill mid-write) is cut off in place; a bad line with good
+    lines after it (a damaged disk block) is dropped by rewriting the file.
+    """
+    if not os.path.exists(path):
+        return 0
+    before = done.count
+    good_end, tail_bad, inner_bad = 0, False, False
+    with open(path, "rb") as handle:
+        for line in handle:
+            key = rollout_key(line) if line.endswith(b"}\n") else None
+            if key is None:
+                tail_bad = True
+                continue
+            if tail_bad:
+                inner_bad = True
+            else:
+                good_end += len(line)
+            done.add(*key)
+    if inner_bad:
+        _rewrite_good(path)
+    elif tail_bad:
+        os.truncate(path, good_end)
+    return done.count - before
+
+
+def _rewrite_good(path: str) -> None:
+    tmp = f"{path}.repair"
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        for line in src:
+            if line.endswith(b"}\n") and rollout_key(line) is not None:
+                dst.write(line)
+    os.replace(tmp, path)
+
+
+def read_failures(path: str) -> dict[Key, dict[str, Any]]:
+    """The latest failure record of each pair in a failures file (torn lines skipped)."""
+    records: dict[Key, dict[str, Any]] = {}
+    if not os.path.exists(path):
+        return records
+    with open(path, "rb") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+                key = (int(record["prompt_idx"]), int(record["sample_idx"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+            records[key] = record
+    return records
+
+
+class Sink:
+    """Appends rollout lines (in batches) and failure records (at once) to their files."""
+
+    def __init__(self, output: str, batch: int = 256, interval_s: float = 1.0) -> None:
+        self._out: IO[str] = open(partial_path(output), "a", encoding="utf-8")  # noqa: SIM115
+        self._fail_path = failures_path(output)
+        self._fail: IO[str] | None = None
+        self._buf: list[str] = []
+        self.batch = batch
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+
+    def rollout(self, line: str) -> None:
+        self._buf.append(line)
+        if len(self._buf) >= self.batch:
+            self.flush()
+
+    def failure(self, record: dict[str, Any]) -> None:
+        if self._fail is None:
+            self._fail = open(self._fail_path, "a", encoding="utf-8")  # noqa: SIM115
+        self._fail.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._fail.flush()
+
+    def flush_if_due(self) -> None:
+        if self._buf and time.monotonic() - self._last >= self.interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buf:
+            self._out.write("".join(self._buf))
+            self._buf.clear()
+        self._out.flush()
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+        os.fsync(self._out.fileno())
+        self._out.close()
+        if self._fail is not None:
+            self._fail.close()
+
+
+def finalize(output: str, keep: Callable[[int, int], bool] | None) -> tuple[int, int]:
+    """Publish OUT from OUT.partial (sorted, deduplicated, pairs `keep` accepts; None: all).
+
+    Failures not in the output are rewritten one per pair first, so that OUT
+    existing always means both files are final. Returns (rollouts, failures).
+    """
+    failures = read_failures(failures_path(output))
+    tmp = f"{output}.tmp"
+    on_key = (lambda k: failures.pop(k, None)) if failures else None
+    written = sort_rollouts(partial_path(output), tmp, keep, on_key)
+    final = [r for k, r in sorted(failures.items()) if keep is None or keep(*k)]
+    if final:
+        write_atomic(failures_path(output), "".join(json.dumps(r) + "\n" for r in final))
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(failures_path(output))
+    os.replace(tmp, output)
+    for path in (partial_path(output), meta_path(output)):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    return written, len(final)
+
+
+_first = itemgetter(0)
+_SHIFT = 24  # sort key: prompt_idx << 24 | sample_idx (sample_idx < 2**24)
+
+
+def _keyed(path: str) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as handle:
+        for line in handle:
+            key = rollout_key(line)
+            if key is not None:
+                yield key[0] << _SHIFT | key[1], line
+
+
+def sort_rollouts(
+    src: str,
+    dst: str,
+    keep: Callable[[int, int], bool] | None,
+    on_key: Callable[[Key], object] | None,
+) -> int:
+    """Write src's rollouts to dst sorted by key, one per key; returns lines written.
+
+    `on_key` (optional) is called with each key written.
+    """
+    runs: list[str] = []
+    buf: list[tuple[int, bytes]] = []
+    source = _keyed(src) if os.path.exists(src) else iter(())
+    mask = (1 << _SHIFT) - 1
+    for item in source:
+        if keep is None or keep(item[0] >> _SHIFT, item[0] & mask):
+            buf.append(item)
+            if len(buf) >= RUN_LINES:
+                runs.append(_spill(buf, f"{dst}.run{len(runs)}"))
+                buf = []
+    buf.sort(key=_first)  # stable: of equal keys, the first written wins
+    merged = heapq.merge(*(_keyed(r) for r in runs), buf, key=_first) if runs else iter(buf)
+    written, last = 0, -1
+    try:
+        with open(dst, "wb") as out:
+            for key, line in merged:
+                if key != last:
+                    out.write(line)
+                    if on_key is not None:
+                        on_key((key >> _SHIFT, key & mask))
+                    written += 1
+                    last = key
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        for run in runs:
+            os.remove(run)
+    return written
+
+
+def _spill(buf: list[tuple[int, bytes]], path: str) -> str:
+    buf.sort(key=_first)
+    with open(path, "wb") as out:
+        out.writelines(line for _, line in buf)
+    return path
+
+
+def concat(parts: list[str], dst: str) -> None:
+    """Concatenate files in order into dst, atomically (absent parts are skipped)."""
+    tmp = f"{dst}.tmp"
+    with open(tmp, "wb") as out:
+        for part in parts:
+            if os.path.exists(part):
+                with open(part, "rb") as src:
+                    while chunk := src.read(1 << 20):
+                        out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, dst)

@@ -1,0 +1,78 @@
+"""The `local` backend: batched generation with transformers in the stage's own process.
+
+Input: (prompt, samples still to do) pairs and a checkpoint directory.
+Output: rollouts through the Recorder, a batch of `backend.batch_size`
+prompts at a time, through `stages.generate.generate`. Rows with a prompt
+string are generated from the raw text, rows with messages through the
+model's chat template (as `generate` does). A rollout's latency is its
+batch's wall time. An exception in generation fails the stage (a missing
+checkpoint is not a per-row failure); the rerun resumes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from stages.collect.client import Completion
+from stages.collect.inputs import Prompt
+from stages.collect.stats import Progress
+from stages.common import LocalBackend
+
+if TYPE_CHECKING:
+    from stages.collect import CollectConfig
+    from stages.collect.collector import Recorder
+
+
+def collect_local(
+    cfg: CollectConfig, work: Iterator[tuple[Prompt, list[int]]], recorder: Recorder
+) -> None:
+    """Generate every pending sample in batches and record the rollouts."""
+    assert isinstance(cfg.backend, LocalBackend)
+    progress = Progress(recorder.log)
+    recorder.stats.set_limit(cfg.backend.batch_size)
+    batch: list[tuple[Prompt, list[int]]] = []
+    for prompt, samples in work:
+        if prompt.error is not None:
+            for sample_idx in samples:
+                recorder.bad_row(prompt, sample_idx)
+            continue
+        batch.append((prompt, samples))
+        if len(batch) >= cfg.backend.batch_size:
+            _generate_batch(cfg, batch, recorder)
+            batch = []
+            recorder.sink.flush()
+            progress.maybe_report(recorder.stats)
+    if batch:
+        _generate_batch(cfg, batch, recorder)
+    recorder.sink.flush()
+    progress.close(recorder.stats)
+
+
+def _generate_batch(
+    cfg: CollectConfig, batch: list[tuple[Prompt, list[int]]], recorder: Recorder
+) -> None:
+    from stages.generate import generate
+
+    assert isinstance(cfg.backend, LocalBackend)
+    prompts = [p.messages if p.messages is not None else (p.text or "") for p, _ in batch]
+    start = time.perf_counter()
+    recorder.stats.in_flight = len(batch) * cfg.num_repeats
+    outputs = generate(
+        cfg.backend.model,
+        prompts,
+        num_samples=cfg.num_repeats,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_output_tokens,
+        seed=cfg.seed + batch[0][0].idx,
+        batch_size=cfg.backend.batch_size,
+    )
+    took = time.perf_counter() - start
+    recorder.stats.in_flight = 0
+    for (prompt, samples), generations in zip(batch, outputs, strict=True):
+        for sample_idx in samples:
+            gen = generations[sample_idx]
+            out = Completion(gen.text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens)
+            recorder.rollout(prompt, sample_idx, out, took)

@@ -1,0 +1,244 @@
+"""Batched local generation with transformers: the `local` backend.
+
+Input: a checkpoint directory and prompts (strings or chat messages).
+Output: per prompt, `num_samples` `Generation`s (text, finish reason, token counts).
+
+Prompts go through the shared chat template (`stages.model.format_prompt`),
+so generation sees exactly the format training used. Prompts are grouped by
+length and left-padded; each batch is prefilled once and its KV cache repeated
+for the `num_samples` samples (they share the prompt), then decoded token by
+token with the cache, finished rows leaving the batch. Temperature 0 is
+greedy; otherwise nucleus sampling from a generator seeded with `seed`. The loaded model is cached per process (one Dask worker evaluates
+several batches, or several stages, without reloading).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stages.model import Prompt, format_prompt
+
+log = logging.getLogger("pipe.stages.generate")
+
+_CACHE: OrderedDict[tuple[str, float], tuple[Any, Any]] = OrderedDict()
+_CACHE_SIZE = 2
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled answer."""
+
+    text: str
+    finish_reason: str  # "stop" (end-of-sequence token) | "length" (hit max_new_tokens)
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def load(model_dir: str) -> tuple[Any, Any]:
+    """The model (eval mode) and tokenizer of `model_dir`, cached per process."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = os.path.realpath(model_dir)
+    key = (path, _mtime(path))
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model: Any = AutoModelForCausalLM.from_pretrained(path)
+    model.eval()
+    _CACHE[key] = (model, tokenizer)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return model, tokenizer
+
+
+def _mtime(path: str) -> float:
+    try:
+        return max(os.stat(os.path.join(path, f)).st_mtime for f in os.listdir(path))
+    except (FileNotFoundError, ValueError):
+        return 0.0
+
+
+def generate(
+    model_dir: str,
+    prompts: Sequence[Prompt],
+    *,
+    num_samples: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> list[list[Generation]]:
+    """Generate `num_samples` answers for every prompt; outer list per prompt, inner per sample."""
+    model, tokenizer = load(model_dir)
+    return generate_with(
+        model,
+        tokenizer,
+        prompts,
+        num_samples=num_samples,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        batch_size=batch_size,
+    )
+
+
+def generate_with(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    *,
+    num_samples: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seed: int,
+    batch_size: int,
+) -> list[list[Generation]]:
+    """`generate` with a model and tokenizer already in memory (e.g. inside a training loop)."""
+    import torch
+
+    texts = [format_prompt(tokenizer, p) for p in prompts]
+    encoded = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    per_batch = max(1, batch_size // num_samples)
+    rng = torch.Generator().manual_seed(seed)
+    eos = _eos_ids(model, tokenizer)
+    out: list[list[Generation]] = [[] for _ in prompts]
+    started, produced = time.perf_counter(), 0
+    for lo in range(0, len(order), per_batch):
+        chunk = order[lo : lo + per_batch]
+        rows = _decode(
+            model,
+            [encoded[i] for i in chunk],
+            pad=int(tokenizer.pad_token_id),
+            eos=eos,
+            repeats=num_samples,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            rng=rng,
+        )
+        for j, i in enumerate(chunk):
+            for new in rows[j * num_samples : (j + 1) * num_samples]:
+                out[i].append(_finish(tokenizer, new, eos, len(encoded[i])))
+                produced += out[i][-1].completion_tokens
+    elapsed = time.perf_counter() - started
+    log.info(
+        "generated %d answers, %d tokens in %.1fs (%.0f tokens/s)",
+        len(prompts) * num_samples,
+        produced,
+        elapsed,
+        produced / max(elapsed, 1e-9),
+    )
+    return out
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif isinstance(extra, list | tuple):
+        ids.update(int(x) for x in extra)
+    return ids
+
+
+def _decode(
+    model: Any,
+    ids: list[list[int]],
+    *,
+    pad: int,
+    eos: set[int],
+    repeats: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    rng: Any,
+) -> list[list[int]]:
+    """New tokens for each prompt, `repeats` rows per prompt (prompt-major).
+
+    The prompts are prefilled once (left-padded), the KV cache is repeated for
+    the samples, and rows that emit an end-of-sequence token leave the batch.
+    """
+    import torch
+
+    with torch.inference_mode():
+        cache, logits, mask = _prefill(model, ids, pad, repeats)
+        last = mask.sum(-1) - 1
+        alive = torch.arange(logits.shape[0])
+        new: list[list[int]] = [[] for _ in range(logits.shape[0])]
+        eos_t = torch.tensor(sorted(eos)) if eos else torch.tensor([-1])
+        for n in range(max_new_tokens):
+            token = _pick(logits, temperature, top_p, rng)
+            for row, t in zip(alive.tolist(), token.tolist(), strict=True):
+                new[row].append(t)
+            keep = ~torch.isin(token, eos_t)
+            if n == max_new_tokens - 1 or not bool(keep.any()):
+                break
+            if not bool(keep.all()):
+                idx = keep.nonzero().squeeze(1)
+                cache.batch_select_indices(idx)
+                alive, token, mask, last = alive[idx], token[idx], mask[idx], last[idx]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            last = last + 1
+            step = model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=last[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, logits = step.past_key_values, step.logits[:, -1].float()
+    return new
+
+
+def _prefill(model: Any, ids: list[list[int]], pad: int, repeats: int) -> tuple[Any, Any, Any]:
+    """Run the left-padded prompts once; the cache, last logits and mask, each row `repeats` times."""
+    import torch
+
+    width = max(len(x) for x in ids)
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    step = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    cache, logits = step.past_key_values, step.logits[:, -1].float()
+    if repeats > 1:
+        cache.batch_repeat_interleave(repeats)
+        logits = logits.repeat_interleave(repeats, 0)
+        mask = mask.repeat_interleave(repeats, 0)
+    return cache, logits, mask
+
+
+def _pick(logits: Any, temperature: float, top_p: float, rng: Any) -> Any:
+    """The next token per row: greedy at temperature 0, else nucleus sampling."""
+    import torch
+
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=rng).squeeze(1)
+
+
+def _finish(tokenizer: Any, new: list[int], eos: set[int], prompt_tokens: int) -> Generation:
+    stop = next((k for k, t in enumerate(new) if t in eos), None)
+    if stop is not None:
+        new = new[: stop + 1]
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    return Generation(text, "stop" if stop is not None else "length", prompt_tokens, len(new))

@@ -1,0 +1,112 @@
+"""Local batched generation: determinism, shapes, finish reasons, prompt formats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from stages.generate import Generation, generate  # noqa: E402
+from tests.unit.test_model import rigged_checkpoint, tiny_checkpoint  # noqa: E402
+
+torch.set_num_threads(1)
+
+PROMPTS = ["12 + 5 =", "What is 7 + 80?", "3", "What is 91 + 4? Think then answer."]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gen")
+    plain = tiny_checkpoint(root)
+    return {
+        "plain": plain,
+        "sevens": rigged_checkpoint(plain, root / "sevens", "7"),
+        "stops": rigged_checkpoint(plain, root / "stops", "<|eos|>"),
+    }
+
+
+def _texts(out: list[list[Generation]]) -> list[list[str]]:
+    return [[g.text for g in row] for row in out]
+
+
+def test_greedy_is_deterministic_and_independent_of_batching(models: dict[str, Path]):
+    kw = {"num_samples": 1, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 6, "seed": 0}
+    one = generate(str(models["plain"]), PROMPTS, batch_size=1, **kw)
+    again = generate(str(models["plain"]), PROMPTS, batch_size=1, **kw)
+    batched = generate(str(models["plain"]), PROMPTS, batch_size=4, **kw)
+    assert one == again
+    assert _texts(batched) == _texts(one)  # left padding does not change the answer
+
+
+def test_samples_have_the_requested_shape_and_seeded_randomness(models: dict[str, Path]):
+    kw = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 5, "batch_size": 8}
+    out = generate(str(models["plain"]), PROMPTS[:3], num_samples=5, seed=3, **kw)
+    assert [len(row) for row in out] == [5, 5, 5]
+    assert out == generate(str(models["plain"]), PROMPTS[:3], num_samples=5, seed=3, **kw)
+    assert out != generate(str(models["plain"]), PROMPTS[:3], num_samples=5, seed=4, **kw)
+    texts = {g.text for row in out for g in row}
+    assert len(texts) > 1  # sampling at temperature 1 from a random model varies
+
+
+def test_answers_cut_by_the_budget_finish_with_length(models: dict[str, Path]):
+    out = generate(
+        str(models["sevens"]),
+        PROMPTS,
+        num_samples=2,
+        temperature=0.0,
+        top_p=1.0,
+        max_new_tokens=3,
+        seed=0,
+        batch_size=3,
+    )
+    prompt_lengths = [row[0].prompt_tokens for row in out]
+    assert all(
+        g == Generation("777", "length", n, 3)
+        for row, n in zip(out, prompt_lengths, strict=True)
+        for g in row
+    )
+    assert prompt_lengths[2] == 4  # <|bos|> <|user|> 3 <|assistant|>
+
+
+def test_end_of_sequence_finishes_with_stop(models: dict[str, Path]):
+    out = generate(
+        str(models["stops"]),
+        ["1 + 1 ="],
+        num_samples=1,
+        temperature=0.0,
+        top_p=1.0,
+        max_new_tokens=8,
+        seed=0,
+        batch_size=1,
+    )
+    assert out == [[Generation("", "stop", out[0][0].prompt_tokens, 1)]]
+
+
+def test_a_string_is_a_single_user_message(models: dict[str, Path]):
+    kw = {
+        "num_samples": 1,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "max_new_tokens": 4,
+        "seed": 0,
+        "batch_size": 2,
+    }
+    as_text = generate(str(models["plain"]), ["12 + 5 ="], **kw)
+    as_messages = generate(str(models["plain"]), [[{"role": "user", "content": "12 + 5 ="}]], **kw)
+    assert as_text == as_messages
+    with_system = generate(
+        str(models["plain"]),
+        [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12 + 5 ="}]],
+        **kw,
+    )
+    assert with_system[0][0].prompt_tokens > as_text[0][0].prompt_tokens
+
+
+def test_a_tiny_nucleus_keeps_only_the_top_token(models: dict[str, Path]):
+    kw = {"num_samples": 1, "max_new_tokens": 5, "seed": 0, "batch_size": 4}
+    greedy = generate(str(models["plain"]), PROMPTS, temperature=0.0, top_p=1.0, **kw)
+    nucleus = generate(str(models["plain"]), PROMPTS, temperature=1.0, top_p=1e-6, **kw)
+    assert _texts(nucleus) == _texts(greedy)
