@@ -1,13 +1,258 @@
-"""The dataset stage's body (arrives with the quickstart issue)."""
+"""The dataset stage's body: prompts from a source, split into train and test JSONL.
+
+Input: a resolved `DatasetConfig` (for files, `path` is absolute).
+Output: `cfg.output` (training prompts) and `cfg.test_output` (held-out prompts),
+one JSON object per line, each with `prompt` (or `messages` when a system
+prompt is set) and every other field of the source row; returns row counts.
+
+The test split is drawn first and its prompts are unique; training rows whose
+prompt text is in the test split are never written, so no evaluation prompt
+appears in any training set built from `cfg.output`. For reasoning-gym, test
+rows come from a seed far from the training seed (its tasks seed item `i` with
+`seed + i`, so nearby seeds would share items).
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import random
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.dataset import DatasetConfig
 
+log = logging.getLogger("pipe.stages.dataset")
+
+TEST_SEED_OFFSET = 1_000_000_007
+PROMPT_FIELDS = ("prompt", "question", "problem", "instruction", "input")
+ANSWER_FIELDS = ("answer", "solution", "output", "target")
+
 
 def run_dataset(cfg: DatasetConfig, ctx: StageContext) -> dict[str, Any]:
-    raise NotImplementedError("the dataset stage's runner is not implemented yet")
+    """Write the train and test files; return their row counts."""
+    if cfg.source == "reasoning_gym":
+        train, test = _reasoning_gym_split(cfg)
+    else:
+        train, test = _split_rows(list(_read_source(cfg)), cfg.size, cfg.test_size, cfg.seed)
+    if cfg.system_prompt is not None:
+        train = [with_system_prompt(r, cfg.system_prompt) for r in train]
+        test = [with_system_prompt(r, cfg.system_prompt) for r in test]
+    write_jsonl(cfg.output, train)
+    write_jsonl(cfg.test_output, test)
+    unique = len({prompt_key(r) for r in train})
+    log.info(
+        "wrote %d training rows (%d unique prompts), %d test rows", len(train), unique, len(test)
+    )
+    return {"train_rows": len(train), "test_rows": len(test), "unique_train_prompts": unique}
+
+
+def _reasoning_gym_split(cfg: DatasetConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    if not cfg.task:
+        raise ValueError("source 'reasoning_gym' needs a 'task', e.g. chain_sum")
+    test = _take_unique(_gym_rows(cfg, cfg.seed + TEST_SEED_OFFSET), cfg.test_size, set())
+    banned = {prompt_key(r) for r in test}
+    train: list[dict[str, Any]] = []
+    for row in _gym_rows(cfg, cfg.seed):
+        if len(train) == cfg.size:
+            break
+        if prompt_key(row) not in banned:
+            train.append(row)
+    return train, test
+
+
+def _gym_rows(cfg: DatasetConfig, seed: int, chunk: int = 4096) -> Iterator[dict[str, Any]]:
+    """Rows of the task, item after item, without end (the task's items are seeded `seed + i`)."""
+    import reasoning_gym
+
+    task = str(cfg.task)
+    start = 0
+    while True:
+        size = max(chunk, cfg.size + cfg.test_size) if start == 0 else chunk
+        data = reasoning_gym.create_dataset(task, size=size, seed=seed + start, **cfg.task_config)
+        for entry in data:
+            yield {
+                "prompt": entry["question"],
+                "answer": entry["answer"],
+                "task": task,
+                "metadata": jsonable(entry["metadata"]),
+            }
+        start += size
+
+
+def _take_unique(
+    rows: Iterable[dict[str, Any]], n: int, seen: set[str], max_draws: int | None = None
+) -> list[dict[str, Any]]:
+    """The first `n` rows whose prompts are distinct (and not in `seen`)."""
+    if n == 0:
+        return []
+    limit = max_draws if max_draws is not None else 50 * n + 10_000
+    out: list[dict[str, Any]] = []
+    for drawn, row in enumerate(rows):
+        if drawn >= limit:
+            raise ValueError(
+                f"found only {len(out)} distinct test prompts in {limit} draws; "
+                f"the task has too few distinct problems for test_size {n}"
+            )
+        key = prompt_key(row)
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+            if len(out) == n:
+                break
+    return out
+
+
+def _split_rows(
+    rows: list[dict[str, Any]], size: int, test_size: int, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Hold out `test_size` distinct prompts (a seeded shuffle); train on up to `size` others.
+
+    Both splits keep the file's order.
+    """
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    test_idx = _take_unique_indices(rows, order, test_size)
+    banned = {prompt_key(rows[i]) for i in test_idx}
+    held = set(test_idx)
+    train = [r for i, r in enumerate(rows) if i not in held and prompt_key(r) not in banned]
+    if test_size and len(test_idx) < test_size:
+        raise ValueError(
+            f"the source has only {len(test_idx)} distinct prompts for test_size {test_size}"
+        )
+    return train[:size], [rows[i] for i in sorted(test_idx)]
+
+
+def _take_unique_indices(rows: list[dict[str, Any]], order: list[int], n: int) -> list[int]:
+    seen: set[str] = set()
+    out: list[int] = []
+    for i in order:
+        if len(out) == n:
+            break
+        key = prompt_key(rows[i])
+        if key not in seen:
+            seen.add(key)
+            out.append(i)
+    return out
+
+
+def _read_source(cfg: DatasetConfig) -> Iterator[dict[str, Any]]:
+    if not cfg.path:
+        raise ValueError(f"source '{cfg.source}' needs a 'path'")
+    if cfg.source == "jsonl":
+        raw: Iterable[dict[str, Any]] = read_jsonl(cfg.path)
+    elif cfg.source == "parquet":
+        raw = _read_parquet(cfg.path)
+    else:
+        raw = _read_huggingface(cfg.path, cfg.split)
+    for n, row in enumerate(raw, start=1):
+        yield normalise_row(row, where=f"{cfg.path} row {n}")
+
+
+def normalise_row(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """A source row in prompt-file form: `prompt` or `messages`, `answer`, the rest carried."""
+    out = {k: jsonable(v) for k, v in row.items()}
+    if "messages" not in out and "prompt" not in out:
+        key = next((k for k in PROMPT_FIELDS if isinstance(out.get(k), str)), None)
+        if key is None:
+            raise ValueError(
+                f"{where}: no prompt field (one of messages, {', '.join(PROMPT_FIELDS)})"
+            )
+        out["prompt"] = out.pop(key)
+    if "answer" not in out:
+        key = next((k for k in ANSWER_FIELDS if k in out), None)
+        if key is not None:
+            out["answer"] = out.pop(key)
+    return out
+
+
+def read_jsonl(path: str) -> Iterator[dict[str, Any]]:
+    """Rows of a JSONL file; blank lines are skipped, a bad line is an error naming it."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON: {e.msg}") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object per line")
+            yield row
+
+
+def _read_parquet(path: str) -> Iterator[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise RuntimeError("source 'parquet' needs pyarrow (pip install pyarrow)") from e
+        yield from pd.read_parquet(path).to_dict(orient="records")
+        return
+    yield from pq.read_table(path).to_pylist()
+
+
+def _read_huggingface(name: str, split: str) -> Iterator[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise RuntimeError(
+            "source 'huggingface' needs the 'datasets' package (pip install datasets)"
+        ) from e
+    try:
+        data = datasets.load_dataset(name, split=split)
+    except Exception as e:  # network errors, unknown ids: all end here, named
+        raise RuntimeError(
+            f"could not load Hugging Face dataset '{name}' (split '{split}'): {e}"
+        ) from e
+    yield from data
+
+
+def prompt_key(row: dict[str, Any]) -> str:
+    """The text that decides whether two rows ask the same thing."""
+    if "prompt" in row:
+        return str(row["prompt"])
+    return json.dumps(row.get("messages"), sort_keys=True)
+
+
+def with_system_prompt(row: dict[str, Any], system_prompt: str) -> dict[str, Any]:
+    """The row in messages form, a system message first."""
+    out = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
+    messages = (
+        list(row["messages"]) if "messages" in row else [{"role": "user", "content": row["prompt"]}]
+    )
+    messages = [m for m in messages if m.get("role") != "system"]
+    out["messages"] = [{"role": "system", "content": system_prompt}, *messages]
+    return out
+
+
+def jsonable(value: Any) -> Any:
+    """`value` made JSON-serialisable: containers converted, anything unknown as its string."""
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
+        return [jsonable(v) for v in items]
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return jsonable(value.item())
+    if hasattr(value, "tolist") and callable(value.tolist):
+        return jsonable(value.tolist())
+    return str(value)
+
+
+def write_jsonl(path: str, rows: Iterable[dict[str, Any]]) -> None:
+    """Write rows atomically: a temporary file in the same folder, then a rename."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)

@@ -1,13 +1,239 @@
-"""The evaluate stage's body (arrives with the quickstart issue)."""
+"""The evaluate stage's body: generate with each checkpoint, verify, compare to a baseline.
+
+Input: a resolved `EvaluateConfig` (`input` the held-out prompt JSONL,
+`checkpoints` and `baseline` absolute checkpoint directories).
+Output, in the folder of `cfg.output`: `report.json`
+(`{"baseline": NAME, "results": [{"checkpoint", "n", "accuracy", "mean_reward",
+"pass_at_k"}, ...]}`), `report.md` (a table with the differences to the
+baseline), `report.png` (a bar chart) and `generations.jsonl` (every sample
+with its reward). Returns the report plus the accuracy differences.
+
+Accuracy is the share of prompts whose first sample (the greedy answer at
+temperature 0) earns the full reward; pass@k uses the unbiased estimator
+1 - C(n-c, k) / C(n, k) over the `num_samples` samples per prompt (Chen et al.,
+2021); mean reward averages every sample. A checkpoint's NAME is its stage's
+name when it lives at `<run-dir>/<stage>/<dir>`, otherwise its folder name.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from stages.dataset_run import read_jsonl, write_jsonl
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.evaluate import EvaluateConfig
 
+log = logging.getLogger("pipe.stages.evaluate")
+
+Verify = Callable[[dict[str, Any], str], float]
+FULL_REWARD = 1.0
+
 
 def run_evaluate(cfg: EvaluateConfig, ctx: StageContext) -> dict[str, Any]:
-    raise NotImplementedError("the evaluate stage's runner is not implemented yet")
+    """Evaluate every checkpoint on the held-out prompts and write the report."""
+    from stages.verify import make_verifier
+
+    if not cfg.input:
+        raise ValueError("evaluate needs an 'input' prompt file (e.g. '@data.test_output')")
+    if not cfg.checkpoints:
+        raise ValueError("evaluate needs at least one checkpoint in 'checkpoints'")
+    rows = list(read_jsonl(cfg.input))[: cfg.limit]
+    return evaluate_checkpoints(
+        cfg, list(cfg.checkpoints), cfg.baseline, rows, make_verifier(cfg.verifier), ctx.run_dir
+    )
+
+
+def evaluate_checkpoints(
+    cfg: EvaluateConfig,
+    checkpoints: list[str],
+    baseline: str | None,
+    rows: list[dict[str, Any]],
+    verify: Verify,
+    run_dir: str,
+) -> dict[str, Any]:
+    """Generate, score and report; `cfg` gives the sampling settings and the output path."""
+    paths = _with_baseline(checkpoints, baseline)
+    names = checkpoint_names(paths, run_dir)
+    results, samples = [], []
+    for path, name in zip(paths, names, strict=True):
+        rewards, gen_rows = _score_checkpoint(cfg, path, name, rows, verify)
+        results.append(summarize(name, rewards))
+        samples.extend(gen_rows)
+        log.info("%s: accuracy %.3f on %d prompts", name, results[-1]["accuracy"], len(rows))
+    report = {"baseline": names[0], "results": results}
+    write_report(cfg.output, report, samples)
+    deltas = {r["checkpoint"]: r["accuracy"] - results[0]["accuracy"] for r in results}
+    return {**report, "accuracy_delta": deltas}
+
+
+def _with_baseline(checkpoints: list[str], baseline: str | None) -> list[str]:
+    """The checkpoints to evaluate, the baseline first."""
+    if baseline is None:
+        return list(checkpoints)
+    same = [c for c in checkpoints if os.path.realpath(c) == os.path.realpath(baseline)]
+    rest = [c for c in checkpoints if c not in same]
+    return [same[0] if same else baseline, *rest]
+
+
+def checkpoint_names(paths: Sequence[str], run_dir: str) -> list[str]:
+    """Display names: the stage for `<run-dir>/<stage>/<dir>`, else the folder; made unique."""
+    root = Path(run_dir).resolve() if run_dir else None
+    names: list[str] = []
+    for p in paths:
+        path = Path(p).resolve()
+        name = path.parent.name if root is not None and path.parent.parent == root else path.name
+        base, n = name, 2
+        while name in names:
+            name, n = f"{base}-{n}", n + 1
+        names.append(name)
+    return names
+
+
+def _score_checkpoint(
+    cfg: EvaluateConfig, path: str, name: str, rows: list[dict[str, Any]], verify: Verify
+) -> tuple[list[list[float]], list[dict[str, Any]]]:
+    from stages.generate import generate
+
+    prompts = [r["messages"] if "messages" in r else r["prompt"] for r in rows]
+    greedy = cfg.temperature == 0
+    if greedy and cfg.num_samples > 1:
+        log.warning("temperature 0 gives %d identical samples; generating one", cfg.num_samples)
+    gens = generate(
+        path,
+        prompts,
+        num_samples=1 if greedy else cfg.num_samples,
+        temperature=cfg.temperature,
+        top_p=1.0,
+        max_new_tokens=cfg.max_output_tokens,
+        seed=cfg.seed,
+        batch_size=cfg.batch_size,
+    )
+    rewards: list[list[float]] = []
+    out: list[dict[str, Any]] = []
+    for idx, (row, samples) in enumerate(zip(rows, gens, strict=True)):
+        rewards.append([float(verify(row, g.text)) for g in samples])
+        for s, (g, r) in enumerate(zip(samples, rewards[-1], strict=True)):
+            out.append(
+                {
+                    "checkpoint": name,
+                    "prompt_idx": idx,
+                    "sample_idx": s,
+                    "completion": g.text,
+                    "reward": r,
+                    "finish_reason": g.finish_reason,
+                    "completion_tokens": g.completion_tokens,
+                    "answer": row.get("answer"),
+                }
+            )
+    return rewards, out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of P(at least one of k samples is correct), from n samples, c correct."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"need 0 < k <= n and 0 <= c <= n, found n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def k_values(n: int) -> list[int]:
+    """The k reported for n samples per prompt: powers of two below n, and n."""
+    ks = [1 << i for i in range(n.bit_length()) if 1 << i < n]
+    return [*ks, n]
+
+
+def summarize(name: str, rewards: list[list[float]]) -> dict[str, Any]:
+    """One checkpoint's line of the report, from its rewards (per prompt, per sample)."""
+    n = min((len(r) for r in rewards), default=1)
+    correct = [sum(x >= FULL_REWARD for x in r[:n]) for r in rewards]
+    flat = [x for r in rewards for x in r]
+    count = len(rewards)
+    return {
+        "checkpoint": name,
+        "n": count,
+        "accuracy": sum(r[0] >= FULL_REWARD for r in rewards) / count if count else 0.0,
+        "mean_reward": sum(flat) / len(flat) if flat else 0.0,
+        "pass_at_k": {
+            str(k): sum(pass_at_k(n, c, k) for c in correct) / count if count else 0.0
+            for k in k_values(n)
+        },
+    }
+
+
+def write_report(output: str, report: dict[str, Any], samples: list[dict[str, Any]]) -> None:
+    """report.json at `output`; report.md, report.png and generations.jsonl beside it."""
+    folder = os.path.dirname(output) or "."
+    stem = os.path.splitext(output)[0]
+    write_jsonl(os.path.join(folder, "generations.jsonl"), samples)
+    _write_text(stem + ".md", render_markdown(report))
+    _write_chart(stem + ".png", report)
+    _write_text(output, json.dumps(report, indent=2) + "\n")
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The report as a Markdown table, with differences to the baseline."""
+    results = report["results"]
+    base = results[0]
+    ks = list(base["pass_at_k"])
+    head = ["checkpoint", "n", "accuracy", "Δ accuracy", "mean reward", "Δ mean reward"]
+    head += [f"pass@{k}" for k in ks]
+    lines = [
+        f"# Evaluation: baseline `{report['baseline']}`",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for r in results:
+        cells = [
+            f"`{r['checkpoint']}`",
+            str(r["n"]),
+            f"{r['accuracy']:.3f}",
+            f"{100 * (r['accuracy'] - base['accuracy']):+.1f} pts",
+            f"{r['mean_reward']:.3f}",
+            f"{r['mean_reward'] - base['mean_reward']:+.3f}",
+            *(f"{r['pass_at_k'].get(k, float('nan')):.3f}" for k in ks),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_chart(path: str, report: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    metrics = ["accuracy", *(f"pass@{k}" for k in results[0]["pass_at_k"]), "mean_reward"]
+    width = 0.8 / len(results)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(metrics), 3.6))
+    for i, r in enumerate(results):
+        values = [r["accuracy"], *r["pass_at_k"].values(), r["mean_reward"]]
+        xs = [m + (i - (len(results) - 1) / 2) * width for m in range(len(metrics))]
+        bars = ax.bar(xs, values, width, label=r["checkpoint"])
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(metrics)), metrics)
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"evaluation on {results[0]['n']} held-out prompts")
+    ax.legend()
+    fig.tight_layout()
+    tmp = f"{path}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from engine.stage import StageConfig, StageContext, stage
 from stages.common import Block, CountOrAuto
@@ -23,11 +23,21 @@ class TinyModel(Block):
         None, gt=0, description="MLP width; empty: 4 x hidden_size."
     )
     vocab_size: int = Field(
-        512, gt=0, description="Byte-level BPE vocabulary trained on the training prompts."
+        512,
+        ge=262,
+        description="Byte-level BPE vocabulary trained on the training prompts (256 bytes + specials at least).",
     )
     max_position_embeddings: int = Field(
         512, gt=0, description="Longest sequence the model handles."
     )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModel:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} must divide hidden_size {self.hidden_size}"
+            )
+        return self
 
 
 def _model_tag(value: Any) -> str:

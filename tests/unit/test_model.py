@@ -145,10 +145,12 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path, checkpo
     assert not list(tmp_path.glob("**/*.tmp-*"))
 
 
-def test_bad_specs_are_refused(tmp_path: Path):
+def test_bad_specs_are_refused_by_the_config(tmp_path: Path):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="greater than or equal to 262"):
+        TinyModel(vocab_size=100)
+    with pytest.raises(ValidationError, match="num_heads 3 must divide hidden_size 32"):
+        TinyModel(hidden_size=32, num_heads=3, vocab_size=300)
     with pytest.raises(ValueError, match="vocab_size must be at least 262 for a byte-level BPE"):
-        build_tiny_model(TinyModel(vocab_size=100), TEXTS, str(tmp_path / "m"), seed=0)
-    with pytest.raises(ValueError, match=r"num_heads \(3\) must divide hidden_size \(32\)"):
-        build_tiny_model(
-            TinyModel(hidden_size=32, num_heads=3, vocab_size=300), TEXTS, str(tmp_path / "m"), 0
-        )
+        train_tokenizer(TEXTS, 100)
