@@ -15,7 +15,7 @@ import posixpath
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import Diagnostic, did_you_mean, one_of
-from engine.source import PathT
+from engine.source import PathT, get_at, set_at
 
 if TYPE_CHECKING:
     from engine.resolve import ResolvedStage, Source, _State
@@ -52,11 +52,11 @@ def resolve_paths(
     base = str(state.loaded.base_dir)
     for field in (*kind.config.INPUTS, "backend.model"):
         path = tuple(field.split("."))
-        value = _get(merged, path)
+        value = get_at(merged, path)
         if isinstance(value, str):
-            _put(merged, path, _input_path(base, value, field))
+            set_at(merged, path, _input_path(base, value, field))
         elif isinstance(value, list):
-            _put(
+            set_at(
                 merged,
                 path,
                 [_input_path(base, v, field) if isinstance(v, str) else v for v in value],
@@ -189,17 +189,3 @@ def _defaults(
             if up is not None and type(up.config).OUTPUTS:
                 merged[field] = str(getattr(up.config, type(up.config).OUTPUTS[0]))
                 sources[field] = Source("upstream", f"main output of stage '{needs[0]}'")
-
-
-def _get(data: Any, path: PathT) -> Any:
-    for part in path:
-        if not isinstance(data, dict) or part not in data:
-            return None
-        data = data[part]
-    return data
-
-
-def _put(data: dict[str, Any], path: PathT, value: Any) -> None:
-    for part in path[:-1]:
-        data = data[str(part)]
-    data[str(path[-1])] = value

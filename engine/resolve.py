@@ -32,7 +32,7 @@ from engine.load import LoadedPipeline, stage_config_data
 from engine.presets import PresetSource, load_preset
 from engine.resources import RoleAlloc, allocate, ratio_text
 from engine.schema import validation_diagnostics
-from engine.source import Document, PathT, render_path
+from engine.source import Document, PathT, get_at, render_path, set_at
 from engine.stage import StageConfig, StageKind, kinds
 
 VLLM_SETTINGS = (
@@ -264,16 +264,16 @@ class _State:
                     preset is self.memory
                     and before is not None
                     and before.label == self.profile.label
-                    and _get(merged, target) != setting.value
+                    and get_at(merged, target) != setting.value
                 ):
                     self.note(
                         "warning",
                         self.doc.value_loc(("memory",)),
                         f"stages.{name}.config.{dotted}",
                         f"memory preset '{self.memory.preset.name}' sets {_show(setting.value)} over "
-                        f"profile '{self.profile.preset.name}''s {_show(_get(merged, target))} ({setting.reason})",
+                        f"profile '{self.profile.preset.name}''s {_show(get_at(merged, target))} ({setting.reason})",
                     )
-                _set(merged, target, setting.value)
+                set_at(merged, target, copy.deepcopy(setting.value))
                 sources[dotted] = self.preset_source(preset, key)
         own = spec.stages[name].config
         for path, value in _leaves(user):
@@ -284,10 +284,10 @@ class _State:
             if (
                 before is not None
                 and before.label == self.memory.label
-                and _get(merged, path) != value
+                and get_at(merged, path) != value
             ):
-                self._contradicts(origin, value, _get(merged, path), before)
-            _set(merged, path, value)
+                self._contradicts(origin, value, get_at(merged, path), before)
+            set_at(merged, path, copy.deepcopy(value))
             sources[dotted] = self.user_source(origin)
         return merged, sources
 
@@ -378,24 +378,6 @@ def _show(value: Any) -> str:
     if isinstance(value, str):
         return f"'{value}'"
     return str(value)
-
-
-def _get(data: Any, path: PathT) -> Any:
-    for part in path:
-        if not isinstance(data, dict) or part not in data:
-            return None
-        data = data[part]
-    return data
-
-
-def _set(data: dict[str, Any], path: PathT, value: Any) -> None:
-    for part in path[:-1]:
-        nxt = data.get(str(part))
-        if not isinstance(nxt, dict):
-            nxt = {}
-            data[str(part)] = nxt
-        data = nxt
-    data[str(path[-1])] = copy.deepcopy(value)
 
 
 def _leaves(data: dict[str, Any], prefix: PathT = ()) -> list[tuple[PathT, Any]]:

@@ -41,6 +41,26 @@ def render_path(path: PathT) -> str:
     return out
 
 
+def get_at(data: Any, path: PathT) -> Any:
+    """The value at `path` in nested dicts, or None where a key is missing."""
+    for part in path:
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
+def set_at(data: dict[str, Any], path: PathT, value: Any) -> None:
+    """Set the value at `path`, creating (or replacing non-dict) intermediate dicts."""
+    for part in path[:-1]:
+        nxt = data.get(str(part))
+        if not isinstance(nxt, dict):
+            nxt = {}
+            data[str(part)] = nxt
+        data = nxt
+    data[str(path[-1])] = value
+
+
 @dataclass
 class Document:
     """A parsed YAML document: plain values plus where each node was written."""
