@@ -96,7 +96,7 @@ def connect(address: str, workers: int, timeout_s: float = 60.0) -> Cluster:
             n_workers=workers if not (gpus and gpus < workers) else 1,
             threads_per_worker=1,
             processes=True,
-            dashboard_address=":0" if _has_bokeh() else None,
+            dashboard_address=":0",  # a free port (the default 8787 clashes between runs)
             resources=resources,
             silence_logs=logging.WARNING,
         )
