@@ -25,7 +25,8 @@ def generate(n: int) -> str:
                 f"    needs: [s{i - 1}]" if i % 7 else f"    needs: [s{i - 1}, s{max(0, i - 5)}]"
             )
         if kind == "collect":
-            lines.append("    config: {num_repeats: 4, num_samples_in_parallel: 64}")
+            source = ", input: prompts.jsonl" if i == 0 else ""
+            lines.append(f"    config: {{num_repeats: 4, num_samples_in_parallel: 64{source}}}")
     return "\n".join(lines) + "\n"
 
 
