@@ -2,9 +2,9 @@
 
 Input: (prompt, samples still to do) pairs and a checkpoint directory.
 Output: rollouts through the Recorder, a batch of `backend.batch_size`
-prompts at a time, through `stages.generate.generate`. Rows with a prompt
-string are generated from the raw text, rows with messages through the
-model's chat template (as `generate` does). A rollout's latency is its
+prompts at a time, through `stages.generate.generate`, which puts prompt
+strings and message lists alike through the model's chat template (the
+format the train stage trains on). A rollout's latency is its
 batch's wall time. An exception in generation fails the stage (a missing
 checkpoint is not a per-row failure); the rerun resumes.
 """
