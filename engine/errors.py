@@ -73,8 +73,19 @@ class PipeError(Exception):
         return "\n".join(d.render() for d in self.diagnostics)
 
 
-class StageFailed(Exception):
-    """A stage raised while running; the run goes on with what does not depend on it."""
+def found(value: object) -> str:
+    """How a value the user wrote reads in a message: 'text', 3, true, null, a list, a mapping."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"'{value}'"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return str(value)
 
 
 def did_you_mean(word: str, options: Sequence[str]) -> str:

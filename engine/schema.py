@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.errors import Diagnostic, did_you_mean, one_of
+from engine.errors import Diagnostic, did_you_mean, found, one_of
 from engine.source import Document, PathT, render_path
 
 ROLES = ("vllm", "actor", "critic", "ref", "reward")
@@ -78,7 +78,7 @@ class ClusterSpec(Model):
             isinstance(value, int) and not isinstance(value, bool) and value >= 0
         ):
             return value
-        raise ValueError(f"expected a count of GPUs (0 or more) or 'auto', found {_found(value)}")
+        raise ValueError(f"expected a count of GPUs (0 or more) or 'auto', found {found(value)}")
 
 
 def _colocate_tag(value: Any) -> str:
@@ -192,20 +192,6 @@ class PipelineSpec(Model):
         return value
 
 
-def _found(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, str):
-        return f"'{value}'"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    return str(value)
-
-
 def validation_diagnostics(
     exc: ValidationError, doc: Document, prefix: PathT, data: Any, model: type[BaseModel]
 ) -> list[Diagnostic]:
@@ -255,7 +241,7 @@ def _message(
 ) -> str:
     kind = err["type"]
     ctx = err.get("ctx") or {}
-    found = _found(err.get("input"))
+    shown = found(err.get("input"))
     if kind == "extra_forbidden":
         key = str(loc[-1])
         return f"unknown field '{key}'{did_you_mean(key, sorted(allowed_fields(model, loc[:-1])))}"
@@ -270,7 +256,7 @@ def _message(
     if kind == "literal_error":
         options = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
         hint = did_you_mean(err["input"], options) if isinstance(err.get("input"), str) else ""
-        return f"expected {one_of(options)}, found {found}{hint}"
+        return f"expected {one_of(options)}, found {shown}{hint}"
     simple = {
         "int_type": "an integer",
         "int_parsing": "an integer",
@@ -286,7 +272,7 @@ def _message(
         "list_type": "a list",
     }
     if kind in simple:
-        return f"expected {simple[kind]}, found {found}"
+        return f"expected {simple[kind]}, found {shown}"
     bounds = {
         "greater_than": ("greater than", "gt"),
         "greater_than_equal": ("at least", "ge"),
@@ -295,7 +281,7 @@ def _message(
     }
     if kind in bounds:
         words, key = bounds[kind]
-        return f"expected a number {words} {ctx.get(key)}, found {found}"
+        return f"expected a number {words} {ctx.get(key)}, found {shown}"
     if kind == "too_short":
         return (
             f"expected at least {ctx.get('min_length')} item(s), found {ctx.get('actual_length')}"

@@ -16,6 +16,8 @@ from pydantic import (
     model_validator,
 )
 
+from engine.errors import found
+
 _CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 VERIFIER_KINDS = ("reasoning_gym", "exact_match", "regex", "math")
 
@@ -26,26 +28,12 @@ class Block(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-def _found(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, str):
-        return f"'{value}'"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    return str(value)
-
-
 def _count_or_auto(value: Any) -> int | str:
     if value == "auto":
         return "auto"
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    raise ValueError(f"expected a positive integer or 'auto', found {_found(value)}")
+    raise ValueError(f"expected a positive integer or 'auto', found {found(value)}")
 
 
 CountOrAuto = Annotated[

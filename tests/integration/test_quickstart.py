@@ -39,20 +39,18 @@ SHRINK = [
 ]
 
 
+def _pipe(args: list[str], timeout: int) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "engine.cli", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def test_quickstart_shrunk_end_to_end(tmp_path: Path):
     run_dir = tmp_path / "run"
     args = ["run", "pipelines/quickstart.yaml", "--run-dir", str(run_dir)]
     for item in SHRINK:
         args += ["--set", item]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "engine.cli", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = _pipe(args, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert {n: s["status"] for n, s in report["stages"].items()} == {
@@ -79,14 +77,7 @@ def test_quickstart_shrunk_end_to_end(tmp_path: Path):
     assert (run_dir / "warmup" / "loss.png").exists()
     assert (run_dir / "evaluate" / "report.md").exists()
     # a second run is all cache hits
-    again = subprocess.run(
-        [sys.executable, "-m", "engine.cli", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = _pipe(args, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert {s["status"] for s in report["stages"].values()} == {"cached"}
