@@ -38,6 +38,7 @@ lint: install
 	$(VENV)/bin/ruff check engine stages tests bench
 	$(VENV)/bin/ruff format --check engine stages tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-logo
 
 fmt: install
 	$(VENV)/bin/ruff check --fix engine stages tests bench

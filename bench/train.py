@@ -5,7 +5,7 @@
 Part 1 trains the tiny Llama (hidden 128, 2 layers) on one variable-length
 set (16-256 tokens a sequence) with padding, with packing, and with packing
 plus dynamic batching: one model per mode, the same initial weights, the same
-data order, and the train stage's own step (`stages.train_loop.Loop.run_step`
+data order, and the train stage's own step (`stages.train.loop.Loop.run_step`
 through DeepSpeed ZeRO-0 on the CPU accelerator, or plain torch without
 deepspeed). The modes take turns step by step, so background load on the
 machine hits them alike. tokens/s counts real tokens only (prompt + response,
@@ -68,7 +68,7 @@ def init_distributed() -> str:
 
     if importlib.util.find_spec("deepspeed") is None:
         return "torch"
-    from stages.train_launch import free_port
+    from stages.lib.launch import free_port
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -78,7 +78,7 @@ def init_distributed() -> str:
         WORLD_SIZE="1",
         DS_ACCELERATOR="cpu",
     )
-    from stages.train_worker import init_distributed as start
+    from stages.train.worker import init_distributed as start
 
     start("deepspeed", "cpu", 1)
     return "deepspeed"
@@ -88,11 +88,11 @@ def make_loop(model_dir: str, data_path: str, trainer: str, settings: dict[str, 
     """A one-rank training loop exactly as a stage's worker builds it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.ds_config import build_ds_config
+    from stages.lib.ds_config import build_ds_config
     from stages.train import TrainConfig
-    from stages.train_data import read_rows, training_set
-    from stages.train_loop import Loop
-    from stages.train_worker import make_trainer, plan_for
+    from stages.train.data import read_rows, training_set
+    from stages.train.loop import Loop
+    from stages.train.worker import make_trainer, plan_for
 
     cfg = TrainConfig.model_validate({"input": data_path, "model": model_dir, **settings})
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -102,10 +102,10 @@ def make_loop(model_dir: str, data_path: str, trainer: str, settings: dict[str, 
     plan = plan_for(cfg, data, 1)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.config.use_cache = False
-    spec = {"trainer": trainer, "ds_config": build_ds_config(cfg, 1)}
+    ds_config = build_ds_config(cfg, 1)
     return Loop(
         cfg=cfg,
-        trainer=make_trainer(spec, cfg, model, plan.total_steps, "cpu"),
+        trainer=make_trainer(trainer, ds_config, cfg, model, plan.total_steps, "cpu"),
         plan=plan,
         data=data,
         device="cpu",
@@ -142,8 +142,8 @@ def race(loops: dict[str, Any], steps: int) -> dict[str, dict[str, float]]:
 
 
 def write_set(tmp: Path, name: str, rows: list[dict[str, str]], hidden: int) -> tuple[str, str]:
-    from stages.model import build_tiny_model
-    from stages.train import TinyModel
+    from stages.lib.config import TinyModel
+    from stages.lib.model import build_tiny_model
 
     data = tmp / f"{name}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -15,17 +15,16 @@ import json
 from typing import Any
 
 from engine.fsio import atomic_write_text, content_hash, exists, fingerprint, is_local, read_text
+from engine.paths import shown
 from engine.plan import Plan
 from engine.task import STAMP
 
-PATH_FIELDS = ("backend.model",)
-
 
 def input_paths(config: Any) -> list[str]:
-    """Every path a stage's config reads (its INPUTS fields, lists included, and a backend model)."""
+    """Every path a stage's config reads: its kind's INPUTS fields, lists included."""
     out: list[str] = []
     data = config.model_dump(mode="json")
-    for field in (*type(config).INPUTS, *PATH_FIELDS):
+    for field in type(config).INPUTS:
         value: Any = data
         for part in field.split("."):
             value = value.get(part) if isinstance(value, dict) else None
@@ -74,7 +73,7 @@ def stage_keys(plan: Plan, hashes: HashCache) -> dict[str, str]:
         parts = [st.config_hash, st.code_version, *(keys[n] for n in st.resolved.needs)]
         for path in input_paths(st.resolved.config):
             if path not in produced and exists(path):
-                parts.append(f"{path}={hashes.get(path)}")
+                parts.append(f"{shown(path)}={hashes.get(path)}")
         keys[name] = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
     return keys
 

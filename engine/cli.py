@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from engine.errors import PipeError
-from engine.tune import tune_command
 
 if TYPE_CHECKING:
     from engine.plan import Plan
@@ -61,7 +60,30 @@ set_option = click.option(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+COMMANDS_GROUP = "pipe.commands"
+
+
+class _Commands(click.Group):
+    """The built-in commands, plus those stage kinds contribute through the entry-point group
+    `pipe.commands` (e.g. collect's `pipe tune`), loaded only when asked for."""
+
+    def _plugins(self) -> dict[str, Any]:
+        from importlib import metadata
+
+        return {ep.name: ep for ep in metadata.entry_points(group=COMMANDS_GROUP)}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self._plugins()})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is None and name in self._plugins():
+            loaded = self._plugins()[name].load()
+            command = loaded if isinstance(loaded, click.Command) else None
+        return command
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "-v", "--verbose", is_flag=True, help="Debug logging; tracebacks for internal errors."
 )
@@ -135,7 +157,9 @@ def plan_cmd(
     elif fmt == "yaml" or not explain:
         click.echo(result.to_yaml(), nl=False)
     else:
-        click.echo(result.explain(), nl=False)
+        from engine.explain import explain as explain_text
+
+        click.echo(explain_text(result), nl=False)
 
 
 @main.command()
@@ -260,8 +284,6 @@ def graph(pipeline: str, fmt: str, overrides: tuple[str, ...]) -> None:
 
     click.echo(render_graph(load_pipeline(pipeline, overrides).spec, fmt), nl=False)
 
-
-main.add_command(tune_command)
 
 if __name__ == "__main__":
     main()

@@ -73,17 +73,18 @@ class PipeError(Exception):
         return "\n".join(d.render() for d in self.diagnostics)
 
 
-def found(value: object) -> str:
-    """How a value the user wrote reads in a message: 'text', 3, true, null, a list, a mapping."""
+def found(value: object, *, whole: bool = False) -> str:
+    """How a value the user wrote reads in a message: 'text', 3, true, null, a list, a mapping
+    (with `whole`, lists and mappings are shown as written: [['actor', 'ref']])."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
         return "null"
     if isinstance(value, str):
         return f"'{value}'"
-    if isinstance(value, dict):
+    if isinstance(value, dict) and not whole:
         return "a mapping"
-    if isinstance(value, list):
+    if isinstance(value, list) and not whole:
         return "a list"
     return str(value)
 

@@ -65,31 +65,6 @@ def _abs(path: str) -> str:
     return path if "://" in path or os.path.isabs(path) else os.path.abspath(path)
 
 
-def absolute_config(config: Any, run_dir: str) -> str:
-    """The config as JSON with local relative paths made absolute (workers may run elsewhere)."""
-    from engine.cache import input_paths
-
-    data = config.model_dump(mode="json")
-    paths = set(input_paths(config)) | {str(getattr(config, f)) for f in type(config).OUTPUTS}
-
-    def fix(value: Any) -> Any:
-        if (
-            isinstance(value, str)
-            and value in paths
-            and (value.startswith(run_dir) or os.path.exists(value))
-        ):
-            return _abs(value)
-        if isinstance(value, list):
-            return [fix(v) for v in value]
-        if isinstance(value, dict):
-            return {k: fix(v) for k, v in value.items()}
-        return value
-
-    import json
-
-    return json.dumps(fix(data))
-
-
 @dataclass
 class _Run:
     """State of one execution."""
@@ -119,7 +94,7 @@ class _Run:
         payload = StagePayload(
             name=name,
             kind=kinds()[st.resolved.kind],
-            config_json=absolute_config(st.resolved.config, self.run_dir),
+            config=st.resolved.config,
             stage_dir=self.stage_dir(name),
             run_dir=_abs(self.run_dir),
             pipeline_dir=_abs(str(self.plan.resolved.loaded.base_dir)),

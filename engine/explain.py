@@ -5,19 +5,22 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from engine.paths import shown_config
+from engine.stage import nested_blocks
+
 if TYPE_CHECKING:
     from engine.plan import Plan
-    from engine.resolve import ResolvedStage
+    from engine.resolved import ResolvedStage
 
 
-def _flat(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+def _flat(data: dict[str, Any], blocks: set[str]) -> list[tuple[str, Any]]:
+    """Dotted leaves: the values of nested blocks one by one, the rest whole."""
     out: list[tuple[str, Any]] = []
     for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value and key in ("backend", "verifier", "model"):
-            out.extend(_flat(value, dotted + "."))
+        if isinstance(value, dict) and value and key in blocks:
+            out.extend((f"{key}.{k}", v) for k, v in value.items())
         else:
-            out.append((dotted, value))
+            out.append((key, value))
     return out
 
 
@@ -58,7 +61,7 @@ def explain(plan: Plan) -> str:
         needs = f" <- {', '.join(st.needs)}" if st.needs else ""
         lines.append("")
         lines.append(f"stage {name} ({st.kind}){needs}: {st.gpus} GPUs, {st.retries} retries")
-        items = _flat(st.config.model_dump(mode="json"))
+        items = _flat(shown_config(st.config), nested_blocks(type(st.config)))
         width = max((len(k) for k, _ in items), default=0)
         for dotted, value in items:
             lines.append(f"  {dotted:{width}s}  {_value(value)}  <- {_source(st, dotted)}")

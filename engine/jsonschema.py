@@ -1,6 +1,6 @@
 """The JSON Schema of a pipeline file, generated from the models.
 
-Each stage's `config:` is typed by its kind through `if kind == K then config: KConfig`
+Each stage's `config:` is typed by its kind through `if kind is K then config: KConfig`
 branches, so an editor (yaml-language-server) completes and checks stage settings too.
 """
 

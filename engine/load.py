@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.errors import Diagnostic, PipeError, did_you_mean, one_of
+from engine.errors import Diagnostic, PipeError, did_you_mean, found, one_of
 from engine.overrides import apply_overrides
 from engine.schema import PipelineSpec, StageSpec, validation_diagnostics
 from engine.source import Document, load_document, render_path
@@ -51,7 +51,7 @@ def validate_document(doc: Document, path: Path) -> LoadedPipeline:
         raise PipeError.single(
             doc.value_loc(()),
             "",
-            f"expected a mapping of pipeline settings at the top, found {_what(doc.data)}",
+            f"expected a mapping of pipeline settings at the top, found {found(doc.data)}",
         )
     errors: list[Diagnostic] = []
     spec: PipelineSpec | None = None
@@ -99,14 +99,6 @@ class _Parts:
 
 def _str(value: Any) -> str:
     return value if isinstance(value, str) else "default"
-
-
-def _what(value: Any) -> str:
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, str):
-        return f"the string '{value}'" if len(value) < 40 else "a string"
-    return f"{value!r}"
 
 
 def _check_stage_names(doc: Document) -> list[Diagnostic]:
@@ -281,12 +273,11 @@ def _check_presets(doc: Document, spec: PipelineSpec | _Parts, base: Path) -> li
     from engine.presets import available
 
     out = []
-    for field, kind in (("profile", "profile"), ("memory", "memory")):
+    for field, what in (("profile", "profile"), ("memory", "memory preset")):
         value = getattr(spec, field)
-        names = available(kind, base, spec.presets)
+        names = available(field, base, spec.presets)
         if value not in names:
             hint = did_you_mean(value, sorted(names))
-            what = "profile" if kind == "profile" else "memory preset"
             msg = f"unknown {what} '{value}'; expected {one_of(sorted(names))}{hint}"
             out.append(Diagnostic(doc.value_loc((field,)), field, msg))
     return out

@@ -3,25 +3,39 @@
 - `"@data"` names stage data's main output, `"@data.test_output"` a named one; the
   stage referred to must be among this stage's (transitive) `needs`.
 - An empty `input` takes the main output of the first stage in `needs`; an empty
-  list of checkpoints takes the outputs of the `train` stages in `needs`.
-- A relative `input` resolves against the pipeline file's folder; a relative
-  model or checkpoint path does too when it exists there (otherwise it is kept:
-  a hub id such as `org/model`); a relative output lands in `<run-dir>/<stage>/`.
+  list input the kind types (`INPUT_TYPES`, e.g. checkpoints) takes the main
+  outputs of the stages in `needs` whose main output has that type.
+- A relative input resolves against the pipeline file's folder; one of the
+  kind's `MODEL_INPUTS` does too when it exists there (otherwise it is kept: a
+  hub id such as `org/model`); a relative output lands in `<run-dir>/<stage>/`.
+  Both become absolute, so the config means the same in every process it
+  reaches; `shown()` gives the paths back relative to the working directory,
+  as `pipe plan` prints them and cache keys hash them.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.errors import Diagnostic, did_you_mean, one_of
+from engine.resolved import ResolvedStage, Source
 from engine.source import PathT, get_at, set_at
 
 if TYPE_CHECKING:
-    from engine.resolve import ResolvedStage, Source, _State
+    from engine.load import LoadedPipeline
+    from engine.source import Document
     from engine.stage import StageKind
 
-MODEL_LIKE = ("model", "checkpoints", "baseline", "backend.model")
+
+class _State(Protocol):
+    """What path resolution needs of the resolution under way."""
+
+    loaded: LoadedPipeline
+    doc: Document
+    run_dir: str
+    errors: list[Diagnostic]
 
 
 def is_remote(value: str) -> bool:
@@ -49,40 +63,62 @@ def resolve_paths(
     done: dict[str, ResolvedStage],
 ) -> None:
     """Rewrite references and relative paths in `merged` in place, recording sources."""
-    base = str(state.loaded.base_dir)
-    for field in (*kind.config.INPUTS, "backend.model"):
+    base = os.path.abspath(state.loaded.base_dir)
+    for field in kind.config.INPUTS:
         path = tuple(field.split("."))
         value = get_at(merged, path)
+        model = field in kind.config.MODEL_INPUTS
         if isinstance(value, str):
-            set_at(merged, path, _input_path(base, value, field))
+            set_at(merged, path, _input_path(base, value, model))
         elif isinstance(value, list):
             set_at(
                 merged,
                 path,
-                [_input_path(base, v, field) if isinstance(v, str) else v for v in value],
+                [_input_path(base, v, model) if isinstance(v, str) else v for v in value],
             )
     _references(state, name, merged, sources, done, ())
     _defaults(state, name, kind, merged, sources, done)
     for field in kind.config.OUTPUTS:
         value = merged.get(field, kind.config.model_fields[field].default)
         if isinstance(value, str) and not (value.startswith("/") or is_remote(value)):
-            merged[field] = posixpath.normpath(posixpath.join(state.run_dir, name, value))
+            run_dir = os.path.abspath(state.run_dir)
+            merged[field] = posixpath.normpath(posixpath.join(run_dir, name, value))
             src = sources.get(field)
             if src is None:
-                from engine.resolve import Source
-
                 sources[field] = Source("kind default", "inside the stage's folder")
 
 
-def _input_path(base: str, value: str, field: str) -> str:
+def _input_path(base: str, value: str, model: bool) -> str:
     if value.startswith("/") or is_remote(value) or value.startswith("@"):
         return value
     candidate = posixpath.normpath(posixpath.join(base, value))
-    if field in MODEL_LIKE:
-        import os
-
+    if model:
         return candidate if os.path.exists(candidate) else value
     return candidate
+
+
+def shown(value: str) -> str:
+    """A resolved path as people read it: relative to the working directory when under it."""
+    if not value.startswith("/"):
+        return value
+    rel = os.path.relpath(value)
+    return value if rel.startswith("..") else rel
+
+
+def shown_config(config: Any) -> dict[str, Any]:
+    """The config as JSON data, every absolute path in it as `shown`."""
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, str):
+            return shown(value)
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        return value
+
+    data: dict[str, Any] = walk(config.model_dump(mode="json"))
+    return data
 
 
 def _references(
@@ -141,8 +177,6 @@ def _target(
         state.errors.append(Diagnostic(where, dotted, msg))
         return None
     if src is not None:
-        from engine.resolve import Source
-
         key = ".".join(str(p) for p in path if isinstance(p, str))
         sources[key] = Source(src.label, ref if src.reason == "" else src.reason, src.location)
     return str(getattr(upstream.config, field))
@@ -156,21 +190,19 @@ def _defaults(
     sources: dict[str, Source],
     done: dict[str, ResolvedStage],
 ) -> None:
-    from engine.resolve import Source
-
     needs = state.loaded.spec.stages[name].needs
     for field in kind.config.INPUTS:
         if "." in field or merged.get(field) not in (None, []):
             continue
-        annotation = str(kind.config.model_fields[field].annotation)
-        if "list" in annotation:
-            ups = [n for n in needs if n in done and done[n].kind == "train"]
+        wanted = kind.config.INPUT_TYPES.get(field)
+        if wanted is not None:
+            ups = [n for n in needs if n in done and _main_output_type(done[n]) == wanted]
             if ups:
                 merged[field] = [
                     str(getattr(done[n].config, type(done[n].config).OUTPUTS[0])) for n in ups
                 ]
                 sources[field] = Source(
-                    "upstream", f"outputs of the train stages in needs: {', '.join(ups)}"
+                    "upstream", f"{wanted} outputs of the stages in needs: {', '.join(ups)}"
                 )
         elif field == "input":
             if not needs and kind.config.INPUT_OPTIONAL:
@@ -189,3 +221,8 @@ def _defaults(
             if up is not None and type(up.config).OUTPUTS:
                 merged[field] = str(getattr(up.config, type(up.config).OUTPUTS[0]))
                 sources[field] = Source("upstream", f"main output of stage '{needs[0]}'")
+
+
+def _main_output_type(stage: ResolvedStage) -> str | None:
+    model = type(stage.config)
+    return model.OUTPUT_TYPES.get(model.OUTPUTS[0]) if model.OUTPUTS else None

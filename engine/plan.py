@@ -4,7 +4,7 @@ The graph comes from `needs:` (cycles were rejected at load). Each stage's
 static key hashes its resolved config and its kind's code version; execution
 adds the hashes of its inputs (upstream keys and external file contents).
 `Plan.as_dict()` is what `pipe plan --format json|yaml` prints and what
-`pipe run` writes as `plan.lock.yaml`; `Plan.explain()` adds each value's source.
+`pipe run` writes as `plan.lock.yaml`; `engine.explain` adds each value's source.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.graph import topological
-from engine.resolve import ResolvedPipeline, ResolvedStage
+from engine.paths import shown_config
+from engine.resolved import ResolvedPipeline, ResolvedStage
 from engine.stage import kinds
 
 
@@ -67,7 +68,7 @@ class Plan:
                     "kind": s.resolved.kind,
                     "needs": list(s.resolved.needs),
                     "resources": {"role": s.resolved.role, "gpus": s.resolved.gpus},
-                    "config": s.resolved.config.model_dump(mode="json"),
+                    "config": shown_config(s.resolved.config),
                 }
                 for n, s in self.stages.items()
             },
@@ -87,14 +88,10 @@ class Plan:
         yaml.dump(self.as_dict(), buf)
         return buf.getvalue()
 
-    def explain(self) -> str:
-        from engine.explain import explain
-
-        return explain(self)
-
 
 def config_hash(stage: ResolvedStage) -> str:
-    text = json.dumps(stage.config.model_dump(mode="json"), sort_keys=True)
+    """Hash of the resolved config, paths as shown (so a moved project keeps its cache)."""
+    text = json.dumps(shown_config(stage.config), sort_keys=True)
     return hashlib.sha256(f"{stage.kind}\n{text}".encode()).hexdigest()[:16]
 
 

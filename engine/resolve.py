@@ -2,8 +2,9 @@
 
 Merge order, lowest first: stage-kind defaults < profile < memory preset <
 pipeline `defaults:` < stage `config:` < `--set` (already applied to the
-document). A preset applies each setting to the stages that have it: top-level
-config fields, and the vLLM settings to `backend: {kind: vllm}` blocks.
+document). A preset applies each setting to the stages that have it: where the
+kind's `preset_path` hook puts it (a top-level field by default; a kind with a
+vLLM backend block puts the vLLM settings there).
 
 Conflict rules, always reported:
 - the memory preset wins over the profile (e.g. `memory_constrained` turns off
@@ -12,85 +13,37 @@ Conflict rules, always reported:
   memory preset.
 
 Then `@stage` references and relative paths are resolved (inputs against the
-pipeline's folder, outputs inside `<run-dir>/<stage>/`), GPU roles are
-allocated (`engine.resources`), and the arithmetic is checked: engines x
-tensor-parallel size = the vLLM GPUs, tensor-parallel groups within a node,
-batch sizes that divide, stage GPUs within the cluster.
+pipeline's folder, outputs inside `<run-dir>/<stage>/`, both made absolute),
+GPU roles are allocated (`engine.resources`), the kind derives what it derives
+from the rest (its `derive` hook: values nobody set), and the stage is checked:
+stage GPUs within the cluster here, the kind's own rules (engines x
+tensor-parallel size, batch sizes that divide, ...) through its `check` hook.
 """
 
 from __future__ import annotations
 
 import copy
 import posixpath
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from engine.errors import Diagnostic, Location, PipeError, did_you_mean
+from engine.errors import Diagnostic, Location, PipeError, did_you_mean, found
 from engine.load import LoadedPipeline, stage_config_data
 from engine.presets import PresetSource, load_preset
-from engine.resources import RoleAlloc, allocate, ratio_text
+from engine.resolved import DEFAULT, ResolvedPipeline, ResolvedStage, Source
+from engine.resources import allocate, ratio_text
 from engine.schema import validation_diagnostics
 from engine.source import Document, PathT, get_at, render_path, set_at
-from engine.stage import StageConfig, StageKind, kinds
-
-VLLM_SETTINGS = (
-    "vllm_num_engines",
-    "vllm_tensor_parallel_size",
-    "vllm_gpu_memory_utilization",
-    "vllm_enable_sleep",
-    "enable_prefix_caching",
+from engine.stage import (
+    Derived,
+    ResolveContext,
+    RoleAlloc,
+    StageConfig,
+    StageKind,
+    kinds,
+    nested_blocks,
 )
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where a resolved value came from."""
-
-    label: str
-    reason: str = ""
-    location: Location | None = None
-
-    def render(self) -> str:
-        return f"{self.label}: {self.reason}" if self.reason else self.label
-
-
-DEFAULT = Source("kind default")
-
-
-@dataclass(frozen=True)
-class ResolvedStage:
-    """A stage with its typed, fully explicit config."""
-
-    name: str
-    kind: str
-    needs: tuple[str, ...]
-    role: str | None
-    gpus: int
-    retries: int
-    config: StageConfig
-    sources: dict[str, Source]
-
-    def source(self, dotted: str) -> Source:
-        return self.sources.get(dotted, DEFAULT)
-
-
-@dataclass(frozen=True)
-class ResolvedPipeline:
-    """The pipeline after presets, references, paths and resources are resolved."""
-
-    loaded: LoadedPipeline
-    run_dir: str
-    colocate: Any
-    colocate_source: Source
-    roles: dict[str, RoleAlloc]
-    stages: dict[str, ResolvedStage]
-    notes: list[Diagnostic] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return self.loaded.spec.name
 
 
 def default_run_dir(loaded: LoadedPipeline) -> str:
@@ -190,8 +143,8 @@ class _State:
                     "warning",
                     self.doc.value_loc(("memory",)),
                     "resources.colocate",
-                    f"memory preset '{self.memory.preset.name}' sets {_show(setting.value)} over "
-                    f"profile '{self.profile.preset.name}''s {_show(value)} ({setting.reason})",
+                    f"memory preset '{self.memory.preset.name}' sets {found(setting.value, whole=True)} over "
+                    f"profile '{self.profile.preset.name}''s {found(value, whole=True)} ({setting.reason})",
                 )
             value, source = setting.value, self.preset_source(preset, "colocate")
         raw = self.doc.data.get("resources")
@@ -207,7 +160,7 @@ class _State:
             "note",
             self.doc.value_loc(path),
             render_path(path),
-            f"{_show(user)} overrides memory preset '{self.memory.preset.name}''s {_show(preset_value)} ({source.reason})",
+            f"{found(user, whole=True)} overrides memory preset '{self.memory.preset.name}''s {found(preset_value, whole=True)} ({source.reason})",
         )
 
     # -- one stage --------------------------------------------------------------------------
@@ -219,43 +172,103 @@ class _State:
         kind = kinds()[st.kind]
         gpus = self.stage_gpus(name, roles)
         merged, sources = self.layers(name, kind)
-        self.rules(merged, sources, roles, gpus)
         self.references(name, kind, merged, sources, done)
-        locs: dict[PathT, Location] = {(): self.doc.key_loc(("stages", name))}
-        for dotted, src in sources.items():
-            if src.location is not None:
-                locs[tuple(dotted.split("."))] = src.location
-        view = Document(self.doc.name, merged, locs)
+        view = self.view(name, merged, sources)
         try:
             config = kind.config.model_validate(merged)
         except ValidationError as exc:
             self.errors.extend(validation_diagnostics(exc, view, (), merged, kind.config))
             return None
+        ctx = self.context(name, gpus, roles, sources, view)
+        final = self.derive(config, ctx, merged, sources)
+        if final is None:
+            return None
         resolved = ResolvedStage(
-            name, st.kind, tuple(st.needs), st.resources.role, gpus, st.retries, config, sources
+            name, st.kind, tuple(st.needs), st.resources.role, gpus, st.retries, final, sources
         )
-        from engine.checks import check_stage
-
-        self.errors.extend(check_stage(self, resolved, roles, view))
+        for diag in self.check(resolved, ctx):
+            (self.errors if diag.severity == "error" else self.notes).append(diag)
         return resolved
+
+    def check(self, stage: ResolvedStage, ctx: ResolveContext) -> list[Diagnostic]:
+        """What every stage shares (its GPUs within the cluster), then the kind's own checks."""
+        out: list[Diagnostic] = []
+        cluster = self.loaded.spec.cluster
+        if isinstance(cluster.gpus, int) and stage.gpus > cluster.gpus:
+            out.append(
+                Diagnostic(
+                    self.doc.value_loc(("stages", stage.name, "resources")),
+                    f"stages.{stage.name}.resources",
+                    f"asks for {stage.gpus} GPUs; the cluster has {cluster.gpus} (cluster.gpus)",
+                )
+            )
+        return out + stage.config.check(ctx)
+
+    def view(self, name: str, merged: dict[str, Any], sources: dict[str, Source]) -> Document:
+        """The merged config as a document whose values are located where they were written."""
+        locs: dict[PathT, Location] = {(): self.doc.key_loc(("stages", name))}
+        for dotted, src in sources.items():
+            if src.location is not None:
+                locs[tuple(dotted.split("."))] = src.location
+        return Document(self.doc.name, merged, locs)
+
+    def context(
+        self,
+        name: str,
+        gpus: int,
+        roles: dict[str, RoleAlloc],
+        sources: dict[str, Source],
+        view: Document,
+    ) -> ResolveContext:
+        def locate(dotted: str) -> Location:
+            return view.value_loc(tuple(dotted.split(".")) if dotted else ())
+
+        def describe(dotted: str) -> str:
+            return sources[dotted].render() if dotted in sources else DEFAULT.render()
+
+        spec = self.loaded.spec
+        return ResolveContext(
+            stage=name,
+            gpus=gpus,
+            role=spec.stages[name].resources.role,
+            roles=roles,
+            gpus_per_node=spec.cluster.gpus_per_node,
+            explicit=frozenset(sources),
+            locate=locate,
+            describe=describe,
+        )
+
+    def derive(
+        self,
+        config: StageConfig,
+        ctx: ResolveContext,
+        merged: dict[str, Any],
+        sources: dict[str, Source],
+    ) -> StageConfig | None:
+        """Apply the kind's derived values where neither the user nor a preset set one."""
+        derived: dict[str, Derived] = {
+            k: v for k, v in config.derive(ctx).items() if k not in sources
+        }
+        if not derived:
+            return config
+        for dotted, value in derived.items():
+            set_at(merged, tuple(dotted.split(".")), copy.deepcopy(value.value))
+            sources[dotted] = Source("rule", value.reason)
+        try:
+            return type(config).model_validate(merged)
+        except ValidationError as exc:
+            view = self.view(ctx.stage, merged, sources)
+            self.errors.extend(validation_diagnostics(exc, view, (), merged, type(config)))
+            return None
 
     def layers(self, name: str, kind: StageKind) -> tuple[dict[str, Any], dict[str, Source]]:
         spec = self.loaded.spec
         user = copy.deepcopy(stage_config_data(spec, name, kind))
-        backend = user.get("backend")
-        vllm = isinstance(backend, dict) and backend.get("kind") == "vllm"
-        fields = kind.config.model_fields
         merged: dict[str, Any] = {}
         sources: dict[str, Source] = {}
         for preset in (self.profile, self.memory):
             for key, setting in preset.preset.settings.items():
-                target: PathT | None = (
-                    (key,)
-                    if key in fields
-                    else ("backend", key)
-                    if vllm and key in VLLM_SETTINGS
-                    else None
-                )
+                target = kind.config.preset_path(key, user)
                 if target is None:
                     continue
                 dotted = ".".join(map(str, target))
@@ -270,13 +283,13 @@ class _State:
                         "warning",
                         self.doc.value_loc(("memory",)),
                         f"stages.{name}.config.{dotted}",
-                        f"memory preset '{self.memory.preset.name}' sets {_show(setting.value)} over "
-                        f"profile '{self.profile.preset.name}''s {_show(get_at(merged, target))} ({setting.reason})",
+                        f"memory preset '{self.memory.preset.name}' sets {found(setting.value, whole=True)} over "
+                        f"profile '{self.profile.preset.name}''s {found(get_at(merged, target), whole=True)} ({setting.reason})",
                     )
                 set_at(merged, target, copy.deepcopy(setting.value))
                 sources[dotted] = self.preset_source(preset, key)
         own = spec.stages[name].config
-        for path, value in _leaves(user):
+        for path, value in _leaves(user, nested_blocks(kind.config)):
             dotted = ".".join(map(str, path))
             top = str(path[0])
             origin: PathT = ("stages", name, "config", *path) if top in own else ("defaults", *path)
@@ -290,51 +303,6 @@ class _State:
             set_at(merged, path, copy.deepcopy(value))
             sources[dotted] = self.user_source(origin)
         return merged, sources
-
-    def rules(
-        self,
-        merged: dict[str, Any],
-        sources: dict[str, Source],
-        roles: dict[str, RoleAlloc],
-        gpus: int,
-    ) -> None:
-        """Values derived from others: prefix caching, colocated memory share, engine count."""
-        backend = merged.get("backend")
-        if not (isinstance(backend, dict) and backend.get("kind") == "vllm"):
-            return
-        tp = backend.get("vllm_tensor_parallel_size", 1)
-        if (
-            gpus
-            and "backend.vllm_num_engines" not in sources
-            and isinstance(tp, int)
-            and tp > 0
-            and gpus % tp == 0
-        ):
-            backend["vllm_num_engines"] = gpus // tp
-            sources["backend.vllm_num_engines"] = Source(
-                "rule", f"{gpus} GPUs of the stage / tensor-parallel size {tp}"
-            )
-        repeats = merged.get("num_repeats", 1)
-        if (
-            "backend.enable_prefix_caching" not in sources
-            and isinstance(repeats, int)
-            and repeats > 1
-        ):
-            backend["enable_prefix_caching"] = True
-            sources["backend.enable_prefix_caching"] = Source(
-                "rule", f"num_repeats {repeats} > 1: the samples of a prompt share its KV cache"
-            )
-        shared = roles.get("vllm")
-        if (
-            shared is not None
-            and shared.colocated_with
-            and "backend.vllm_gpu_memory_utilization" not in sources
-        ):
-            backend["vllm_gpu_memory_utilization"] = 0.5
-            sources["backend.vllm_gpu_memory_utilization"] = Source(
-                "rule",
-                f"vllm shares its GPUs with {', '.join(shared.colocated_with)}: leave half for training",
-            )
 
     def references(
         self,
@@ -372,21 +340,13 @@ class _State:
         return 0
 
 
-def _show(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f"'{value}'"
-    return str(value)
-
-
-def _leaves(data: dict[str, Any], prefix: PathT = ()) -> list[tuple[PathT, Any]]:
-    """Leaf values of nested config blocks (lists and free-form dicts of scalars stay whole)."""
+def _leaves(data: dict[str, Any], blocks: set[str]) -> list[tuple[PathT, Any]]:
+    """Leaf values of a config: the values of its nested blocks one by one, the rest whole
+    (lists and free-form mappings are one value each)."""
     out: list[tuple[PathT, Any]] = []
     for key, value in data.items():
-        path = (*prefix, key)
-        if isinstance(value, dict) and value and key in ("backend", "verifier", "model"):
-            out.extend(_leaves(value, path))
+        if isinstance(value, dict) and value and key in blocks:
+            out.extend(((key, k), v) for k, v in value.items())
         else:
-            out.append((path, value))
+            out.append(((key,), value))
     return out

@@ -15,39 +15,27 @@ errors. Rules:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import Diagnostic, Location
-
-ROLE_ORDER = ("vllm", "actor", "critic", "ref", "reward")
-
-
-@dataclass(frozen=True)
-class RoleAlloc:
-    """GPUs one role holds and the roles sharing them."""
-
-    gpus: int
-    colocated_with: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"gpus": self.gpus, "colocated_with": list(self.colocated_with)}
+from engine.schema import ROLES
+from engine.stage import RoleAlloc
 
 
 def colocation_groups(ratio: dict[str, int], colocate: Any) -> list[tuple[str, ...]]:
     """Units of the split: tuples of roles that share GPUs (singletons for the rest)."""
-    roles = [r for r in ROLE_ORDER if r in ratio]
+    roles = [r for r in ROLES if r in ratio]
     if colocate == "all":
         return [tuple(roles)] if roles else []
     groups: list[tuple[str, ...]] = []
     grouped: set[str] = set()
     if isinstance(colocate, list):
         for group in colocate:
-            members = tuple(r for r in ROLE_ORDER if r in group)
+            members = tuple(r for r in ROLES if r in group)
             groups.append(members)
             grouped.update(members)
     groups += [(r,) for r in roles if r not in grouped]
-    return sorted(groups, key=lambda g: ROLE_ORDER.index(g[0]))
+    return sorted(groups, key=lambda g: ROLES.index(g[0]))
 
 
 def allocate(
@@ -76,10 +64,5 @@ def allocate(
 
 def ratio_text(ratio: dict[str, int]) -> str:
     """`{vllm: 1, actor: 1, critic: 1}` -> `vllm:actor:critic = 1:1:1`."""
-    roles = [r for r in ROLE_ORDER if r in ratio]
+    roles = [r for r in ROLES if r in ratio]
     return f"{':'.join(roles)} = {':'.join(str(ratio[r]) for r in roles)}"
-
-
-def tp_fits(tp: int, gpus_per_node: int) -> list[int]:
-    """Tensor-parallel sizes that keep a group on one node (divisors of gpus_per_node)."""
-    return [n for n in range(1, gpus_per_node + 1) if gpus_per_node % n == 0 and n <= gpus_per_node]

@@ -28,12 +28,12 @@ from pydantic import (
 from engine.errors import Diagnostic, did_you_mean, found, one_of
 from engine.source import Document, PathT, render_path
 
-ROLES = ("vllm", "actor", "critic", "ref", "reward")
 SCHEMES = ("tcp", "tls", "ucx", "inproc")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _ADDRESS = re.compile(r"^(?P<scheme>[a-z]+)://\S+$")
 
 Role = Literal["vllm", "actor", "critic", "ref", "reward"]
+ROLES: tuple[str, ...] = get_args(Role)  # the one list of roles, in placement order
 
 
 class Model(BaseModel):
@@ -202,10 +202,10 @@ def validation_diagnostics(
         path, rest, at_key = _data_path(data, loc)
         full = (*prefix, *path)
         message = _message(err, rest, model, loc)
-        kind = err["type"]
-        if kind in ("union_tag_invalid",) and isinstance(_get(data, path), dict):
+        error_type = err["type"]
+        if error_type in ("union_tag_invalid",) and isinstance(_get(data, path), dict):
             full = (*full, "kind")
-        if kind in ("extra_forbidden", "missing", "union_tag_not_found") or at_key:
+        if error_type in ("extra_forbidden", "missing", "union_tag_not_found") or at_key:
             where = doc.key_loc(full)
         else:
             where = doc.value_loc(full)
@@ -239,21 +239,21 @@ def _data_path(data: Any, loc: tuple[Any, ...]) -> tuple[PathT, list[Any], bool]
 def _message(
     err: Mapping[str, Any], rest: list[Any], model: type[BaseModel], loc: tuple[Any, ...]
 ) -> str:
-    kind = err["type"]
+    error_type = err["type"]
     ctx = err.get("ctx") or {}
     shown = found(err.get("input"))
-    if kind == "extra_forbidden":
+    if error_type == "extra_forbidden":
         key = str(loc[-1])
         return f"unknown field '{key}'{did_you_mean(key, sorted(allowed_fields(model, loc[:-1])))}"
-    if kind == "missing":
+    if error_type == "missing":
         return f"missing required field '{loc[-1]}'"
-    if kind == "union_tag_not_found":
+    if error_type == "union_tag_not_found":
         return f"missing required field '{ctx.get('discriminator', 'kind').strip(chr(39))}'"
-    if kind == "union_tag_invalid":
+    if error_type == "union_tag_invalid":
         tags = re.findall(r"'([^']*)'", str(ctx.get("expected_tags", "")))
         tag = str(ctx.get("tag"))
         return f"expected {one_of(tags)}, found '{tag}'{did_you_mean(tag, tags)}"
-    if kind == "literal_error":
+    if error_type == "literal_error":
         options = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
         hint = did_you_mean(err["input"], options) if isinstance(err.get("input"), str) else ""
         return f"expected {one_of(options)}, found {shown}{hint}"
@@ -271,22 +271,22 @@ def _message(
         "model_attributes_type": "a mapping",
         "list_type": "a list",
     }
-    if kind in simple:
-        return f"expected {simple[kind]}, found {shown}"
+    if error_type in simple:
+        return f"expected {simple[error_type]}, found {shown}"
     bounds = {
         "greater_than": ("greater than", "gt"),
         "greater_than_equal": ("at least", "ge"),
         "less_than": ("less than", "lt"),
         "less_than_equal": ("at most", "le"),
     }
-    if kind in bounds:
-        words, key = bounds[kind]
+    if error_type in bounds:
+        words, key = bounds[error_type]
         return f"expected a number {words} {ctx.get(key)}, found {shown}"
-    if kind == "too_short":
+    if error_type == "too_short":
         return (
             f"expected at least {ctx.get('min_length')} item(s), found {ctx.get('actual_length')}"
         )
-    if kind in ("value_error", "assertion_error"):
+    if error_type in ("value_error", "assertion_error"):
         msg = str(err["msg"])
         for lead in ("Value error, ", "Assertion failed, "):
             msg = msg.removeprefix(lead)

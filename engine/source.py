@@ -31,7 +31,7 @@ _CORE = "tag:yaml.org,2002:"
 
 
 def render_path(path: PathT) -> str:
-    """`("stages", "filter", "needs", 0)` -> `stages.filter.needs[0]`."""
+    """`("stages", "b", "needs", 0)` -> `stages.b.needs[0]`."""
     out = ""
     for part in path:
         if isinstance(part, int):
@@ -295,20 +295,20 @@ class _Builder:
 
     def scalar(self, node: Any, path: PathT, tag: str) -> Any:
         value: str = node.value
-        kind = tag[len(_CORE) :] if tag.startswith(_CORE) else None
+        core = tag[len(_CORE) :] if tag.startswith(_CORE) else None
         try:
-            if kind in ("str", "timestamp") or (kind is None and tag in ("", "!")):
+            if core in ("str", "timestamp") or (core is None and tag in ("", "!")):
                 return value
-            if kind == "null":
+            if core == "null":
                 return None
-            if kind == "bool":
+            if core == "bool":
                 return value.lower() in ("true", "yes", "on", "y")
-            if kind == "int":
+            if core == "int":
                 return _to_int(value)
-            if kind == "float":
+            if core == "float":
                 return _to_float(value)
         except ValueError:
-            self.error(node, path, f"cannot read {value!r} as {kind}")
+            self.error(node, path, f"cannot read {value!r} as {core}")
             return None
         self.error(node, path, f"tag '{_short_tag(tag)}' is not allowed; use plain YAML values")
         return None

@@ -1,12 +1,28 @@
 """The stage API: a stage kind is a frozen config model plus one function.
 
-    @stage("filter", config=FilterConfig)
-    def filter_rollouts(cfg: FilterConfig, ctx: StageContext) -> None: ...
+    @stage("mykind", config=MyConfig)
+    def run(cfg: MyConfig, ctx: StageContext) -> dict[str, Any]: ...
+
+or, for a kind whose body is heavy and lives beside its light `__init__.py`,
+`stage("mykind", config=MyConfig, run="mypkg.mykind.run:run")`: the
+body is imported only when the stage runs, and it may import the config from
+the package without an import cycle.
 
 Kinds are found through the entry-point group `pipe.stages` (built-ins and
 plugins alike): each entry point names a module whose `@stage` decorators
 register its kinds, or a `StageKind` object. Stage modules must stay light at
 import time (no torch): `pipe validate` imports them all.
+
+A kind owns its rules, as hooks on its config model; the engine calls them and
+names no kind and no kind's field:
+
+- `INPUTS` / `OUTPUTS` / `MODEL_INPUTS` / `INPUT_TYPES` / `OUTPUT_TYPES`: which
+  (dotted) fields read and write files, and what they hold;
+- `preset_path(key, data)`: where a preset setting lands in this kind's config;
+- `derive(ctx)`: values derived from others (`Derived(value, reason)`), applied
+  where neither the user nor a preset set one;
+- `check(ctx)`: the kind's own arithmetic and consistency checks, as located
+  `Diagnostic`s made with `ctx.error(path, message)`.
 """
 
 from __future__ import annotations
@@ -14,8 +30,10 @@ from __future__ import annotations
 import hashlib
 import importlib
 import logging
+import re
 import sys
-from collections.abc import Callable, Mapping
+import typing
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -23,25 +41,114 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-BUILTIN_KINDS = ("dataset", "collect", "filter", "train", "evaluate")
+from engine.errors import Diagnostic, Location
+
 ENTRY_POINT_GROUP = "pipe.stages"
+
+
+@dataclass(frozen=True)
+class RoleAlloc:
+    """GPUs one role holds and the roles sharing them."""
+
+    gpus: int
+    colocated_with: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"gpus": self.gpus, "colocated_with": list(self.colocated_with)}
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A value a kind derives from others, and why."""
+
+    value: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class ResolveContext:
+    """What a kind's `derive` and `check` hooks know about the stage being resolved."""
+
+    stage: str
+    gpus: int
+    role: str | None
+    roles: Mapping[str, RoleAlloc]
+    gpus_per_node: int
+    explicit: frozenset[str] = frozenset()  # dotted config paths set by the user or a preset
+    locate: Callable[[str], Location | None] = field(default=lambda _: None, repr=False)
+    describe: Callable[[str], str] = field(default=lambda _: "kind default", repr=False)
+
+    def error(self, path: str, message: str, severity: str = "error") -> Diagnostic:
+        """A diagnostic about the config value at dotted `path` ('' for the stage itself)."""
+        where = f"stages.{self.stage}.config.{path}" if path else f"stages.{self.stage}"
+        return Diagnostic(self.locate(path), where, message, severity)
+
+    def warning(self, path: str, message: str) -> Diagnostic:
+        return self.error(path, message, "warning")
+
+    def source(self, path: str) -> str:
+        """Where the value at `path` came from, as `pipe plan --explain` shows it."""
+        return self.describe(path)
 
 
 class StageConfig(BaseModel):
     """Base of every stage kind's config: frozen, and unknown keys are errors.
 
-    `INPUTS` name the fields that read an upstream file (a relative path resolves
-    against the pipeline's folder; left empty, the first upstream stage's main
-    output). `OUTPUTS` name the fields the stage writes (relative paths resolve
-    inside the stage's folder in the run directory); the first is its main output.
-    An empty `input` with nothing in `needs` is an error unless `INPUT_OPTIONAL`.
+    `INPUTS` name the (dotted) fields that read an upstream file or directory (a
+    relative path resolves against the pipeline's folder; left empty, the first
+    upstream stage's main output); `MODEL_INPUTS` those of them that may also be
+    a hub id (kept as written when no such local path exists). `OUTPUTS` name
+    the fields the stage writes (relative paths resolve inside the stage's
+    folder in the run directory); the first is its main output. `OUTPUT_TYPES`
+    say what an output holds (e.g. `{"output": "checkpoint"}`); a list-valued
+    input named in `INPUT_TYPES` and left empty takes the main outputs of the
+    stages in `needs` whose main output has that type. An empty `input` with
+    nothing in `needs` is an error unless `INPUT_OPTIONAL`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     INPUTS: ClassVar[tuple[str, ...]] = ()
+    MODEL_INPUTS: ClassVar[tuple[str, ...]] = ()
     OUTPUTS: ClassVar[tuple[str, ...]] = ()
     INPUT_OPTIONAL: ClassVar[bool] = False
+    INPUT_TYPES: ClassVar[dict[str, str]] = {}
+    OUTPUT_TYPES: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
+        """Where preset setting `key` lands for a stage written as `data`; None: not here."""
+        return (key,) if key in cls.model_fields else None
+
+    def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
+        """Values derived from others, by dotted path."""
+        return {}
+
+    def check(self, ctx: ResolveContext) -> list[Diagnostic]:
+        """The kind's own checks of a resolved config."""
+        return []
+
+
+def nested_blocks(model: type[BaseModel]) -> set[str]:
+    """Fields of `model` holding a nested config block (a pydantic model, maybe in a union)."""
+    out = set()
+    for name, info in model.model_fields.items():
+        if any(_is_model(t) for t in _leaf_types(info.annotation)):
+            out.add(name)
+    return out
+
+
+def _leaf_types(annotation: Any) -> Iterator[Any]:
+    args = typing.get_args(annotation)
+    if not args:
+        yield annotation
+        return
+    for arg in args:
+        yield from _leaf_types(arg)
+
+
+def _is_model(t: Any) -> bool:
+    return isinstance(t, type) and issubclass(t, BaseModel)
 
 
 C = TypeVar("C", bound=StageConfig)
@@ -78,16 +185,24 @@ StageFn = Callable[[Any, StageContext], Any]
 
 @dataclass(frozen=True)
 class StageKind:
-    """A registered kind: its name, config model and function."""
+    """A registered kind: its name, config model and function (or "module:function")."""
 
     name: str
     config: type[StageConfig]
-    fn: StageFn
+    fn: StageFn | str
     module: str
 
+    def call(self, cfg: StageConfig, ctx: StageContext) -> Any:
+        """Run the kind's body (imported now when it was registered by name)."""
+        fn = self.fn
+        if isinstance(fn, str):
+            module, _, attr = fn.partition(":")
+            fn = getattr(importlib.import_module(module), attr)
+        return fn(cfg, ctx)
+
     def code_version(self) -> str:
-        """Hash of the source of the module (or package) that defines the kind."""
-        return _source_hash(self.module)
+        """Hash of every file of the kind's package and the shared code it imports."""
+        return code_version(self.module)
 
 
 _REGISTRY: dict[str, StageKind] = {}
@@ -95,12 +210,15 @@ _LOADED = False
 
 
 def stage(
-    name: str, *, config: type[C]
+    name: str, *, config: type[C], run: str | None = None
 ) -> Callable[[Callable[[C, StageContext], Any]], Callable[[C, StageContext], Any]]:
-    """Register `fn` as the stage kind `name` with the config model `config`."""
+    """Register the stage kind `name` with the config model `config`: the decorated function,
+    or with `run="module:function"` that function, imported when a stage of the kind runs."""
+    if run is not None:
+        _REGISTRY[name] = StageKind(name, config, run, config.__module__)
 
     def register(fn: Callable[[C, StageContext], Any]) -> Callable[[C, StageContext], Any]:
-        _REGISTRY[name] = StageKind(name, config, fn, fn.__module__)
+        _REGISTRY[name] = StageKind(name, config, fn, config.__module__)
         return fn
 
     return register
@@ -112,7 +230,7 @@ def register_kind(kind: StageKind) -> None:
 
 
 def kinds() -> Mapping[str, StageKind]:
-    """Every known kind: entry points of `pipe.stages`, then any built-in not yet found."""
+    """Every known kind: the modules and objects of the entry-point group `pipe.stages`."""
     global _LOADED
     if not _LOADED:
         _LOADED = True
@@ -120,9 +238,6 @@ def kinds() -> Mapping[str, StageKind]:
             obj = ep.load()
             if isinstance(obj, StageKind):
                 register_kind(obj)
-        for builtin in BUILTIN_KINDS:
-            if builtin not in _REGISTRY:
-                importlib.import_module(f"stages.{builtin}")
     return _REGISTRY
 
 
@@ -130,22 +245,69 @@ def get_kind(name: str) -> StageKind | None:
     return kinds().get(name)
 
 
+def reset_registry() -> None:
+    """Forget every kind and code hash; the next `kinds()` reads the entry points again."""
+    global _LOADED
+    _REGISTRY.clear()
+    _HASHES.clear()
+    _LOADED = False
+
+
 _HASHES: dict[str, str] = {}
+_IMPORT = re.compile(
+    r"^\s*(?:from\s+([\w.]+)\s+import\s+(\([^)]*\)|[\w., ]+)|import\s+([\w.]+))", re.M
+)
 
 
-def _source_hash(module_name: str) -> str:
+def code_version(module_name: str) -> str:
+    """Hash of the source a kind runs: its package (or module) and the modules of the same
+    top-level package it imports (directly or not), each file named by its path."""
     if module_name in _HASHES:
         return _HASHES[module_name]
     module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    digest = hashlib.sha256()
     origin = getattr(module, "__file__", None)
-    if origin:
-        path = Path(origin)
-        files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
-        for f in files:
-            digest.update(f.name.encode())
-            digest.update(f.read_bytes())
-    else:
+    digest = hashlib.sha256()
+    if not origin:
         digest.update(module_name.encode())
+        _HASHES[module_name] = digest.hexdigest()[:16]
+        return _HASHES[module_name]
+    path = Path(origin)
+    top = module_name.split(".")[0]
+    root = path.parents[len(module_name.split(".")) - (0 if path.name == "__init__.py" else 1)]
+    own = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
+    files = _with_imports(own, top, root)
+    for f in sorted(files):
+        digest.update(str(f.relative_to(root)).encode())
+        digest.update(f.read_bytes())
     _HASHES[module_name] = digest.hexdigest()[:16]
     return _HASHES[module_name]
+
+
+def _with_imports(files: list[Path], top: str, root: Path) -> set[Path]:
+    """`files` and every module file of package `top` (under `root`) they import, transitively."""
+    seen: set[Path] = set()
+    todo = list(files)
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for match in _IMPORT.finditer(f.read_text(encoding="utf-8")):
+            base, names, plain = match.groups()
+            targets = [plain] if plain else [base, *(f"{base}.{n.strip()}" for n in _names(names))]
+            for target in targets:
+                if target and target.split(".")[0] == top:
+                    todo.extend(_module_files(target, root))
+    return seen
+
+
+def _names(text: str) -> list[str]:
+    return [n.split(" as ")[0].strip() for n in text.strip("() ").split(",") if n.strip()]
+
+
+def _module_files(dotted: str, root: Path) -> list[Path]:
+    """The file of module `dotted` and the `__init__.py` of each package on its way."""
+    parts = dotted.split(".")
+    out = [root.joinpath(*parts[:i], "__init__.py") for i in range(1, len(parts) + 1)]
+    out.append(root.joinpath(*parts).with_suffix(".py"))
+    return [p for p in out if p.is_file()]

@@ -1,7 +1,7 @@
 """The Dask task that runs one stage on a worker.
 
-Input: a `StagePayload` (the kind, its resolved config as JSON, folders, the
-cache key). Output: a `TaskResult` (metrics, worker, start and end). The stage's
+Input: a `StagePayload` (the kind, its resolved, frozen config with absolute
+paths, folders, the cache key); Dask pickles it, the config stays typed. Output: a `TaskResult` (metrics, worker, start and end). The stage's
 log goes to `<stage_dir>/log.txt` and, as Dask events on the topic `pipe-log`,
 to the driver. A stamp `<stage_dir>/.pipe-stage.json` holding the cache key is
 written only after the stage succeeded and removed before it starts, so a
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.fsio import atomic_write_text, exists, makedirs, remove
-from engine.stage import StageContext, StageKind
+from engine.stage import StageConfig, StageContext, StageKind
 
 STAMP = ".pipe-stage.json"
 LOG_TOPIC = "pipe-log"
@@ -31,7 +31,7 @@ class StagePayload:
 
     name: str
     kind: StageKind
-    config_json: str
+    config: StageConfig
     stage_dir: str
     run_dir: str
     pipeline_dir: str
@@ -103,7 +103,7 @@ def run_stage(payload: StagePayload) -> TaskResult:
     logger, handlers = _stage_logger(payload, worker)
     start = time.time()
     try:
-        cfg = payload.kind.config.model_validate_json(payload.config_json)
+        cfg = payload.config
         ctx = StageContext(
             name=payload.name,
             kind=payload.kind.name,
@@ -118,7 +118,7 @@ def run_stage(payload: StagePayload) -> TaskResult:
         logger.info(
             "stage %s (%s) attempt %d starts", payload.name, payload.kind.name, payload.attempt
         )
-        metrics = payload.kind.fn(cfg, ctx) or {}
+        metrics = payload.kind.call(cfg, ctx) or {}
         if not isinstance(metrics, dict):
             metrics = {"result": metrics}
         end = time.time()

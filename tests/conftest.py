@@ -31,3 +31,14 @@ def run_cli(*args: str, cwd: Path | None = None) -> Result:
 @pytest.fixture
 def pipe_cli():
     return run_cli
+
+
+@pytest.fixture
+def fresh_kinds():
+    """The kind registry emptied before and after the test: the next `kinds()` reads the
+    entry points again (for tests that register kinds of their own)."""
+    from engine.stage import reset_registry
+
+    reset_registry()
+    yield
+    reset_registry()

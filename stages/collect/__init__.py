@@ -6,18 +6,29 @@ itself (asyncio, aiohttp) is imported only when the stage runs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from engine.stage import StageConfig, StageContext, stage
-from stages.common import Backend, CountOrAuto, LocalBackend, Verifier
+from engine.errors import Diagnostic
+from engine.stage import Derived, ResolveContext, StageConfig, stage
+from stages.lib.config import (
+    Backend,
+    CountOrAuto,
+    LocalBackend,
+    Verifier,
+    backend_preset_path,
+    check_backend,
+    derive_backend,
+)
 
 
 class CollectConfig(StageConfig):
     """Generate `num_repeats` answers per prompt, score each, append them as rollouts."""
 
-    INPUTS = ("input",)
+    INPUTS = ("input", "backend.model")
+    MODEL_INPUTS = ("backend.model",)
     OUTPUTS = ("output",)
 
     input: str | None = Field(
@@ -76,10 +87,18 @@ class CollectConfig(StageConfig):
             raise ValueError(f"end_idx must be greater than start_idx ({start}), found {value}")
         return value
 
+    @classmethod
+    def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
+        """vLLM settings go to a `backend: {kind: vllm}` block; the rest to top-level fields."""
+        return super().preset_path(key, data) or backend_preset_path(key, data)
 
-@stage("collect", config=CollectConfig)
-def collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
-    """Run the rollout collector for this stage."""
-    from stages.collect.run import run_collect
+    def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
+        """Engines from the stage's GPUs; prefix caching when num_repeats > 1; half of each GPU
+        for training when vLLM shares it."""
+        return derive_backend(self.backend, ctx, self.num_repeats)
 
-    return run_collect(cfg, ctx)
+    def check(self, ctx: ResolveContext) -> list[Diagnostic]:
+        return check_backend(self.backend, ctx)
+
+
+stage("collect", config=CollectConfig, run="stages.collect.run:run_collect")

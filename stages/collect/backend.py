@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stages.collect.client import OpenAIClient
-from stages.common import OpenAIBackend, VLLMBackend
+from stages.lib.config import OpenAIBackend, VLLMBackend
 
 if TYPE_CHECKING:
     from stages.collect import CollectConfig

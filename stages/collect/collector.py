@@ -26,7 +26,7 @@ from stages.collect.controller import AdaptiveLimit
 from stages.collect.inputs import ROLLOUT_FIELDS, Prompt
 from stages.collect.io import Key, Sink
 from stages.collect.stats import Progress, Stats
-from stages.verify import Score
+from stages.lib.verify import Score
 
 _dumps = json.JSONEncoder(ensure_ascii=False).encode
 _OVERLOAD = frozenset({"rate_limited", "timeout"})

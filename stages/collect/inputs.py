@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import IO, Any
+from typing import Any
+
+from stages.lib.jsonl import open_binary
 
 # Fields a rollout adds; an input row's own values for them are not carried through.
 ROLLOUT_FIELDS = (
@@ -123,33 +124,10 @@ def _content(value: Any) -> str:
     raise ValueError("a message's 'content' must be a string or a list of text parts")
 
 
-@contextmanager
-def open_input(path: str) -> Iterator[IO[bytes]]:
-    """Open a local path or an fsspec URL for binary reading."""
-    if "://" in path and not path.startswith("file://"):
-        import fsspec
-
-        with fsspec.open(path, "rb") as handle:
-            yield handle
-    else:
-        with open(path.removeprefix("file://"), "rb", buffering=1 << 20) as handle:
-            yield handle
-
-
-def count_rows(path: str) -> int:
-    """Number of non-empty lines in the file (read in 1 MiB chunks)."""
-    count = 0
-    with open_input(path) as handle:
-        for line in handle:
-            if line.strip():
-                count += 1
-    return count
-
-
 def iter_lines(path: str, start: int, end: int | None) -> Iterator[tuple[int, bytes]]:
     """(row index, line) for rows start <= index < end; blank lines are not rows."""
     idx = 0
-    with open_input(path) as handle:
+    with open_binary(path) as handle:
         for line in handle:
             if not line.strip():
                 continue

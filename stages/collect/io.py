@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from operator import itemgetter
 from typing import IO, TYPE_CHECKING, Any
 
+from stages.lib.jsonl import atomic_write
+
 if TYPE_CHECKING:
     from stages.collect import CollectConfig
 
@@ -137,17 +139,8 @@ def prepare(output: str, stamp: str) -> bool:
     for path in (partial_path(output), failures_path(output)):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-    write_atomic(meta, json.dumps({"fingerprint": stamp}) + "\n")
+    atomic_write(meta, json.dumps({"fingerprint": stamp}) + "\n")
     return False
-
-
-def write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def scan_partial(path: str, done: DoneSet) -> int:
@@ -257,7 +250,7 @@ def finalize(output: str, keep: Callable[[int, int], bool] | None) -> tuple[int,
     written = sort_rollouts(partial_path(output), tmp, keep, on_key)
     final = [r for k, r in sorted(failures.items()) if keep is None or keep(*k)]
     if final:
-        write_atomic(failures_path(output), "".join(json.dumps(r) + "\n" for r in final))
+        atomic_write(failures_path(output), "".join(json.dumps(r) + "\n" for r in final))
     else:
         with contextlib.suppress(FileNotFoundError):
             os.remove(failures_path(output))

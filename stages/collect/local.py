@@ -2,7 +2,7 @@
 
 Input: (prompt, samples still to do) pairs and a checkpoint directory.
 Output: rollouts through the Recorder, a batch of `backend.batch_size`
-prompts at a time, through `stages.generate.generate`, which puts prompt
+prompts at a time, through `stages.lib.generate.generate`, which puts prompt
 strings and message lists alike through the model's chat template (the
 format the train stage trains on). A rollout's latency is its
 batch's wall time. An exception in generation fails the stage (a missing
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from stages.collect.client import Completion
 from stages.collect.inputs import Prompt
 from stages.collect.stats import Progress
-from stages.common import LocalBackend
+from stages.lib.config import LocalBackend
 
 if TYPE_CHECKING:
     from stages.collect import CollectConfig
@@ -53,7 +53,7 @@ def collect_local(
 def _generate_batch(
     cfg: CollectConfig, batch: list[tuple[Prompt, list[int]]], recorder: Recorder
 ) -> None:
-    from stages.generate import generate
+    from stages.lib.generate import generate
 
     assert isinstance(cfg.backend, LocalBackend)
     prompts = [p.messages if p.messages is not None else (p.text or "") for p, _ in batch]

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from stages.collect.client import RequestError, classify, sample_seed
 from stages.collect.inputs import Prompt, prompt_from_row
-from stages.common import LocalBackend, VLLMBackend
-from stages.verify import Score, make_verifier
+from stages.lib.config import LocalBackend, VLLMBackend
+from stages.lib.verify import Score, make_verifier
 
 if TYPE_CHECKING:
     from stages.collect import CollectConfig
@@ -128,7 +128,7 @@ def _timed_score(score: Score, row: dict[str, Any], text: str) -> float:
 def _measure_local(
     cfg: CollectConfig, prompts: list[Prompt], score: Score, parallelism: int, num_requests: int
 ) -> LevelResult:
-    from stages.generate import generate
+    from stages.lib.generate import generate
 
     assert isinstance(cfg.backend, LocalBackend)
     tally = _Tally([])

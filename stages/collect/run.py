@@ -9,31 +9,19 @@ and run again at any point: the rerun reads `<output>.partial`, skips the
 pairs written, retries the failed ones (up to `max_failed_runs` runs) and goes
 on. An existing `<output>` means the stage is complete: nothing to do. With
 `shards` > 1 inside a Dask worker the range is split into shard tasks
-(`stages.collect.shard`).
+(`stages.collect.shard`); one range is collected by `stages.collect.ranged`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import glob
 import os
-from collections.abc import Callable, Coroutine, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from stages.collect import io
-from stages.collect.inputs import Prompt, iter_lines, parse_row, row_range
-from stages.collect.stats import Stats
-from stages.common import LocalBackend
-from stages.verify import make_verifier
+from stages.collect.ranged import collect_range, up_to_date
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.collect import CollectConfig
-    from stages.collect.backend import Endpoint
-    from stages.collect.collector import Recorder
-
-T = TypeVar("T")
 
 
 def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
@@ -48,173 +36,3 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
             return run_sharded(cfg, ctx, shards)
         ctx.log.info("collect: shards=%d, but not inside a Dask worker; one piece", shards)
     return collect_range(cfg, ctx)
-
-
-def up_to_date(output: str, ctx: StageContext) -> dict[str, Any]:
-    """Metrics of an output that is already complete."""
-    rows = _count_lines(output)
-    failures = _count_lines(io.failures_path(output))
-    ctx.log.info("collect: %s is complete (%d rollouts); nothing to do", output, rows)
-    leftovers = glob.glob(f"{glob.escape(output)}.shard-*")  # a merge cut short after os.replace
-    for path in [io.partial_path(output), io.meta_path(output), *leftovers]:
-        if os.path.exists(path):
-            os.remove(path)
-    return {"up_to_date": True, "rows": rows, "failures": failures, "written": 0}
-
-
-def _count_lines(path: str) -> int:
-    if not os.path.exists(path):
-        return 0
-    with open(path, "rb") as handle:
-        return sum(1 for _ in handle)
-
-
-def collect_range(
-    cfg: CollectConfig, ctx: StageContext, *, with_histogram: bool = False
-) -> dict[str, Any]:
-    """Collect cfg's [start, end) range into cfg.output, resuming what a previous run left.
-
-    `with_histogram` adds the latency histogram (for merging shards' metrics).
-    """
-    if not cfg.input:
-        raise ValueError("collect: 'input' is empty and no upstream stage provides one")
-    if "://" not in cfg.input and not os.path.exists(cfg.input):
-        raise FileNotFoundError(f"collect: input '{cfg.input}' does not exist")
-    score = make_verifier(cfg.verifier)
-    start, end = row_range(cfg.start_idx, cfg.end_idx, cfg.limit)
-    os.makedirs(os.path.dirname(os.path.abspath(cfg.output)), exist_ok=True)
-    done = io.DoneSet(start, cfg.num_repeats, end)
-    stats = Stats()
-    resumed, failed_runs = _resume(cfg, done, stats, ctx)
-    if end is not None:
-        stats.total = max(0, (end - start) * cfg.num_repeats - done.count)
-    sink = io.Sink(cfg.output)
-    from stages.collect.collector import Recorder
-
-    recorder = Recorder(score, sink, stats, failed_runs, ctx.log)
-    try:
-        work = pending(cfg.input, start, end, cfg.num_repeats, done)
-        if isinstance(cfg.backend, LocalBackend):
-            from stages.collect.local import collect_local
-
-            collect_local(cfg, work, recorder)
-        else:
-            _collect_http(cfg, ctx, work, recorder)
-    finally:
-        sink.close()
-    # a partial file from an earlier run may hold pairs outside this run's range
-    keep = _keep(start, end, cfg.num_repeats) if resumed else None
-    rows, failures = io.finalize(cfg.output, keep)
-    metrics = stats.metrics()
-    metrics.update(rows=rows, failures=failures)
-    if with_histogram:
-        metrics["latency_histogram"] = stats.latency.to_json()
-    return metrics
-
-
-def _keep(start: int, end: int | None, repeats: int) -> Callable[[int, int], bool]:
-    def keep(prompt_idx: int, sample_idx: int) -> bool:
-        in_range = start <= prompt_idx and (end is None or prompt_idx < end)
-        return in_range and 0 <= sample_idx < repeats
-
-    return keep
-
-
-def _resume(
-    cfg: CollectConfig, done: io.DoneSet, stats: Stats, ctx: StageContext
-) -> tuple[bool, dict[io.Key, int]]:
-    """Mark pairs written or given up; returns (resuming?, failed-run counts to retry)."""
-    if not io.prepare(cfg.output, io.fingerprint(cfg)):
-        return False, {}
-    stats.skipped_resumed = io.scan_partial(io.partial_path(cfg.output), done)
-    retry: dict[io.Key, int] = {}
-    for key, record in io.read_failures(io.failures_path(cfg.output)).items():
-        if done.has(*key):
-            continue
-        runs = int(record.get("failed_runs", 1))
-        if record.get("retryable", True) and runs < cfg.max_failed_runs:
-            retry[key] = runs
-        elif done.add(*key):
-            stats.skipped_failed += 1
-    ctx.log.info(
-        "collect: resuming %s: %d rollouts already written, %d failed rows to retry, %d given up",
-        cfg.output,
-        stats.skipped_resumed,
-        len(retry),
-        stats.skipped_failed,
-    )
-    return True, retry
-
-
-def pending(
-    path: str, start: int, end: int | None, repeats: int, done: io.DoneSet
-) -> Iterator[tuple[Prompt, list[int]]]:
-    """(prompt, sample indices still to do) for each row of the range, read lazily."""
-    for idx, line in iter_lines(path, start, end):
-        if done.count and done.all_done(idx):
-            continue
-        samples = [s for s in range(repeats) if not done.has(idx, s)] if done.count else None
-        yield parse_row(idx, line), samples if samples is not None else list(range(repeats))
-
-
-def pairs(work: Iterator[tuple[Prompt, list[int]]]) -> Iterator[tuple[Prompt, int]]:
-    for prompt, samples in work:
-        for sample_idx in samples:
-            yield prompt, sample_idx
-
-
-def _collect_http(
-    cfg: CollectConfig,
-    ctx: StageContext,
-    work: Iterator[tuple[Prompt, list[int]]],
-    recorder: Recorder,
-) -> None:
-    from stages.collect.backend import http_endpoint
-
-    log_file = ctx.path(f"{os.path.basename(cfg.output)}.vllm.log")
-    with http_endpoint(cfg, gpus=ctx.gpus, log=ctx.log, log_file=log_file) as endpoint:
-        run_async(_collect_async(cfg, endpoint, pairs(work), recorder))
-    if cfg.num_samples_in_parallel == "auto":
-        conc = recorder.stats.metrics()["concurrency"]
-        ctx.log.info(
-            "collect: auto concurrency ended at limit %d (max %d, mean %.1f)",
-            conc["final"],
-            conc["max"],
-            conc["mean"],
-        )
-
-
-async def _collect_async(
-    cfg: CollectConfig,
-    endpoint: Endpoint,
-    work: Iterator[tuple[Prompt, int]],
-    recorder: Recorder,
-) -> None:
-    from stages.collect.backend import make_client
-    from stages.collect.collector import Collector
-    from stages.collect.controller import AdaptiveLimit
-
-    parallel = cfg.num_samples_in_parallel
-    concurrency: int | AdaptiveLimit = AdaptiveLimit() if parallel == "auto" else parallel
-    client = make_client(cfg, endpoint, connections=0 if parallel == "auto" else parallel)
-    async with client:
-        collector = Collector(
-            client,
-            recorder,
-            concurrency=concurrency,
-            seed=cfg.seed,
-            num_repeats=cfg.num_repeats,
-            max_retries=cfg.max_retries,
-            backoff_s=cfg.backoff_s,
-        )
-        await collector.run(work)
-
-
-def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run, or in a fresh thread when this thread already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()

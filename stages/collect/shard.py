@@ -21,8 +21,9 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from stages.collect import io
-from stages.collect.inputs import count_rows, row_range
+from stages.collect.inputs import row_range
 from stages.collect.stats import LatencyHistogram
+from stages.lib.jsonl import count_lines
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -56,7 +57,7 @@ def shard_output(output: str, k: int) -> str:
 
 def run_shard(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     """One shard's collect (a Dask task): its range into its own output."""
-    from stages.collect.run import collect_range, up_to_date
+    from stages.collect.ranged import collect_range, up_to_date
 
     if os.path.exists(cfg.output):
         return up_to_date(cfg.output, ctx)
@@ -68,9 +69,9 @@ def run_sharded(cfg: CollectConfig, ctx: StageContext, shards: int) -> dict[str,
     assert cfg.input is not None
     start, end = row_range(cfg.start_idx, cfg.end_idx, cfg.limit)
     if end is None:
-        end = max(start, count_rows(cfg.input))
+        end = max(start, count_lines(cfg.input))
     else:
-        end = min(end, max(start, count_rows(cfg.input)))
+        end = min(end, max(start, count_lines(cfg.input)))
     ranges = split_range(start, end, shards) or [(start, start + 1)]
     configs = [
         cfg.model_copy(
@@ -130,7 +131,7 @@ def _merged_metrics(results: list[dict[str, Any]], wall: float, output: str) -> 
     merged.update(
         shards=len(results),
         rows=rows,
-        failures=_lines(io.failures_path(output)),
+        failures=count_lines(io.failures_path(output)),
         wall_s=round(wall, 3),
         rollouts_per_s=round(merged["written"] / wall, 3) if wall > 0 else 0.0,
         tokens_per_s=round(tokens["completion"] / wall, 1) if wall > 0 else 0.0,
@@ -142,10 +143,3 @@ def _merged_metrics(results: list[dict[str, Any]], wall: float, output: str) -> 
         concurrency=[r.get("concurrency") for r in results],
     )
     return merged
-
-
-def _lines(path: str) -> int:
-    if not os.path.exists(path):
-        return 0
-    with open(path, "rb") as handle:
-        return sum(1 for _ in handle)

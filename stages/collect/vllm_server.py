@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from stages.common import VLLMBackend
+from stages.lib.config import VLLMBackend
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "PIPE_VLLM_PYTHON"

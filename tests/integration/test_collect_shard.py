@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from engine.stage import StageContext
-from stages.collect import CollectConfig, collect
+from stages.collect import CollectConfig
+from stages.collect.run import run_collect
 from stages.collect.shard import shard_output, split_range
 from tests.conftest import ROOT
 
@@ -82,7 +83,7 @@ def test_shards_run_as_dask_tasks_and_merge_in_input_order(
     tmp_path: Path, cluster: Any, server: ThreadHandle
 ):
     cfg, ctx = _setup(tmp_path, server.url, shards=3)
-    metrics = cluster.submit(collect, cfg, ctx, pure=False).result(timeout=120)
+    metrics = cluster.submit(run_collect, cfg, ctx, pure=False).result(timeout=120)
     assert metrics["shards"] == 3
     assert (metrics["rows"], metrics["written"], metrics["failures"]) == (90, 90, 0)
     assert _keys(cfg.output) == [(i, s) for i in range(5, 50) for s in range(2)]
@@ -96,19 +97,21 @@ def test_a_finished_shard_is_not_redone(tmp_path: Path, cluster: Any, server: Th
     first = cfg.model_copy(
         update={"start_idx": 5, "end_idx": 27, "shards": 1, "output": shard_output(cfg.output, 0)}
     )
-    cluster.submit(collect, first, ctx, pure=False).result(timeout=120)  # as a killed run left it
+    cluster.submit(run_collect, first, ctx, pure=False).result(
+        timeout=120
+    )  # as a killed run left it
     before = server.server.counters.requests
-    metrics = cluster.submit(collect, cfg, ctx, pure=False).result(timeout=120)
+    metrics = cluster.submit(run_collect, cfg, ctx, pure=False).result(timeout=120)
     assert server.server.counters.requests - before == (50 - 27) * 2
     assert metrics["shards"] == 2 and metrics["written"] == (50 - 27) * 2
     assert _keys(cfg.output) == [(i, s) for i in range(5, 50) for s in range(2)]
-    again = cluster.submit(collect, cfg, ctx, pure=False).result(timeout=120)
+    again = cluster.submit(run_collect, cfg, ctx, pure=False).result(timeout=120)
     assert again == {"up_to_date": True, "rows": 90, "failures": 0, "written": 0}
 
 
 def test_outside_a_dask_worker_shards_run_in_one_piece(tmp_path: Path, server: ThreadHandle):
     cfg, ctx = _setup(tmp_path, server.url, shards=3)
-    metrics = collect(cfg, ctx)
+    metrics = run_collect(cfg, ctx)
     assert "shards" not in metrics and metrics["rows"] == 90
     assert _keys(cfg.output) == [(i, s) for i in range(5, 50) for s in range(2)]
 
@@ -122,7 +125,7 @@ def test_shards_in_worker_processes(tmp_path: Path, server: ThreadHandle):
         ) as lc,
         distributed.Client(lc) as client,
     ):
-        metrics = client.submit(collect, cfg, ctx, pure=False).result(timeout=120)
+        metrics = client.submit(run_collect, cfg, ctx, pure=False).result(timeout=120)
         pids = set(client.run(os.getpid).values())
     assert len(pids) == 2 and os.getpid() not in pids
     assert metrics["shards"] == 2 and metrics["rows"] == 90

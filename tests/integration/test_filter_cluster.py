@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from engine.stage import StageContext
-from stages.filter import FilterConfig, filter_rollouts
+from stages.filter import FilterConfig
+from stages.filter.run import run_filter
 
 pytestmark = pytest.mark.integration
 
@@ -74,9 +75,9 @@ def run_on(
     cfg = FilterConfig(input=str(src), output=str(stage_dir / "out.jsonl"), **config)
     ctx = StageContext(name, "filter", str(stage_dir), str(tmp_path), str(tmp_path), workers=2)
     if where is None:
-        report = filter_rollouts(cfg, ctx)
+        report = run_filter(cfg, ctx)
     else:
-        report = where.submit(filter_rollouts, cfg, ctx, pure=False).result(timeout=300)
+        report = where.submit(run_filter, cfg, ctx, pure=False).result(timeout=300)
     assert not list(stage_dir.glob(".filter-tmp-*"))
     return (stage_dir / "out.jsonl").read_bytes(), report
 

@@ -23,9 +23,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from engine.stage import StageContext
+from stages.lib.launch import TrainingFailed
 from stages.train import TrainConfig
-from stages.train_launch import TrainingFailed
-from stages.train_run import run_train
+from stages.train.run import run_train
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
@@ -131,7 +131,7 @@ def worker_pids() -> list[int]:
 
     me = psutil.Process()
     return [
-        p.pid for p in me.children(recursive=True) if "stages.train_worker" in " ".join(p.cmdline())
+        p.pid for p in me.children(recursive=True) if "stages.train.worker" in " ".join(p.cmdline())
     ]
 
 
@@ -270,7 +270,7 @@ def test_ranks_die_with_the_stage_process(tmp_path: Path):
     cfg = config(data, stage, max_steps=100_000, train_batch_size=8, micro_train_batch_size=8)
     script = (
         "import logging, sys; from engine.stage import StageContext; "
-        "from stages.train import TrainConfig; from stages.train_run import run_train; "
+        "from stages.train import TrainConfig; from stages.train.run import run_train; "
         f"run_train(TrainConfig.model_validate_json(sys.argv[1]), StageContext("
         f"name='train', kind='train', stage_dir={str(stage)!r}, run_dir='.', pipeline_dir='.'))"
     )
@@ -286,7 +286,7 @@ def test_ranks_die_with_the_stage_process(tmp_path: Path):
         ranks = [
             p
             for p in psutil.Process(proc.pid).children(recursive=True)
-            if "stages.train_worker" in " ".join(p.cmdline())
+            if "stages.train.worker" in " ".join(p.cmdline())
         ]
         assert len(ranks) == 1
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from engine.tune import tune_command
+from stages.collect.tune.cli import tune_command
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from stages.collect import vllm_server as vs
-from stages.common import VLLMBackend
+from stages.lib.config import VLLMBackend
 
 LOG = logging.getLogger("test.vllm")
 STARTUP_TIMEOUT_S = 420.0
@@ -324,7 +324,7 @@ class TestServed:
 HOLDER = """
 import logging, sys, time
 from stages.collect.vllm_server import vllm_server
-from stages.common import VLLMBackend
+from stages.lib.config import VLLMBackend
 backend = VLLMBackend(kind="vllm", model=sys.argv[1], startup_timeout_s=float(sys.argv[2]))
 with vllm_server(backend, gpus=0, log=logging.getLogger("holder"), log_file=sys.argv[3]) as url:
     print(url, flush=True)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stages.collect.inputs import count_rows, iter_lines, parse_row, prompt_from_row, row_range
+from stages.collect.inputs import iter_lines, parse_row, prompt_from_row, row_range
 from stages.collect.io import DoneSet
-from stages.collect.run import pairs, pending
+from stages.collect.ranged import pairs, pending
+from stages.lib.jsonl import count_lines
 
 
 def test_prompt_rows_carry_their_other_fields_verbatim():
@@ -82,7 +83,7 @@ def _write(path: Path, n: int) -> Path:
 
 def test_slicing_by_start_end_and_limit(tmp_path: Path):
     path = str(_write(tmp_path / "in.jsonl", 10))
-    assert count_rows(path) == 10
+    assert count_lines(path) == 10
     assert [i for i, _ in iter_lines(path, 0, None)] == list(range(10))
     assert row_range(2, None, 3) == (2, 5)
     assert row_range(2, 4, 3) == (2, 4)

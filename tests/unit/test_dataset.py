@@ -12,7 +12,7 @@ import pytest
 
 from engine.stage import StageContext
 from stages.dataset import DatasetConfig
-from stages.dataset_run import jsonable, read_jsonl, run_dataset
+from stages.dataset.run import jsonable, read_jsonl, run_dataset
 from tests.conftest import ROOT
 
 ONE_DIGIT = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}

@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 
 from engine.stage import StageContext
-from stages.common import Verifier
 from stages.evaluate import EvaluateConfig
-from stages.evaluate_run import (
+from stages.evaluate.run import (
     checkpoint_names,
     evaluate_checkpoints,
     k_values,
@@ -19,6 +18,7 @@ from stages.evaluate_run import (
     render_markdown,
     summarize,
 )
+from stages.lib.config import Verifier
 
 
 @pytest.mark.parametrize(
@@ -177,8 +177,8 @@ def test_report_has_the_documented_shape_and_values(run_dir: Path):
 
 
 def test_the_stage_scores_with_the_configured_verifier(run_dir: Path):
-    pytest.importorskip("stages.verify")
-    from stages.evaluate_run import run_evaluate
+    pytest.importorskip("stages.lib.verify")
+    from stages.evaluate.run import run_evaluate
 
     data = run_dir / "test.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))

@@ -10,7 +10,7 @@ import pytest
 
 from engine.stage import StageContext, get_kind
 from stages.filter import FilterConfig
-from stages.filter_rules import FilterInputError
+from stages.filter.rules import FilterInputError
 
 
 def row(p: int, s: int, reward: float, completion: str = "x", **extra: Any) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def run(
     ctx = StageContext("filter", "filter", str(stage_dir), str(tmp_path), str(tmp_path))
     kind = get_kind("filter")
     assert kind is not None
-    report = kind.fn(cfg, ctx)
+    report = kind.call(cfg, ctx)
     kept = [json.loads(line) for line in (stage_dir / "filtered.jsonl").read_text().splitlines()]
     return [(r["prompt_idx"], r["sample_idx"]) for r in kept], report
 
@@ -237,7 +237,7 @@ def test_kept_lines_are_copied_byte_for_byte(tmp_path: Path) -> None:
     stage_dir.mkdir()
     cfg = FilterConfig(input=str(src), output=str(stage_dir / "out.jsonl"))
     ctx = StageContext("filter", "filter", str(stage_dir), str(tmp_path), str(tmp_path))
-    report = get_kind("filter").fn(cfg, ctx)  # type: ignore[union-attr]
+    report = get_kind("filter").call(cfg, ctx)  # type: ignore[union-attr]
     assert (stage_dir / "out.jsonl").read_text() == lines[0] + "\n" + lines[2] + "\n"
     assert report["rows_kept"] == 2
 
@@ -267,7 +267,7 @@ def test_unreadable_rows_name_the_file_and_byte(tmp_path: Path) -> None:
     cfg = FilterConfig(input=str(tmp_path / "rollouts.jsonl"), output=str(stage_dir / "o.jsonl"))
     ctx = StageContext("filter", "filter", str(stage_dir), str(tmp_path), str(tmp_path))
     with pytest.raises(FilterInputError, match=r"^rollouts.jsonl: byte 0: not a JSON line: "):
-        get_kind("filter").fn(cfg, ctx)  # type: ignore[union-attr]
+        get_kind("filter").call(cfg, ctx)  # type: ignore[union-attr]
     assert not (stage_dir / "o.jsonl").exists()
 
 

@@ -6,8 +6,8 @@ import itertools
 import json
 from pathlib import Path
 
-from stages.filter_rules import RewardHist
-from stages.filter_scan import iter_rows, sort_by_prompt, split_ranges
+from stages.filter.rules import RewardHist
+from stages.filter.scan import iter_rows, sort_by_prompt, split_ranges
 
 
 def test_reward_histogram_bins_exact_values() -> None:

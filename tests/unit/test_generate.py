@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stages.generate import Generation, generate  # noqa: E402
+from stages.lib.generate import Generation, generate  # noqa: E402
 from tests.unit.test_model import rigged_checkpoint, tiny_checkpoint  # noqa: E402
 
 torch.set_num_threads(1)

@@ -13,8 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stages.model import build_tiny_model, format_prompt, train_tokenizer  # noqa: E402
-from stages.train import TinyModel  # noqa: E402
+from stages.lib.config import TinyModel  # noqa: E402
+from stages.lib.model import build_tiny_model, train_tokenizer  # noqa: E402
+from stages.lib.prompt import format_prompt  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -82,7 +82,7 @@ def test_ds_config_passes_deepspeed_for_every_preset_pair(
     from engine.load import load_pipeline
     from engine.plan import plan
     from engine.resolve import resolve
-    from stages.ds_config import build_ds_config
+    from stages.lib.ds_config import build_ds_config
 
     overrides = [f"profile={profile}", f"memory={memory}"]
     p = plan(resolve(load_pipeline(ROOT / "pipelines" / "quickstart.yaml", overrides)))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.train_data import (
+from stages.train.data import (
     DataError,
     Example,
     dpo_pairs,
@@ -19,7 +19,7 @@ from stages.train_data import (
 @pytest.fixture(scope="module")
 def tokenizer():
     pytest.importorskip("transformers")
-    from stages.model import train_tokenizer
+    from stages.lib.model import train_tokenizer
 
     texts = [f"What is {a} + {b}? {a + b}" for a in range(0, 100, 7) for b in range(3, 60, 11)]
     return train_tokenizer(texts, 300)

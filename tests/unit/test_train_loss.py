@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from stages.train import TrainConfig  # noqa: E402
-from stages.train_batch import BatchPlan, Micro  # noqa: E402
-from stages.train_data import Example, TrainingSet  # noqa: E402
-from stages.train_loss import (  # noqa: E402
+from stages.train.batch import BatchPlan, Micro  # noqa: E402
+from stages.train.data import Example, TrainingSet  # noqa: E402
+from stages.train.loss import (  # noqa: E402
     collate,
     dpo_terms,
     sequence_logprobs,
@@ -113,8 +113,8 @@ def test_dpo_loss_value():
 
 def one_step(packing: bool, dynamic: bool, micro: int) -> dict[str, object]:
     """Weights after one AdamW step on the same 6 sequences, batched differently."""
-    from stages.train_engine import TorchTrainer
-    from stages.train_loop import Loop
+    from stages.lib.trainer import TorchTrainer
+    from stages.train.loop import Loop
 
     gen = torch.Generator().manual_seed(3)
     examples = []

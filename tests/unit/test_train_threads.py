@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stages.train_threads import ThreadTuner
+from stages.train.threads import ThreadTuner
 
 
 def drive(tuner: ThreadTuner, steps: int, seconds: dict[int, float]) -> list[int]:

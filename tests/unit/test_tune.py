@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from engine.tune import _run, render_sweep, requests_for, sweep_json, tune_command
-from engine.tune_sweep import Level, diagnose, find_knee, recommend, sweep
+from stages.collect.tune.cli import _run, render_sweep, requests_for, sweep_json, tune_command
+from stages.collect.tune.sweep import Level, diagnose, find_knee, recommend, sweep
 
 
 @dataclass(frozen=True)

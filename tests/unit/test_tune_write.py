@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import PipeError
-from engine.tune_write import set_stage_config_value, write_stage_config_value
+from stages.collect.tune.write import set_stage_config_value, write_stage_config_value
 
 TEXT = """\
 # A pipeline with comments, flow maps and quoting to keep.

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from stages.common import Verifier
-from stages.verify import extract_answer, make_verifier, normalise
+from stages.lib.config import Verifier
+from stages.lib.verify import extract_answer, make_verifier, normalise
 
 
 def half_credit(row: dict[str, Any], completion: str) -> float:

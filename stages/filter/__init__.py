@@ -4,7 +4,7 @@ Input: a rollout JSONL (collect's output). Output: the kept rows, byte for byte
 as they were read, plus `<stage_dir>/filter_report.json` and
 `<stage_dir>/reward_histogram.png`. The rules run in this order, each on the
 rows the earlier ones kept, and a dropped row is counted once, under the first
-rule that dropped it (`stages.filter_rules.RULES`):
+rule that dropped it (`stages.filter.rules.RULES`):
 
 1. `uniform_group`: the prompt's samples, as collected, all scored the same.
 2. `min_reward`, `max_reward`: the row's reward is out of bounds.
@@ -20,11 +20,11 @@ This module stays light (no numpy, no matplotlib): `pipe validate` imports it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from engine.stage import StageConfig, StageContext, stage
+from engine.stage import StageConfig, stage
 
 
 class FilterConfig(StageConfig):
@@ -70,9 +70,4 @@ class FilterConfig(StageConfig):
     )
 
 
-@stage("filter", config=FilterConfig)
-def filter_rollouts(cfg: FilterConfig, ctx: StageContext) -> dict[str, Any]:
-    """Drop rollouts by the configured rules and write the kept ones."""
-    from stages.filter_run import run_filter
-
-    return run_filter(cfg, ctx)
+stage("filter", config=FilterConfig, run="stages.filter.run:run_filter")

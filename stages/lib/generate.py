@@ -3,7 +3,7 @@
 Input: a checkpoint directory and prompts (strings or chat messages).
 Output: per prompt, `num_samples` `Generation`s (text, finish reason, token counts).
 
-Prompts go through the shared chat template (`stages.model.format_prompt`),
+Prompts go through the shared chat template (`stages.lib.prompt.format_prompt`),
 so generation sees exactly the format training used. Prompts are grouped by
 length and left-padded; each batch is prefilled once and its KV cache repeated
 for the `num_samples` samples (they share the prompt), then decoded token by
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stages.model import Prompt, format_prompt
+from stages.lib.prompt import Prompt, format_prompt
 
-log = logging.getLogger("pipe.stages.generate")
+log = logging.getLogger("pipe.stages.lib.generate")
 
 _CACHE: OrderedDict[tuple[str, float], tuple[Any, Any]] = OrderedDict()
 _CACHE_SIZE = 2

@@ -1,13 +1,14 @@
 """The optimizer side of a rank: DeepSpeed's engine, or plain torch with the same interface.
 
-Input: the model, the resolved `TrainConfig`, the ds_config dict (DeepSpeed)
+Input: the model, the resolved optimizer settings (any config with the fields
+of `OptimizerSettings`: the train and rl kinds' configs), the ds_config dict (DeepSpeed)
 and the run's total steps. Output: a `Trainer` whose `forward`, `backward`
 and `step` run one optimizer step as a series of micro batches, which saves
 and loads resumable checkpoints, and which hands rank 0 the full weights for
 the final Hugging Face checkpoint.
 
 Both use torch's AdamW (betas 0.9/0.95) with the schedule of
-`stages.train_schedule`, gradient clipping at 1.0, and gradients averaged over
+`stages.lib.schedule`, gradient clipping at 1.0, and gradients averaged over
 ranks. Gradient accumulation boundaries are set by the caller for each micro
 batch, because dynamic batching gives steps a varying number of them; the loss
 the caller passes is already scaled (DeepSpeed's own 1/accumulation scaling
@@ -21,22 +22,39 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
-from stages.train_schedule import lr_factor, warmup_steps
+from stages.lib.schedule import lr_factor, warmup_steps
 
-if TYPE_CHECKING:
-    from stages.train import TrainConfig
+
+class OptimizerSettings(Protocol):
+    """The resolved settings a trainer reads (a kind's frozen config has them as fields)."""
+
+    @property
+    def learning_rate(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def warmup_ratio(self) -> float: ...
+    @property
+    def lr_scheduler(self) -> Literal["constant", "cosine", "linear"]: ...
+    @property
+    def bf16(self) -> bool: ...
+    @property
+    def zero_stage(self) -> int: ...
+    @property
+    def adam_offload(self) -> bool: ...
+
 
 BETAS = (0.9, 0.95)
 log = logging.getLogger("pipe.train")
 
 
 def _scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainConfig, total: int
+    optimizer: torch.optim.Optimizer, cfg: OptimizerSettings, total: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     warm = warmup_steps(total, cfg.warmup_ratio)
     kind = cfg.lr_scheduler
@@ -63,7 +81,7 @@ class TorchTrainer:
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, total: int, device: str):
+    def __init__(self, model: torch.nn.Module, cfg: OptimizerSettings, total: int, device: str):
         self.module = model.to(device)
         self.device, self.bf16 = device, cfg.bf16
         self.optimizer = torch.optim.AdamW(
@@ -138,7 +156,7 @@ class DeepSpeedTrainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        cfg: TrainConfig,
+        cfg: OptimizerSettings,
         total: int,
         device: str,
         ds_config: dict[str, Any],

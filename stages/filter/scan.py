@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-from stages.filter_rules import Counts, Row, Rules, parse_row
+from stages.filter.rules import Counts, Row, Rules, parse_row
 
 log = logging.getLogger(__name__)
 BUFFER = 1 << 20

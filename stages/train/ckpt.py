@@ -22,21 +22,14 @@ import random
 import shutil
 from typing import Any
 
+from stages.lib.jsonl import atomic_write
+
 LATEST = "latest"
 STATE = "trainer_state.json"
 
 
 def tag_of(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def latest(root: str) -> tuple[str, dict[str, Any]] | None:
@@ -80,8 +73,8 @@ def save(trainer: Any, root: str, step: int, state: dict[str, Any], rank: int) -
     torch.save(_rng_state(), os.path.join(root, tag, f"rng_rank{rank}.pt"))
     _barrier()
     if rank == 0:
-        _write_atomic(os.path.join(root, tag, STATE), json.dumps(state, indent=1))
-        _write_atomic(os.path.join(root, LATEST), tag)
+        atomic_write(os.path.join(root, tag, STATE), json.dumps(state, indent=1))
+        atomic_write(os.path.join(root, LATEST), tag)
         for name in os.listdir(root):
             if name.startswith("step_") and name != tag:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -114,7 +107,7 @@ def trim_loss_log(path: str, last_step: int) -> None:
                     kept.append(line if line.endswith("\n") else line + "\n")
             except (ValueError, KeyError, TypeError):
                 continue
-    _write_atomic(path, "".join(kept))
+    atomic_write(path, "".join(kept))
 
 
 def read_loss_log(path: str) -> list[dict[str, Any]]:

@@ -1,64 +1,29 @@
-"""Tiny models built from config, and the prompt format every stage shares.
+"""Tiny models built from config, with a tokenizer trained locally.
 
 Input: a `TinyModel` spec and the texts to train a tokenizer on.
 Output: an ordinary Hugging Face checkpoint directory (config, weights,
-tokenizer with a chat template) that `AutoModelForCausalLM` and
-`AutoTokenizer` load like any other.
+tokenizer with the shared chat template of `stages.lib.prompt`) that
+`AutoModelForCausalLM` and `AutoTokenizer` load like any other.
 
-The tokenizer is a byte-level BPE trained locally with the `tokenizers`
-library; digits are split one per token so that arithmetic is learnable by a
-small model. The chat template is deliberately plain:
-
-    <|bos|><|system|>...<|user|>...<|assistant|>ANSWER<|eos|>
-
-`format_prompt` renders a prompt (a string, or a list of chat messages) up to
-and including `<|assistant|>`; training appends the target and `<|eos|>`,
-generation continues from it. Tokenize its output with
-`add_special_tokens=False` (the template already holds `<|bos|>`).
+The tokenizer is a byte-level BPE trained with the `tokenizers` library;
+digits are split one per token so that arithmetic is learnable by a small model.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from stages.lib.prompt import BOS, CHAT_TEMPLATE, EOS, PAD, ROLE_TOKENS, SPECIAL_TOKENS
+
 if TYPE_CHECKING:
-    from stages.train import TinyModel
+    from stages.lib.config import TinyModel
 
-log = logging.getLogger("pipe.stages.model")
+log = logging.getLogger("pipe.stages.lib.model")
 
-PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
-ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
-SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)
 BYTE_ALPHABET = 256
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
-
-Prompt = str | Sequence[dict[str, str]]
-
-
-def as_messages(prompt: Prompt) -> list[dict[str, str]]:
-    """A prompt as chat messages: a string becomes a single user message."""
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [dict(m) for m in prompt]
-
-
-def format_prompt(tokenizer: Any, prompt: Prompt) -> str:
-    """The text a model sees before its answer, through the tokenizer's chat template."""
-    text = tokenizer.apply_chat_template(
-        as_messages(prompt), tokenize=False, add_generation_prompt=True
-    )
-    return str(text)
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:

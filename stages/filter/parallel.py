@@ -40,8 +40,8 @@ from functools import partial
 from typing import Any, BinaryIO
 
 from stages.filter import FilterConfig
-from stages.filter_rules import Counts, Row, Rules
-from stages.filter_scan import (
+from stages.filter.rules import Counts, Row, Rules
+from stages.filter.scan import (
     BUFFER,
     OutOfOrder,
     filter_range,
@@ -193,7 +193,7 @@ def run_parallel(
     logger: logging.Logger = log,
 ) -> tuple[Counts, int]:
     """Filter `src` as Dask tasks; append kept lines to `out`; return counts and the range count."""
-    from stages.filter_scan import split_ranges
+    from stages.filter.scan import split_ranges
 
     size = os.path.getsize(src)
     ranges = split_ranges(src, max(2, math.ceil(size / (cfg.partition_mb * 2**20))))

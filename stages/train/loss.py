@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stages.train_batch import Micro
-from stages.train_data import Example
+from stages.train.batch import Micro
+from stages.train.data import Example
 
 IGNORE = -100
 

@@ -1,7 +1,7 @@
 """The filter's rules: one prompt's group of rollout rows in, the kept rows and drop counts out.
 
-Pure logic, no I/O: `stages.filter_scan` reads rows and groups them, and
-`stages.filter_run` / `stages.filter_parallel` decide where each group is
+Pure logic, no I/O: `stages.filter.scan` reads rows and groups them, and
+`stages.filter.run` / `stages.filter.parallel` decide where each group is
 filtered. The rules run in the order of `RULES`, each on the rows the earlier
 ones kept, and a dropped row is counted once, under the first rule that dropped
 it. `Rules.first_half` holds the rules that need only the group (1-5 in

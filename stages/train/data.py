@@ -8,7 +8,7 @@ then the tokenizer's end-of-sequence token) and the prompt's length; the loss
 is taken on the response tokens only. For `algorithm: dpo`, `dpo_pairs` names
 the (chosen, rejected) rows.
 
-The prompt goes through the shared chat template (`stages.model.format_prompt`),
+The prompt goes through the shared chat template (`stages.lib.prompt.format_prompt`),
 so training sees exactly the text generation will continue from.
 """
 
@@ -51,20 +51,10 @@ class Example:
 
 
 def read_rows(path: str) -> list[Row]:
-    """Every row of a JSONL file (blank lines skipped)."""
-    rows: list[Row] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not valid JSON: {e.msg}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{n}: expected a JSON object per line")
-            rows.append(row)
-    return rows
+    """Every row of a JSONL file (blank lines skipped); a bad line is a `DataError`."""
+    from stages.lib.jsonl import read_jsonl
+
+    return list(read_jsonl(path, DataError))
 
 
 def prompt_of(row: Row) -> str | list[dict[str, str]]:
@@ -150,7 +140,7 @@ def tokenize(samples: Sequence[Sample], tokenizer: Any, max_length: int) -> list
     prompt alone fills `max_length` keeps no response token (`response_len == 0`)
     and is left out of training by the caller.
     """
-    from stages.model import format_prompt
+    from stages.lib.prompt import format_prompt
 
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no end-of-sequence token")

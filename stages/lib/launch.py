@@ -1,11 +1,11 @@
 """Launch the training ranks as fresh processes and follow them.
 
-Input: the worker spec file, the number of ranks, the device kind, threads
-per rank, a log file and a logger.
+Input: the rank module to run (e.g. `stages.train.worker`), its spec file,
+the number of ranks, the device kind, threads per rank, a log file and a logger.
 Output: returns when every rank exited 0; otherwise stops the others and
 raises `TrainingFailed` with the exit status and the last lines of the log.
 
-Each rank is `python -m stages.train_worker SPEC` with the usual
+Each rank is `python -m MODULE SPEC` with the usual
 torch.distributed environment (MASTER_ADDR=127.0.0.1, a free MASTER_PORT,
 RANK, WORLD_SIZE, LOCAL_RANK), OMP_NUM_THREADS set to its share of the cores,
 and `DS_ACCELERATOR=cpu` on CPU so DeepSpeed does not probe for GPUs. Every
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO
 
 TAIL_LINES = 40
-MARK = "@pipe "  # as in stages.train_worker (not imported: that module is the worker's)
+MARK = "@pipe "  # lines a rank marks for the stage log (see stages.train.worker)
 
 
 class TrainingFailed(RuntimeError):
@@ -122,9 +122,15 @@ def _stop(procs: list[subprocess.Popen[str]], grace_s: float = 10.0) -> None:
 
 
 def launch(
-    spec_path: str, world: int, device: str, threads: int, log_path: str, logger: logging.Logger
+    module: str,
+    spec_path: str,
+    world: int,
+    device: str,
+    threads: int,
+    log_path: str,
+    logger: logging.Logger,
 ) -> None:
-    """Run `world` ranks of `stages.train_worker` on `spec_path`; raise if any fails."""
+    """Run `world` ranks of `python -m module spec_path`; raise if any fails."""
     port = free_port()
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     lock = threading.Lock()
@@ -135,7 +141,7 @@ def launch(
         try:
             for rank in range(world):
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "stages.train_worker", spec_path],
+                    [sys.executable, "-m", module, spec_path],
                     env=rank_env(rank, world, port, threads, device),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

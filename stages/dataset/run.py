@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from stages.lib.jsonl import read_jsonl, write_jsonl
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -169,21 +170,6 @@ def normalise_row(row: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def read_jsonl(path: str) -> Iterator[dict[str, Any]]:
-    """Rows of a JSONL file; blank lines are skipped, a bad line is an error naming it."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON: {e.msg}") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object per line")
-            yield row
-
-
 def _read_parquet(path: str) -> Iterator[dict[str, Any]]:
     try:
         import pyarrow.parquet as pq
@@ -245,14 +231,3 @@ def jsonable(value: Any) -> Any:
     if hasattr(value, "tolist") and callable(value.tolist):
         return jsonable(value.tolist())
     return str(value)
-
-
-def write_jsonl(path: str, rows: Iterable[dict[str, Any]]) -> None:
-    """Write rows atomically: a temporary file in the same folder, then a rename."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from engine.stage import StageConfig, StageContext, stage
+from engine.stage import StageConfig, stage
 
 
 class DatasetConfig(StageConfig):
@@ -36,9 +36,4 @@ class DatasetConfig(StageConfig):
     test_output: str = Field("test.jsonl", description="Held-out test prompts written.")
 
 
-@stage("dataset", config=DatasetConfig)
-def dataset(cfg: DatasetConfig, ctx: StageContext) -> dict[str, Any]:
-    """Write the train and test prompt files."""
-    from stages.dataset_run import run_dataset
-
-    return run_dataset(cfg, ctx)
+stage("dataset", config=DatasetConfig, run="stages.dataset.run:run_dataset")

@@ -23,7 +23,6 @@ with `seek`.
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import shutil
@@ -31,8 +30,9 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from stages.filter_rules import RULES, Counts, Rules, SeenSet
-from stages.filter_scan import BUFFER, OutOfOrder, filter_range, sort_by_prompt
+from stages.filter.rules import RULES, Counts, Rules, SeenSet
+from stages.filter.scan import BUFFER, OutOfOrder, filter_range, sort_by_prompt
+from stages.lib.jsonl import atomic_path, write_json
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -53,13 +53,6 @@ def _in_worker() -> bool:
     return True
 
 
-def _atomic_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def _filter_once(
     cfg: FilterConfig, ctx: StageContext, src: str, tmp: str, out: BinaryIO
 ) -> tuple[Counts, str, int]:
@@ -68,7 +61,7 @@ def _filter_once(
     if _in_worker() and os.path.getsize(src) > 2 * part_bytes:
         from distributed import worker_client
 
-        from stages.filter_parallel import run_parallel
+        from stages.filter.parallel import run_parallel
 
         with worker_client() as client:
             counts, parts = run_parallel(client, src, cfg, ctx.pipeline_dir, tmp, out, ctx.log)
@@ -125,7 +118,7 @@ def run_filter(cfg: FilterConfig, ctx: StageContext) -> dict[str, Any]:
     report["seconds"] = round(seconds, 3)
     report["rows_per_s"] = round(counts.rows_in / seconds, 1) if seconds > 0 else None
     report["histogram"] = plot_histogram(counts, ctx.path(HISTOGRAM))
-    _atomic_bytes(ctx.path(REPORT), (json.dumps(report, indent=2) + "\n").encode())
+    write_json(ctx.path(REPORT), report)
     ctx.log.info(
         "filter: kept %d of %d rows (%s) in %.1f s, %s",
         counts.rows_kept,
@@ -186,8 +179,7 @@ def plot_histogram(counts: Counts, path: str) -> str | None:
     ax.set_xlabel("reward")
     ax.set_ylabel("rollouts")
     ax.set_title("filter: rewards of input and kept rollouts")
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}.png"
-    fig.savefig(tmp, dpi=100)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)
     return path

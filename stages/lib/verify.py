@@ -1,6 +1,6 @@
 """Verifiers: turn a (row, completion) pair into a reward in [0, 1].
 
-Input: a `stages.common.Verifier` config. Output: a callable
+Input: a `stages.lib.config.Verifier` config. Output: a callable
 `score(row, completion) -> float` used by collect and evaluate.
 
 Every kind first extracts the answer from the completion: the text inside the
@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from stages.common import Verifier
+from stages.lib.config import Verifier
 
 Score = Callable[[dict[str, Any], str], float]
 

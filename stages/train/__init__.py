@@ -2,59 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import ClassVar, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Field
 
-from engine.stage import StageConfig, StageContext, stage
-from stages.common import Block, CountOrAuto
-
-
-class TinyModel(Block):
-    """A small Llama-architecture model built from config, with a tokenizer trained locally."""
-
-    init: Literal["tiny_llama"] = Field(
-        "tiny_llama", description="Build a fresh Llama-architecture model."
-    )
-    hidden_size: int = Field(128, gt=0, description="Width of the model.")
-    num_layers: int = Field(2, gt=0, description="Transformer blocks.")
-    num_heads: int = Field(4, gt=0, description="Attention heads (must divide hidden_size).")
-    intermediate_size: int | None = Field(
-        None, gt=0, description="MLP width; empty: 4 x hidden_size."
-    )
-    vocab_size: int = Field(
-        512,
-        ge=262,
-        description="Byte-level BPE vocabulary trained on the training prompts (256 bytes + specials at least).",
-    )
-    max_position_embeddings: int = Field(
-        512, gt=0, description="Longest sequence the model handles."
-    )
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> TinyModel:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} must divide hidden_size {self.hidden_size}"
-            )
-        return self
-
-
-def _model_tag(value: Any) -> str:
-    return "spec" if isinstance(value, dict | TinyModel) else "path"
-
-
-ModelRef = Annotated[
-    Annotated[str, Tag("path")] | Annotated[TinyModel, Tag("spec")],
-    Discriminator(_model_tag),
-]
+from engine.errors import Diagnostic
+from engine.stage import ResolveContext, StageConfig, stage
+from stages.lib.config import CountOrAuto, ModelRef, TinyModel
 
 
 class TrainConfig(StageConfig):
     """Fine-tune a model on the upstream rollouts (or prompts with gold answers)."""
 
     INPUTS = ("input", "model")
+    MODEL_INPUTS = ("model",)
     OUTPUTS = ("output",)
+    OUTPUT_TYPES: ClassVar[dict[str, str]] = {"output": "checkpoint"}
 
     input: str | None = Field(
         None, description="Training JSONL; empty: the upstream stage's output."
@@ -136,10 +99,12 @@ class TrainConfig(StageConfig):
     beta: float = Field(0.1, gt=0, description="dpo: strength of the KL penalty.")
     seed: int = Field(0, description="Seed for data order and initialisation.")
 
+    def check(self, ctx: ResolveContext) -> list[Diagnostic]:
+        """Batch sizes that divide over the ranks (one per GPU, or num_processes on CPU);
+        offload only with ZeRO."""
+        from stages.lib.ds_config import check_deepspeed
 
-@stage("train", config=TrainConfig)
-def train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
-    """Train and write a checkpoint, metrics and a loss curve."""
-    from stages.train_run import run_train
+        return check_deepspeed(self, ctx, ctx.gpus or self.num_processes)
 
-    return run_train(cfg, ctx)
+
+stage("train", config=TrainConfig, run="stages.train.run:run_train")

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from stages import train_ckpt
-from stages.train_batch import BatchPlan, Micro, Step
-from stages.train_data import TrainingSet
-from stages.train_loss import Batch, collate, dpo_terms, sequence_logprobs, sft_loss_sum
-from stages.train_threads import ThreadTuner
+from stages.train import ckpt as train_ckpt
+from stages.train.batch import BatchPlan, Micro, Step
+from stages.train.data import TrainingSet
+from stages.train.loss import Batch, collate, dpo_terms, sequence_logprobs, sft_loss_sum
+from stages.train.threads import ThreadTuner
 
 if TYPE_CHECKING:
     from stages.train import TrainConfig

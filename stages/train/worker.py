@@ -1,6 +1,6 @@
-"""One training rank, run as its own process: `python -m stages.train_worker SPEC.json`.
+"""One training rank, run as its own process: `python -m stages.train.worker SPEC.json`.
 
-Input: the worker spec written by `stages.train_run` (the resolved config,
+Input: the worker spec written by `stages.train.run` (the resolved config,
 the model directory, device, trainer kind, ds_config, threads) and the rank
 in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 Output: checkpoints and `loss.jsonl` in the stage folder; from rank 0 the
@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stages.train import TrainConfig
-    from stages.train_batch import BatchPlan
-    from stages.train_data import TrainingSet
-    from stages.train_loop import Loop
+    from stages.train.batch import BatchPlan
+    from stages.train.data import TrainingSet
+    from stages.train.loop import Loop
+    from stages.train.spec import WorkerSpec
 
 log = logging.getLogger("pipe.train")
 PARENT_ENV = "PIPE_TRAIN_PARENT_PID"
@@ -87,9 +88,12 @@ def _load(model_dir: str, device: str) -> tuple[Any, Any]:
     return tokenizer, model
 
 
-def make_trainer(spec: dict[str, Any], cfg: Any, model: Any, total: int, device: str) -> Any:
-    """The `Trainer` of `spec["trainer"]` around `model`, in training mode."""
-    from stages.train_engine import DeepSpeedTrainer, TorchTrainer
+def make_trainer(
+    trainer: str, ds_config: dict[str, Any] | None, cfg: Any, model: Any, total: int, device: str
+) -> Any:
+    """The `Trainer` (`trainer`: deepspeed with `ds_config`, or torch) around `model`, in
+    training mode."""
+    from stages.lib.trainer import DeepSpeedTrainer, TorchTrainer
 
     model.train()  # from_pretrained returns eval mode, where checkpointing is skipped
     if cfg.gradient_checkpointing:
@@ -98,8 +102,8 @@ def make_trainer(spec: dict[str, Any], cfg: Any, model: Any, total: int, device:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if spec["trainer"] == "deepspeed":
-        return DeepSpeedTrainer(model, cfg, total, device, spec["ds_config"])
+    if trainer == "deepspeed" and ds_config is not None:
+        return DeepSpeedTrainer(model, cfg, total, device, ds_config)
     return TorchTrainer(model, cfg, total, device)
 
 
@@ -121,7 +125,7 @@ def _save_final(trainer: Any, tokenizer: Any, output: str, rank: int) -> None:
 
 
 def plan_for(cfg: TrainConfig, data: TrainingSet, world: int) -> BatchPlan:
-    from stages.train_batch import BatchPlan
+    from stages.train.batch import BatchPlan
 
     return BatchPlan(
         data.units,
@@ -140,8 +144,8 @@ def plan_for(cfg: TrainConfig, data: TrainingSet, world: int) -> BatchPlan:
 
 def _resume(loop: Loop, root: str, rank: int) -> int | None:
     """Load the newest complete checkpoint, if any; the step it was saved at."""
-    from stages import train_ckpt
-    from stages.train_loop import Counters
+    from stages.train import ckpt as train_ckpt
+    from stages.train.loop import Counters
 
     found = train_ckpt.latest(root)
     if found is None:
@@ -179,14 +183,14 @@ def _result(loop: Loop, resumed: int | None) -> dict[str, Any]:
 
 
 def _build_loop(
-    spec: dict[str, Any], cfg: TrainConfig, rank: int, world: int, device: str
+    spec: WorkerSpec, cfg: TrainConfig, rank: int, world: int, device: str
 ) -> tuple[Loop, Any]:
     """Model, data, plan and trainer of this rank, ready to run; and the tokenizer."""
-    from stages.train_data import read_rows, training_set
-    from stages.train_loop import Loop
-    from stages.train_threads import ThreadTuner
+    from stages.train.data import read_rows, training_set
+    from stages.train.loop import Loop
+    from stages.train.threads import ThreadTuner
 
-    tokenizer, model = _load(spec["model_dir"], device)
+    tokenizer, model = _load(spec.model_dir, device)
     rows = read_rows(str(cfg.input))
     data = training_set(
         rows, tokenizer, algorithm=cfg.algorithm, target=cfg.target, max_length=cfg.max_length
@@ -194,44 +198,42 @@ def _build_loop(
     plan = plan_for(cfg, data, world)
     reference = None
     if cfg.algorithm == "dpo":
-        reference = _load(spec["model_dir"], device)[1].to(device).eval().requires_grad_(False)
+        reference = _load(spec.model_dir, device)[1].to(device).eval().requires_grad_(False)
     pad_id = tokenizer.pad_token_id
     loop = Loop(
         cfg=cfg,
-        trainer=make_trainer(spec, cfg, model, plan.total_steps, device),
+        trainer=make_trainer(spec.trainer, spec.ds_config, cfg, model, plan.total_steps, device),
         plan=plan,
         data=data,
         device=device,
         pad_id=tokenizer.eos_token_id if pad_id is None else pad_id,
-        stage_dir=spec["stage_dir"],
+        stage_dir=spec.stage_dir,
         rank=rank,
         world=world,
         reference=reference,
-        fingerprint=spec["fingerprint"],
-        threads=ThreadTuner(spec["threads"]) if spec.get("tune_threads") else None,
+        fingerprint=spec.fingerprint,
+        threads=ThreadTuner(spec.threads) if spec.tune_threads else None,
     )
     return loop, tokenizer
 
 
-def run(spec: dict[str, Any]) -> None:
+def run(spec: WorkerSpec) -> None:
     """Train one rank from its spec; see the module docstring."""
     import torch
 
-    from stages.train import TrainConfig
-
     started = time.perf_counter()
-    cfg = TrainConfig.model_validate_json(json.dumps(spec["config"]))
+    cfg = spec.config
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    _setup(rank, spec["threads"])
-    device = f"cuda:{local}" if spec["device"] == "cuda" else "cpu"
+    _setup(rank, spec.threads)
+    device = f"cuda:{local}" if spec.device == "cuda" else "cpu"
     if device != "cpu":
         torch.cuda.set_device(local)
-    init_distributed(spec["trainer"], device, world)
+    init_distributed(spec.trainer, device, world)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     loop, tokenizer = _build_loop(spec, cfg, rank, world, device)
-    resumed = _resume(loop, f"{spec['stage_dir']}/checkpoints", rank)
+    resumed = _resume(loop, f"{spec.stage_dir}/checkpoints", rank)
     log.info(
         "training %d %s on %d rank(s) with %s: %d steps (%d per epoch), ready in %.1fs",
         len(loop.data.units),
@@ -247,7 +249,7 @@ def run(spec: dict[str, Any]) -> None:
     _save_final(loop.trainer, tokenizer, cfg.output, rank)
     log.info("wrote %s in %.2fs", cfg.output, time.perf_counter() - t)
     if rank == 0:
-        with open(f"{spec['stage_dir']}/train_result.json", "w", encoding="utf-8") as f:
+        with open(f"{spec.stage_dir}/train_result.json", "w", encoding="utf-8") as f:
             json.dump(_result(loop, resumed), f, indent=1)
 
 
@@ -268,9 +270,9 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     _die_with_parent()
-    with open(args[0], encoding="utf-8") as f:
-        spec = json.load(f)
-    run(spec)
+    from stages.train.spec import WorkerSpec
+
+    run(WorkerSpec.read(args[0]))
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -279,4 +281,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is written and flushed by now. Skip the interpreter's teardown: a gloo or
+    # DeepSpeed thread still joinable there aborts the process now and then ("terminate called
+    # without an active exception", SIGABRT) after a run that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar
 
 from pydantic import Field
 
-from engine.stage import StageConfig, StageContext, stage
-from stages.common import Verifier
+from engine.stage import StageConfig, stage
+from stages.lib.config import Verifier
 
 
 class EvaluateConfig(StageConfig):
     """Accuracy, pass@k and mean reward of each checkpoint, against a baseline."""
 
     INPUTS = ("input", "checkpoints")
+    MODEL_INPUTS = ("checkpoints",)
+    INPUT_TYPES: ClassVar[dict[str, str]] = {"checkpoints": "checkpoint"}
     OUTPUTS = ("output",)
 
     input: str | None = Field(
@@ -38,9 +40,4 @@ class EvaluateConfig(StageConfig):
     seed: int = Field(0, description="Seed for sampling.")
 
 
-@stage("evaluate", config=EvaluateConfig)
-def evaluate(cfg: EvaluateConfig, ctx: StageContext) -> dict[str, Any]:
-    """Evaluate every checkpoint and write the report."""
-    from stages.evaluate_run import run_evaluate
-
-    return run_evaluate(cfg, ctx)
+stage("evaluate", config=EvaluateConfig, run="stages.evaluate.run:run_evaluate")

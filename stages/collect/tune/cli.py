@@ -4,8 +4,8 @@ Input: a pipeline file and the name of one of its collect stages. Output: a
 table (or JSON) of the levels measured, the knee and the recommended
 `num_samples_in_parallel` on stdout, a PNG of throughput and latency against
 parallelism, and with `--write` the value put into the file
-(`engine.tune_write`). `--diagnose` runs the bottleneck test instead
-(parallelism 5 against 20). The sweep logic is `engine.tune_sweep`; the
+(`stages.collect.tune.write`). `--diagnose` runs the bottleneck test instead
+(parallelism 5 against 20). The sweep logic is `stages.collect.tune.sweep`; the
 measuring is the collector's own `stages.collect.measure.measure_level`, on
 the first rows of the stage's prompts file.
 
@@ -14,9 +14,11 @@ Exit codes: 0 ok; 1 no level ran without errors; 2 an invalid pipeline or usage.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,16 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from engine.errors import PipeError, did_you_mean
-from engine.tune_sweep import DIAGNOSE_LEVELS, Diagnosis, Level, MeasureFn, Sweep, diagnose, sweep
+from stages.collect.tune.sweep import (
+    DIAGNOSE_LEVELS,
+    Diagnosis,
+    Level,
+    MeasureFn,
+    Sweep,
+    diagnose,
+    sweep,
+)
+from stages.lib.jsonl import read_jsonl
 
 if TYPE_CHECKING:
     from engine.load import LoadedPipeline
@@ -103,8 +114,9 @@ class Target:
 
 
 def _collect_config(loaded: LoadedPipeline, stage: str) -> CollectConfig:
-    from engine.load import stage_config_data
-    from engine.stage import get_kind
+    """The stage's config as `pipe run` would run it: resolved, presets and derived rules
+    applied (`PipeError` when the stage is not a collect stage or the pipeline is invalid)."""
+    from engine.resolve import resolve
     from stages.collect import CollectConfig
 
     spec = loaded.spec
@@ -118,35 +130,37 @@ def _collect_config(loaded: LoadedPipeline, stage: str) -> CollectConfig:
         where = loaded.doc.value_loc(("stages", stage, "kind"))
         msg = f"pipe tune measures a collect stage, found kind '{kind_name}'{hint}"
         raise PipeError.single(where, f"stages.{stage}.kind", msg)
-    kind = get_kind("collect")
-    assert kind is not None
-    cfg = kind.config.model_validate(stage_config_data(spec, stage, kind))
+    cfg = resolve(loaded).stages[stage].config
     assert isinstance(cfg, CollectConfig)
     return cfg
 
 
 def _sample_rows(loaded: LoadedPipeline, stage: str, cfg: CollectConfig) -> list[dict[str, Any]]:
     """The first `SAMPLE_ROWS` prompt rows from `start_idx` of the stage's input file."""
+    from engine.load import stage_config_data
+    from engine.stage import get_kind
+
     path = ("stages", stage, "config", "input")
     where = loaded.doc.value_loc(path)
     dotted = ".".join(path)
-    if not cfg.input or cfg.input.startswith("@") or "://" in cfg.input:
-        found = f"'{cfg.input}'" if cfg.input else "none (it comes from an upstream stage)"
+    kind = get_kind("collect")
+    assert kind is not None
+    written = stage_config_data(loaded.spec, stage, kind).get("input")
+    if not cfg.input or not written or written.startswith("@") or "://" in cfg.input:
+        found = f"'{written}'" if written else "none (it comes from an upstream stage)"
         msg = f"pipe tune needs a local prompts file, found {found}; give one with --set {dotted}=PATH"
         raise PipeError.single(where, dotted, msg)
-    file = loaded.base_dir / cfg.input
-    rows: list[dict[str, Any]] = []
+    file = cfg.input
+    rel = os.path.relpath(file)
+    file = file if rel.startswith("..") else rel  # as the user reads it
+    stop = cfg.end_idx if cfg.end_idx is not None else cfg.start_idx + SAMPLE_ROWS
+    stop = min(stop, cfg.start_idx + SAMPLE_ROWS)
     try:
-        with open(file, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if len(rows) >= SAMPLE_ROWS or (cfg.end_idx is not None and i >= cfg.end_idx):
-                    break
-                if i >= cfg.start_idx and line.strip():
-                    rows.append(json.loads(line))
+        rows = list(itertools.islice(read_jsonl(file), cfg.start_idx, stop))
     except FileNotFoundError:
         raise PipeError.single(where, dotted, f"no such file '{file}'") from None
     except ValueError as exc:
-        raise PipeError.single(where, dotted, f"'{file}': not JSONL: {exc}") from None
+        raise PipeError.single(where, dotted, f"not JSONL: {exc}") from None
     if not rows:
         raise PipeError.single(where, dotted, f"'{file}' holds no prompt rows from start_idx")
     return rows
@@ -245,7 +259,7 @@ def _run(
     if result.recommended is None:
         return 1
     if opts["write"]:
-        from engine.tune_write import write_stage_config_value
+        from stages.collect.tune.write import write_stage_config_value
 
         write_stage_config_value(target.loaded.path, stage, KEY, result.recommended)
         click.echo(f"wrote {pipeline}: stages.{stage}.config.{KEY}: {result.recommended}", err=True)

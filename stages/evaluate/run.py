@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.dataset_run import read_jsonl, write_jsonl
+from stages.lib.jsonl import atomic_path, atomic_write, read_jsonl, write_jsonl
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -39,7 +39,7 @@ FULL_REWARD = 1.0
 
 def run_evaluate(cfg: EvaluateConfig, ctx: StageContext) -> dict[str, Any]:
     """Evaluate every checkpoint on the held-out prompts and write the report."""
-    from stages.verify import make_verifier
+    from stages.lib.verify import make_verifier
 
     if not cfg.input:
         raise ValueError("evaluate needs an 'input' prompt file (e.g. '@data.test_output')")
@@ -100,7 +100,7 @@ def checkpoint_names(paths: Sequence[str], run_dir: str) -> list[str]:
 def _score_checkpoint(
     cfg: EvaluateConfig, path: str, name: str, rows: list[dict[str, Any]], verify: Verify
 ) -> tuple[list[list[float]], list[dict[str, Any]]]:
-    from stages.generate import generate
+    from stages.lib.generate import generate
 
     prompts = [r["messages"] if "messages" in r else r["prompt"] for r in rows]
     greedy = cfg.temperature == 0
@@ -174,9 +174,9 @@ def write_report(output: str, report: dict[str, Any], samples: list[dict[str, An
     folder = os.path.dirname(output) or "."
     stem = os.path.splitext(output)[0]
     write_jsonl(os.path.join(folder, "generations.jsonl"), samples)
-    _write_text(stem + ".md", render_markdown(report))
+    atomic_write(stem + ".md", render_markdown(report))
     _write_chart(stem + ".png", report)
-    _write_text(output, json.dumps(report, indent=2) + "\n")
+    atomic_write(output, json.dumps(report, indent=2) + "\n")
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -226,14 +226,6 @@ def _write_chart(path: str, report: dict[str, Any]) -> None:
     ax.set_title(f"evaluation on {results[0]['n']} held-out prompts")
     ax.legend()
     fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
-
-
-def _write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)

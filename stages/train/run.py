@@ -12,7 +12,7 @@ The stage process itself never trains: it checks the data (so a bad row fails
 before any process starts), builds the tiny model when the config asks for
 one (`<stage_dir>/init_model`), decides whether an earlier interrupted run can
 be resumed (same config, inputs and world size: its fingerprint), writes the
-worker spec and launches `stages.train_worker` once per rank: on CPU
+worker spec and launches `stages.train.worker` once per rank: on CPU
 `num_processes` ranks over gloo, on GPU one per GPU of the stage over NCCL.
 """
 
@@ -24,12 +24,14 @@ import json
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from stages import train_ckpt
-from stages.ds_config import build_ds_config
-from stages.train_data import dpo_pairs, read_rows, samples_of
-from stages.train_launch import launch
+from stages.lib.ds_config import build_ds_config
+from stages.lib.jsonl import write_json
+from stages.lib.launch import launch
+from stages.train import ckpt as train_ckpt
+from stages.train.data import dpo_pairs, read_rows, samples_of
+from stages.train.spec import WorkerSpec
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 UNHASHED = ("logging_steps", "save_steps", "num_threads")
 
 
-def trainer_kind(cfg: TrainConfig) -> str:
+def trainer_kind(cfg: TrainConfig) -> Literal["deepspeed", "torch"]:
     """deepspeed or torch: what `cfg.trainer` means on this machine."""
     has_ds = importlib.util.find_spec("deepspeed") is not None
     if cfg.trainer == "deepspeed" and not has_ds:
@@ -103,15 +105,10 @@ def _model_dir(cfg: TrainConfig, rows: list[dict[str, Any]], stage_dir: str) -> 
         return cfg.model
     path = f"{stage_dir}/init_model"
     if not os.path.exists(f"{path}/config.json"):
-        from stages.model import build_tiny_model
+        from stages.lib.model import build_tiny_model
 
         build_tiny_model(cfg.model, _texts(rows, cfg), path, seed=cfg.seed)
     return path
-
-
-def _write_json(path: str, data: Any, indent: int = 1) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=indent)
 
 
 def _check_data(cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -128,27 +125,28 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
     start = time.perf_counter()
     stage_dir = ctx.stage_dir.rstrip("/")
     rows = _check_data(cfg)
-    device, world = ("cuda", ctx.gpus) if ctx.gpus > 0 else ("cpu", cfg.num_processes)
+    device: Literal["cpu", "cuda"] = "cuda" if ctx.gpus > 0 else "cpu"
+    world = ctx.gpus if ctx.gpus > 0 else cfg.num_processes
     trainer = trainer_kind(cfg)
     fingerprint = _fingerprint(cfg, world, trainer, device)
     resumed = _resume_point(stage_dir, fingerprint, ctx)
     ds_config = None
     if trainer == "deepspeed":
         ds_config = build_ds_config(cfg, world, pin_memory=device == "cuda")
-        _write_json(f"{stage_dir}/ds_config.json", ds_config, indent=2)
+        write_json(f"{stage_dir}/ds_config.json", ds_config, indent=2)
     threads = threads_per_rank(cfg, world)
-    spec = {
-        "config": cfg.model_dump(mode="json"),
-        "model_dir": _model_dir(cfg, rows, stage_dir),
-        "stage_dir": stage_dir,
-        "device": device,
-        "trainer": trainer,
-        "threads": threads,
-        "tune_threads": cfg.num_threads == "auto" and threads > 1,
-        "ds_config": ds_config,
-        "fingerprint": fingerprint,
-    }
-    _write_json(f"{stage_dir}/train_spec.json", spec)
+    spec = WorkerSpec(
+        config=cfg,
+        model_dir=_model_dir(cfg, rows, stage_dir),
+        stage_dir=stage_dir,
+        device=device,
+        trainer=trainer,
+        threads=threads,
+        tune_threads=cfg.num_threads == "auto" and threads > 1,
+        ds_config=ds_config,
+        fingerprint=fingerprint,
+    )
+    spec.write(f"{stage_dir}/train_spec.json")
     engine = f"deepspeed zero {cfg.zero_stage}" if ds_config else "plain torch"
     ctx.log.info(
         "train: %s on %d %s rank(s), %d thread(s) each, %s",
@@ -159,6 +157,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         engine,
     )
     launch(
+        "stages.train.worker",
         f"{stage_dir}/train_spec.json",
         world,
         device,
@@ -179,7 +178,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
 
 
 def _metrics(cfg: TrainConfig, stage_dir: str, name: str) -> dict[str, Any]:
-    from stages.train_plot import plot_loss
+    from stages.train.plot import plot_loss
 
     with open(f"{stage_dir}/train_result.json", encoding="utf-8") as f:
         result = json.load(f)

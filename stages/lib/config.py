@@ -1,0 +1,265 @@
+"""Config pieces shared by several stage kinds: backends, verifiers, models, `auto` counts."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    WithJsonSchema,
+    model_validator,
+)
+
+from engine.errors import Diagnostic, found
+from engine.stage import Derived, ResolveContext
+
+_CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+VERIFIER_KINDS = ("reasoning_gym", "exact_match", "regex", "math")
+
+
+class Block(BaseModel):
+    """A nested config block: frozen, unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _count_or_auto(value: Any) -> int | str:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ValueError(f"expected a positive integer or 'auto', found {found(value)}")
+
+
+CountOrAuto = Annotated[
+    int | Literal["auto"],
+    BeforeValidator(_count_or_auto),
+    WithJsonSchema({"anyOf": [{"type": "integer", "exclusiveMinimum": 0}, {"const": "auto"}]}),
+]
+
+
+def _verifier_kind(value: Any) -> Any:
+    if not isinstance(value, str) or value in VERIFIER_KINDS or _CALLABLE.match(value):
+        return value
+    from engine.errors import did_you_mean, one_of
+
+    hint = did_you_mean(value, VERIFIER_KINDS)
+    raise ValueError(
+        f"expected {one_of((*VERIFIER_KINDS, 'module:function'))}, found '{value}'{hint}"
+    )
+
+
+class Verifier(Block):
+    """How an answer is scored into a reward."""
+
+    kind: Annotated[str, BeforeValidator(_verifier_kind)] = Field(
+        "reasoning_gym",
+        description="reasoning_gym (the task's own scorer), exact_match, regex, math, or a callable 'module:function'.",
+    )
+    pattern: str | None = Field(
+        None, description="For kind regex: the answer is correct when this regex matches."
+    )
+    answer_field: str = Field(
+        "answer", description="The input row's field holding the reference answer."
+    )
+
+    @model_validator(mode="after")
+    def _regex_needs_pattern(self) -> Verifier:
+        if self.kind == "regex" and not self.pattern:
+            raise ValueError("verifier kind 'regex' needs a 'pattern'")
+        return self
+
+
+class OpenAIBackend(Block):
+    """Any running OpenAI-compatible endpoint."""
+
+    kind: Literal["openai"] = Field(
+        description="Send requests to a running OpenAI-compatible server."
+    )
+    base_url: str = Field(description="The server's base URL, e.g. http://127.0.0.1:8000/v1.")
+    model: str = Field(description="The model name the server expects in each request.")
+    api_key_env: str | None = Field(
+        None,
+        description="Name of the environment variable holding the API key; the key is never written anywhere.",
+    )
+    endpoint: Literal["chat", "completions"] = Field(
+        "chat",
+        description="chat: /v1/chat/completions with messages; completions: /v1/completions with a prompt.",
+    )
+
+
+class VLLMBackend(Block):
+    """vLLM's OpenAI server, started and stopped by the stage."""
+
+    kind: Literal["vllm"] = Field(
+        description="Start vLLM's OpenAI server for the stage, then stop it."
+    )
+    model: str = Field(description="Checkpoint directory or model id to serve.")
+    vllm_num_engines: int = Field(1, gt=0, description="Number of vLLM engines (servers).")
+    vllm_tensor_parallel_size: int = Field(
+        1, gt=0, description="GPUs per engine (tensor parallelism)."
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Fraction of GPU memory vLLM may take (0.5 when colocated with training).",
+    )
+    vllm_enable_sleep: bool = Field(
+        False, description="Let vLLM sleep (free its memory) between generation phases."
+    )
+    enable_prefix_caching: bool = Field(
+        False, description="Reuse KV cache across requests sharing a prefix."
+    )
+    port: int = Field(0, ge=0, lt=65536, description="Port to serve on; 0 picks a free one.")
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="How long to wait for the server to become healthy."
+    )
+
+
+class LocalBackend(Block):
+    """Batched generation with transformers in the stage's own process."""
+
+    kind: Literal["local"] = Field(
+        description="Generate in-process with transformers on a checkpoint directory."
+    )
+    model: str = Field(
+        description="Checkpoint directory (or a reference '@stage' to a train stage's output)."
+    )
+    batch_size: int = Field(64, gt=0, description="Prompts generated together in one batch.")
+
+
+def _backend_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        kind = value.get("kind")
+        return kind if isinstance(kind, str) else None
+    return getattr(value, "kind", None)
+
+
+Backend = Annotated[
+    Annotated[OpenAIBackend, Tag("openai")]
+    | Annotated[VLLMBackend, Tag("vllm")]
+    | Annotated[LocalBackend, Tag("local")],
+    Discriminator(_backend_tag),
+]
+
+
+class TinyModel(Block):
+    """A small Llama-architecture model built from config, with a tokenizer trained locally."""
+
+    init: Literal["tiny_llama"] = Field(
+        "tiny_llama", description="Build a fresh Llama-architecture model."
+    )
+    hidden_size: int = Field(128, gt=0, description="Width of the model.")
+    num_layers: int = Field(2, gt=0, description="Transformer blocks.")
+    num_heads: int = Field(4, gt=0, description="Attention heads (must divide hidden_size).")
+    intermediate_size: int | None = Field(
+        None, gt=0, description="MLP width; empty: 4 x hidden_size."
+    )
+    vocab_size: int = Field(
+        512,
+        ge=262,
+        description="Byte-level BPE vocabulary trained on the training prompts (256 bytes + specials at least).",
+    )
+    max_position_embeddings: int = Field(
+        512, gt=0, description="Longest sequence the model handles."
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModel:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} must divide hidden_size {self.hidden_size}"
+            )
+        return self
+
+
+def _model_tag(value: Any) -> str:
+    return "spec" if isinstance(value, dict | TinyModel) else "path"
+
+
+ModelRef = Annotated[
+    Annotated[str, Tag("path")] | Annotated[TinyModel, Tag("spec")],
+    Discriminator(_model_tag),
+]
+
+
+# -- rules of a backend block, for the kinds that have one ----------------------------------
+
+
+def backend_preset_path(key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """A preset's vLLM setting lands in a `backend: {kind: vllm}` block."""
+    backend = data.get("backend")
+    vllm = isinstance(backend, dict) and backend.get("kind") == "vllm"
+    if vllm and key in VLLMBackend.model_fields and key not in ("kind", "model"):
+        return ("backend", key)
+    return None
+
+
+def derive_backend(backend: Any, ctx: ResolveContext, num_repeats: int) -> dict[str, Derived]:
+    """Engines from the stage's GPUs, prefix caching for repeated prompts, and half of each
+    GPU left to training when vLLM shares its GPUs."""
+    if not isinstance(backend, VLLMBackend):
+        return {}
+    out: dict[str, Derived] = {}
+    tp = backend.vllm_tensor_parallel_size
+    if ctx.gpus and ctx.gpus % tp == 0:
+        out["backend.vllm_num_engines"] = Derived(
+            ctx.gpus // tp, f"{ctx.gpus} GPUs of the stage / tensor-parallel size {tp}"
+        )
+    if num_repeats > 1:
+        out["backend.enable_prefix_caching"] = Derived(
+            True, f"num_repeats {num_repeats} > 1: the samples of a prompt share its KV cache"
+        )
+    shared = ctx.roles.get("vllm")
+    if shared is not None and shared.colocated_with:
+        out["backend.vllm_gpu_memory_utilization"] = Derived(
+            0.5,
+            f"vllm shares its GPUs with {', '.join(shared.colocated_with)}: leave half for training",
+        )
+    return out
+
+
+def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:
+    """A tensor-parallel group on one node, engines x tensor-parallel size = the stage's GPUs,
+    and a warning when a shared GPU leaves the trainer little room."""
+    if not isinstance(backend, VLLMBackend):
+        return []
+    per_node, tp = ctx.gpus_per_node, backend.vllm_tensor_parallel_size
+    if tp > per_node or per_node % tp:
+        fits = ", ".join(str(n) for n in range(1, per_node + 1) if per_node % n == 0)
+        return [
+            ctx.error(
+                "backend.vllm_tensor_parallel_size",
+                f"tensor-parallel size {tp} does not fit on a node of {per_node} GPUs (cluster.gpus_per_node); "
+                f"a tensor-parallel group never spans nodes: use {fits}",
+            )
+        ]
+    out = []
+    engines = backend.vllm_num_engines
+    if ctx.gpus and engines * tp != ctx.gpus:
+        what = f"role '{ctx.role}'" if ctx.role else "the stage"
+        hint = f"; use vllm_num_engines {ctx.gpus // tp}" if ctx.gpus % tp == 0 else ""
+        out.append(
+            ctx.error(
+                "backend.vllm_num_engines",
+                f"{engines} engines x tensor-parallel size {tp} = {engines * tp} GPUs, but {what} has {ctx.gpus}{hint}",
+            )
+        )
+    shared = ctx.roles.get("vllm")
+    util = backend.vllm_gpu_memory_utilization
+    if shared is not None and shared.colocated_with and util > 0.5 and ctx.role == "vllm":
+        out.append(
+            ctx.warning(
+                "backend.vllm_gpu_memory_utilization",
+                f"{util} leaves little room for {', '.join(shared.colocated_with)} on the shared GPUs; the hybrid engine uses 0.5",
+            )
+        )
+    return out

@@ -1,0 +1,90 @@
+"""The DeepSpeed config (`ds_config`) generated from resolved train settings.
+
+`build_ds_config(cfg, world_size)` turns resolved DeepSpeed settings (the train
+and rl kinds' configs have them as fields) into the dict DeepSpeed
+takes, the same on GPU (NCCL) and on CPU (gloo). The optimizer is left to the
+caller (a torch AdamW passed to `deepspeed.initialize`), so the config allows
+it under offload and untested-optimizer checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from engine.errors import Diagnostic
+from engine.stage import ResolveContext
+
+
+class DeepSpeedSettings(Protocol):
+    """The resolved settings the ds_config is made of."""
+
+    @property
+    def zero_stage(self) -> int: ...
+    @property
+    def adam_offload(self) -> bool: ...
+    @property
+    def overlap_comm(self) -> bool: ...
+    @property
+    def bf16(self) -> bool: ...
+    @property
+    def micro_train_batch_size(self) -> int: ...
+    @property
+    def train_batch_size(self) -> int: ...
+
+
+def grad_accumulation(cfg: DeepSpeedSettings, world_size: int) -> int:
+    """Micro batches per optimizer step on each rank; resolve checks that it divides."""
+    per_step = cfg.micro_train_batch_size * world_size
+    return max(1, cfg.train_batch_size // per_step)
+
+
+def build_ds_config(
+    cfg: DeepSpeedSettings, world_size: int, *, pin_memory: bool = False
+) -> dict[str, Any]:
+    """The ds_config dict for `cfg` trained on `world_size` ranks."""
+    zero: dict[str, Any] = {
+        "stage": cfg.zero_stage,
+        "overlap_comm": cfg.overlap_comm,
+        "contiguous_gradients": True,
+    }
+    if cfg.adam_offload and cfg.zero_stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
+    if cfg.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "train_batch_size": cfg.micro_train_batch_size
+        * world_size
+        * grad_accumulation(cfg, world_size),
+        "train_micro_batch_size_per_gpu": cfg.micro_train_batch_size,
+        "gradient_accumulation_steps": grad_accumulation(cfg, world_size),
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.bf16},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1_000_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def check_deepspeed(cfg: DeepSpeedSettings, ctx: ResolveContext, ranks: int) -> list[Diagnostic]:
+    """Batch sizes that divide over `ranks` data-parallel ranks, and optimizer offload only
+    with ZeRO: the one place these rules live."""
+    out = []
+    step = cfg.micro_train_batch_size * ranks
+    if cfg.train_batch_size % step:
+        lower = cfg.train_batch_size - cfg.train_batch_size % step
+        options = " or ".join(str(n) for n in (lower, lower + step) if n > 0)
+        out.append(
+            ctx.error(
+                "train_batch_size",
+                f"{cfg.train_batch_size} is not divisible by micro_train_batch_size {cfg.micro_train_batch_size} x "
+                f"{ranks} data-parallel rank(s) = {step}; use {options}",
+            )
+        )
+    if cfg.adam_offload and cfg.zero_stage == 0:
+        out.append(
+            ctx.error("adam_offload", "optimizer offload needs ZeRO: set zero_stage 1, 2 or 3")
+        )
+    return out

@@ -1,0 +1,101 @@
+"""The layout as a contract: one package per kind, no import cycles, an engine that names no
+kind, short files, and code versions that follow every file a kind runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+KINDS = ("dataset", "collect", "filter", "train", "evaluate")
+# one internal file (not the light __init__.py) of each built-in kind
+INTERNAL = {
+    "dataset": "stages/dataset/run.py",
+    "collect": "stages/collect/controller.py",
+    "filter": "stages/filter/rules.py",
+    "train": "stages/train/loop.py",
+    "evaluate": "stages/evaluate/run.py",
+}
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    import grimp
+    import networkx as nx
+
+    graph = grimp.build_graph("engine", "stages")
+    edges = nx.DiGraph()
+    for module in graph.modules:
+        edges.add_edges_from((module, m) for m in graph.find_modules_directly_imported_by(module))
+    cycles = [sorted(c) for c in nx.strongly_connected_components(edges) if len(c) > 1]
+    assert cycles == []
+
+
+def test_the_engine_names_no_kind_and_no_kinds_field():
+    hits = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        text = path.read_text()
+        for needle in ("kind ==", *(f'"{k}"' for k in KINDS), '"backend', "num_repeats"):
+            if needle in text:
+                hits.append(f"{path.relative_to(ROOT)}: {needle}")
+    assert hits == []
+
+
+def test_every_kind_is_a_package_and_no_source_file_is_over_400_lines():
+    for kind in KINDS:
+        assert (ROOT / "stages" / kind / "__init__.py").is_file(), kind
+    loose = sorted(p.name for p in (ROOT / "stages").glob("*.py") if p.name != "__init__.py")
+    assert loose == []
+    long = [
+        f"{p.relative_to(ROOT)}: {n}"
+        for top in ("engine", "stages")
+        for p in sorted((ROOT / top).rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > 400
+    ]
+    assert long == []
+
+
+VERSIONS = """
+import json
+from engine.stage import kinds
+print(json.dumps({name: k.code_version() for name, k in sorted(kinds().items())}))
+"""
+
+
+def _versions(root: Path) -> dict[str, str]:
+    out = subprocess.run(
+        [sys.executable, "-c", VERSIONS],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    versions: dict[str, str] = json.loads(out.stdout)
+    return versions
+
+
+@pytest.mark.slow
+def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path: Path):
+    copy = tmp_path / "project"
+    for top in ("engine", "stages"):
+        shutil.copytree(ROOT / top, copy / top, ignore=shutil.ignore_patterns("__pycache__"))
+    before = _versions(copy)
+    assert set(KINDS) <= set(before)
+    for kind, rel in INTERNAL.items():
+        with open(copy / rel, "a") as f:
+            f.write(f"\n# edited for the {kind} test\n")
+        after = _versions(copy)
+        changed = sorted(k for k in KINDS if after[k] != before[k])
+        assert changed == [kind], rel
+        before = after
+    # shared code: every kind that imports it changes, the others do not
+    with open(copy / "stages/lib/verify.py", "a") as f:
+        f.write("\n# edited\n")
+    after = _versions(copy)
+    assert sorted(k for k in KINDS if after[k] != before[k]) == ["collect", "evaluate"]
