@@ -49,6 +49,7 @@ schemas: install
 
 bench: install
 	$(PY) bench/validate.py
+	$(PY) bench/placement.py
 	$(PY) bench/engine_overhead.py
 	$(PY) bench/train.py
 

@@ -51,6 +51,21 @@ def _guard(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+cluster_option = click.option(
+    "--cluster",
+    default=None,
+    metavar="C.yaml|NxG[xMEMGB]",
+    help="Plan against a declared cluster: a file (nodes, gpus_per_node, gpu_memory_gb, host_memory_gb) or a shorthand such as 6x8x80GB.",
+)
+
+
+def view_gpus(declared: Any, view: Any) -> int | None:
+    """`cluster.gpus: auto` planned against a declared cluster takes the cluster's GPUs."""
+    if declared == "auto" and view is not None:
+        return len(view.devices())
+    return None
+
+
 set_option = click.option(
     "--set",
     "overrides",
@@ -103,14 +118,26 @@ def main(verbose: bool) -> None:
 
 
 def build_plan(
-    path: str, overrides: tuple[str, ...] = (), run_dir: str | None = None, notes: bool = True
+    path: str,
+    overrides: tuple[str, ...] = (),
+    run_dir: str | None = None,
+    notes: bool = True,
+    cluster: str | None = None,
 ) -> Plan:
-    """load -> resolve -> plan; warnings and notes go to stderr (unless `notes` is off)."""
+    """load -> resolve -> plan (placed on a declared `cluster` when given); warnings and notes
+    go to stderr (unless `notes` is off)."""
     from engine.load import load_pipeline
     from engine.plan import plan
     from engine.resolve import resolve
 
-    result = plan(resolve(load_pipeline(path, overrides), run_dir=run_dir))
+    view = None
+    if cluster is not None:
+        from engine.cluster_spec import load_cluster_spec
+
+        view = load_cluster_spec(cluster)
+    loaded = load_pipeline(path, overrides)
+    gpus = view_gpus(loaded.spec.cluster.gpus, view)
+    result = plan(resolve(loaded, run_dir=run_dir, gpus=gpus), view)
     for note in result.resolved.notes if notes else ():
         click.echo(note.render(), err=True)
     return result
@@ -119,13 +146,14 @@ def build_plan(
 @main.command()
 @click.argument("pipelines", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @set_option
+@cluster_option
 @_guard
-def validate(pipelines: tuple[str, ...], overrides: tuple[str, ...]) -> None:
-    """Load, resolve and plan each PIPELINE; start nothing."""
+def validate(pipelines: tuple[str, ...], overrides: tuple[str, ...], cluster: str | None) -> None:
+    """Load, resolve and plan each PIPELINE (placed on a declared --cluster); start nothing."""
     errors = []
     for path in pipelines:
         try:
-            result = build_plan(path, overrides)
+            result = build_plan(path, overrides, cluster=cluster)
         except PipeError as exc:
             errors.extend(exc.diagnostics)
             continue
@@ -146,16 +174,26 @@ def validate(pipelines: tuple[str, ...], overrides: tuple[str, ...]) -> None:
 )
 @click.option("--run-dir", default=None, help="Run directory (default runs/<name>/).")
 @set_option
+@cluster_option
 @_guard
 def plan_cmd(
-    pipeline: str, explain: bool, fmt: str, run_dir: str | None, overrides: tuple[str, ...]
+    pipeline: str,
+    explain: bool,
+    fmt: str,
+    run_dir: str | None,
+    overrides: tuple[str, ...],
+    cluster: str | None,
 ) -> None:
-    """Resolve PIPELINE into explicit stage configs: what `pipe run` writes as plan.lock.yaml."""
-    result = build_plan(pipeline, overrides, run_dir, notes=not (explain and fmt == "text"))
+    """Resolve PIPELINE into explicit stage configs: what `pipe run` writes as plan.lock.yaml;
+    with --cluster, where every GPU stage sits (a table per node)."""
+    quiet = explain and fmt == "text"
+    result = build_plan(pipeline, overrides, run_dir, notes=not quiet, cluster=cluster)
     if fmt == "json":
         click.echo(result.to_json(), nl=False)
     elif fmt == "yaml" or not explain:
         click.echo(result.to_yaml(), nl=False)
+        if fmt == "text" and result.placement is not None and result.cluster is not None:
+            click.echo("\n" + result.placement.render_text(result.cluster), nl=False)
     else:
         from engine.explain import explain as explain_text
 

@@ -44,10 +44,32 @@ class Cluster:
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         return {addr: dict(w.get("resources") or {}) for addr, w in info.items()}
 
+    def worker_info(self) -> dict[str, dict[str, Any]]:
+        """Each worker's host, resources and the environment placement reads (`PIPE_NODE`,
+        `CUDA_VISIBLE_DEVICES`): what `engine.placement.view_from_workers` takes."""
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        env = self.client.run(_placement_env)
+        return {
+            addr: {
+                "host": w.get("host"),
+                "resources": dict(w.get("resources") or {}),
+                "env": env.get(addr, {}),
+            }
+            for addr, w in info.items()
+        }
+
     def close(self) -> None:
         self.client.close()
         if self.local is not None:
             self.local.close()
+
+
+def _placement_env() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in ("PIPE_NODE", "CUDA_VISIBLE_DEVICES")}
+
+
+def _set_devices(devices: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
 
 
 def _has_bokeh() -> bool:
@@ -94,13 +116,27 @@ def connect(address: str, workers: int, timeout_s: float = 60.0) -> Cluster:
         )
         local = LocalCluster(  # type: ignore[no-untyped-call]
             n_workers=workers if not (gpus and gpus < workers) else 1,
-            threads_per_worker=1,
+            threads_per_worker=max(1, int(resources["GPU"])) if resources else 1,
             processes=True,
             dashboard_address=":0",  # a free port (the default 8787 clashes between runs)
             resources=resources,
             silence_logs=logging.WARNING,
         )
         client = Client(local)  # type: ignore[no-untyped-call]
+        if gpus:
+            # each worker sees only its own GPUs (set before anything in it touches CUDA), so the
+            # placement's device ids are distinct across workers
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            names = (
+                [d.strip() for d in visible.split(",")]
+                if visible
+                else [str(i) for i in range(gpus)]
+            )
+            addresses = sorted(client.scheduler_info(n_workers=-1)["workers"])
+            share = gpus // len(addresses)
+            for i, addr in enumerate(addresses):
+                mine = ",".join(names[i * share : (i + 1) * share])
+                client.run(_set_devices, mine, workers=[addr])
         return Cluster(client, local)
     from distributed.security import Security
 

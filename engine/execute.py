@@ -1,13 +1,17 @@
-"""Execute: `Plan` -> `RunReport`, each stage a Dask task placed where its resources are.
+"""Execute: `Plan` + placement -> `RunReport`, each stage Dask tasks placed where its slots are.
 
-Stages are submitted as soon as everything they need has finished, with
-`resources={"GPU": n}` when they need GPUs. Up-to-date stages (same cache key,
-outputs present) are skipped. A failed stage is retried up to `retries` times
-(each attempt counted in the report); its dependents are skipped and named.
-Without `--keep-going` no new stage starts after a failure (running ones
-finish); with it, independent branches run to the end. A stage asking for more
-GPUs than any worker offers fails before anything launches. Ctrl-C cancels
-running stages and the report says what finished.
+Stages are submitted as soon as everything they need has finished. A GPU
+stage runs as one task per worker its slots are on (`engine.placement`), each
+restricted to that worker with `resources={"GPU": devices there}`, and not
+before every device it holds is free: stages whose slots share devices run one
+after the other, whatever the DAG allows. A stage without GPUs is one task on
+any worker. Up-to-date stages (same cache key, outputs present) are skipped. A
+failed stage (any of its tasks) is retried as a whole up to `retries` times
+(each attempt counted in the report): the driver raises the attempt's abort
+flag, so the other tasks stop their processes, and waits for them; its
+dependents are skipped and named. Without `--keep-going` no new stage starts
+after a failure (running ones finish); with it, independent branches run to
+the end. Ctrl-C cancels running stages and the report says what finished.
 """
 
 from __future__ import annotations
@@ -16,14 +20,15 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.cache import HashCache, stage_keys, up_to_date
 from engine.cluster import Cluster
 from engine.plan import Plan
 from engine.report import RunReport, StageRecord
-from engine.stage import kinds
+from engine.stage import Slot, kinds
 from engine.task import LOG_TOPIC, StagePayload, run_stage
 
 log = logging.getLogger("pipe.run")
@@ -66,6 +71,16 @@ def _abs(path: str) -> str:
 
 
 @dataclass
+class _Attempt:
+    """The tasks of one attempt of one stage."""
+
+    futures: set[Any]
+    link: str  # prefix of the attempt's Dask variables (engine.task.DaskLink)
+    results: list[Any] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+@dataclass
 class _Run:
     """State of one execution."""
 
@@ -74,8 +89,12 @@ class _Run:
     options: RunOptions
     run_dir: str
     report: RunReport
+    placement: Mapping[str, tuple[Slot, ...]] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
     futures: dict[Any, str] = field(default_factory=dict)
+    attempts: dict[str, _Attempt] = field(default_factory=dict)
+    busy: dict[tuple[str | None, int], str] = field(default_factory=dict)
+    retrying: list[str] = field(default_factory=list)
     completed: Any = None  # distributed.as_completed: results are fetched as tasks finish
     stopped: str | None = None
     n_workers: int = 1
@@ -86,12 +105,21 @@ class _Run:
     def stage_dir(self, name: str) -> str:
         return _abs(f"{self.run_dir.rstrip('/')}/{name}")
 
+    def devices(self, name: str) -> set[tuple[str | None, int]]:
+        return {(s.worker, d) for s in self.placement.get(name, ()) for d in s.devices}
+
+    def free(self, name: str) -> bool:
+        """Whether every device the stage holds is free now."""
+        return not any(key in self.busy for key in self.devices(name))
+
     def submit(self, name: str) -> None:
         st = self.plan.stages[name]
         rec = self.record(name)
         rec.attempts += 1
         rec.status = "running"
-        payload = StagePayload(
+        slots = self.placement.get(name, ())
+        rec.placement = [s.as_dict() for s in slots]
+        base = StagePayload(
             name=name,
             kind=kinds()[st.resolved.kind],
             config=st.resolved.config,
@@ -103,19 +131,37 @@ class _Run:
             gpus=st.resolved.gpus,
             workers=self.n_workers,
             outputs={k: _abs(v) for k, v in st.outputs.items()},
+            slots=slots,
+            run_id=self.report.run_id,
         )
-        resources = {"GPU": st.resolved.gpus} if st.resolved.gpus else None
-        future = self.cluster.client.submit(
-            run_stage,
-            payload,
-            key=f"{name}-{self.report.run_id}-{rec.attempts}",
-            resources=resources,
-            pure=False,
-        )
-        self.futures[future] = name
-        self.completed.add(future)
-        gpus = f", {st.resolved.gpus} GPU(s)" if st.resolved.gpus else ""
-        log.info("%s: started (attempt %d%s)", name, rec.attempts, gpus)
+        tasks: list[tuple[str | None, str | None]] = [(None, None)]
+        if slots:
+            tasks = list(dict.fromkeys((s.node, s.worker) for s in slots))
+        futures = set()
+        for rank, (_, worker) in enumerate(tasks):
+            held = sum(len(s.devices) for s in slots if s.worker == worker)
+            future = self.cluster.client.submit(
+                run_stage,
+                replace(base, node_rank=rank),
+                key=f"{name}-{self.report.run_id}-{rec.attempts}-{rank}",
+                resources={"GPU": held} if held else None,
+                workers=[worker] if worker else None,
+                allow_other_workers=False,
+                pure=False,
+            )
+            self.futures[future] = name
+            self.completed.add(future)
+            futures.add(future)
+        self.attempts[name] = _Attempt(futures, base.link_prefix)
+        for key in self.devices(name):
+            self.busy[key] = name
+        where = f", {st.resolved.gpus} GPU(s) on {len(tasks)} worker(s)" if slots else ""
+        log.info("%s: started (attempt %d%s)", name, rec.attempts, where)
+
+    def release(self, name: str) -> None:
+        for key in self.devices(name):
+            if self.busy.get(key) == name:
+                del self.busy[key]
 
 
 def prepare(plan: Plan, options: RunOptions, report: RunReport) -> tuple[dict[str, str], list[str]]:
@@ -146,11 +192,12 @@ def execute(
     options: RunOptions,
     keys: dict[str, str],
     pending: list[str],
+    placement: Mapping[str, tuple[Slot, ...]] | None = None,
 ) -> RunReport:
-    """Run the `pending` stages of the plan on the cluster; fill and return `report`."""
-    run = _Run(plan, cluster, options, plan.resolved.run_dir, report, keys=keys)
+    """Run the `pending` stages of the plan on the cluster, GPU stages on their slots;
+    fill and return `report`."""
+    run = _Run(plan, cluster, options, plan.resolved.run_dir, report, placement or {}, keys=keys)
     run.n_workers = max(1, len(cluster.workers()))
-    _check_placement(run, pending)
     client = cluster.client
     client.subscribe_topic(LOG_TOPIC, _forward)
     try:
@@ -181,26 +228,6 @@ def _forward(event: Any) -> None:
         )
 
 
-def _check_placement(run: _Run, pending: list[str]) -> None:
-    """Fail, before anything launches, every stage that no worker can hold."""
-    workers = run.cluster.workers()
-    offer = {addr: int(res.get("GPU", 0)) for addr, res in workers.items()}
-    most = max(offer.values(), default=0)
-    for name in list(pending):
-        need = run.plan.stages[name].resolved.gpus
-        if need > most:
-            what = ", ".join(f"{a} GPU={g}" for a, g in sorted(offer.items())) or "no workers"
-            rec = run.record(name)
-            rec.status = "failed"
-            rec.error = (
-                f"stage '{name}' needs {need} GPU(s); no worker offers that many (workers: {what})"
-            )
-            log.error("%s: cannot be placed: %s", name, rec.error)
-            pending.remove(name)
-            if not run.options.keep_going:
-                run.stopped = name
-
-
 def _ready(run: _Run, name: str) -> str:
     """'go', 'wait', or 'skip' given the states of what `name` needs."""
     states = [run.record(n).status for n in run.plan.stages[name].resolved.needs]
@@ -215,7 +242,11 @@ def _loop(run: _Run, pending: list[str]) -> None:
     from distributed import as_completed
 
     run.completed = as_completed([], with_results=True, raise_errors=False)  # type: ignore[no-untyped-call]
-    while pending or run.futures:
+    while pending or run.futures or run.retrying:
+        for name in list(run.retrying):
+            if run.free(name):
+                run.retrying.remove(name)
+                run.submit(name)
         for name in list(pending):
             state = _ready(run, name)
             if state == "skip":
@@ -232,7 +263,7 @@ def _loop(run: _Run, pending: list[str]) -> None:
                     + " did not finish"
                 )
                 log.warning("%s: skipped (%s)", name, rec.error[len("skipped: ") :])
-            elif state == "go" and run.stopped is None:
+            elif state == "go" and run.stopped is None and run.free(name):
                 pending.remove(name)
                 run.submit(name)
         if run.stopped is not None and not run.futures:
@@ -244,6 +275,8 @@ def _loop(run: _Run, pending: list[str]) -> None:
             pending.clear()
             break
         if not run.futures:
+            if pending or run.retrying:  # nothing runs that could free what they wait for
+                raise RuntimeError(f"stages wait for devices nothing holds: {pending}")
             continue
         batch = [next(run.completed)]
         if run.completed.has_ready():
@@ -253,19 +286,35 @@ def _loop(run: _Run, pending: list[str]) -> None:
 
 
 def _finished(run: _Run, future: Any, result: Any, name: str) -> None:
+    """One task of `name` ended; once all of its attempt's tasks have, the stage has."""
+    attempt = run.attempts[name]
+    attempt.futures.discard(future)
+    if future.status == "finished":
+        attempt.results.append(result)
+    elif attempt.error is None:
+        attempt.error = result if isinstance(result, BaseException) else future.exception()
+        if attempt.futures:  # the others stop their processes and fail too
+            _abort(run, attempt, f"{type(attempt.error).__name__}: {attempt.error}")
+    if attempt.futures:
+        return
+    run.release(name)
     rec = run.record(name)
     st = run.plan.stages[name].resolved
-    if future.status == "finished":
+    if attempt.error is None:
+        first = min(attempt.results, key=lambda r: r.start)
+        lead = min(attempt.results, key=lambda r: r.node_rank)
         rec.status = "succeeded"
-        rec.worker, rec.start, rec.end = result.worker, result.start, result.end
-        rec.metrics = result.metrics
-        log.info("%s: succeeded on %s in %.2f s", name, result.worker, result.end - result.start)
+        rec.worker, rec.start = lead.worker, first.start
+        rec.end = max(r.end for r in attempt.results)
+        rec.workers = sorted({r.worker for r in attempt.results})
+        rec.metrics = lead.metrics
+        log.info("%s: succeeded on %s in %.2f s", name, ", ".join(rec.workers), rec.end - rec.start)
         return
-    exc = result if isinstance(result, BaseException) else future.exception()
+    exc = attempt.error
     rec.error = f"{type(exc).__name__}: {exc}"
     if rec.attempts <= st.retries:
         log.warning("%s: attempt %d failed (%s); retrying", name, rec.attempts, rec.error)
-        run.submit(name)
+        run.retrying.append(name)
         return
     rec.status = "failed"
     rec.end = time.time()
@@ -280,3 +329,11 @@ def _finished(run: _Run, future: Any, result: Any, name: str) -> None:
     )
     if not run.options.keep_going:
         run.stopped = name
+
+
+def _abort(run: _Run, attempt: _Attempt, reason: str) -> None:
+    """Raise the attempt's abort flag: its other tasks stop their processes and fail."""
+    from distributed import Variable
+
+    with contextlib.suppress(Exception):  # the scheduler may be going away
+        Variable(f"{attempt.link}abort", client=run.cluster.client).set(reason)  # type: ignore[no-untyped-call]

@@ -65,6 +65,9 @@ def explain(plan: Plan) -> str:
         width = max((len(k) for k, _ in items), default=0)
         for dotted, value in items:
             lines.append(f"  {dotted:{width}s}  {_value(value)}  <- {_source(st, dotted)}")
+    if plan.placement is not None and plan.cluster is not None:
+        lines.append("")
+        lines.append(plan.placement.render_text(plan.cluster).rstrip("\n"))
     if res.notes:
         lines.append("")
         lines += [d.render() for d in res.notes]

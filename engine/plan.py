@@ -15,9 +15,20 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import Diagnostic, PipeError
 from engine.graph import topological
 from engine.paths import shown_config
+from engine.placement import (
+    ClusterView,
+    Placement,
+    PlacementError,
+    Pool,
+    RoleRequest,
+    StageRequest,
+    solve,
+)
 from engine.resolved import ResolvedPipeline, ResolvedStage
+from engine.schema import ROLES
 from engine.stage import kinds
 
 
@@ -41,11 +52,13 @@ class PlannedStage:
 
 @dataclass(frozen=True)
 class Plan:
-    """The stages in execution order."""
+    """The stages in execution order; where they sit when a cluster is known."""
 
     resolved: ResolvedPipeline
     order: tuple[str, ...]
     stages: dict[str, PlannedStage]
+    cluster: ClusterView | None = None
+    placement: Placement | None = None
 
     @property
     def name(self) -> str:
@@ -73,6 +86,7 @@ class Plan:
                 for n, s in self.stages.items()
             },
             "roles": roles,
+            **({"placement": self.placement.as_dict()} if self.placement is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -95,8 +109,9 @@ def config_hash(stage: ResolvedStage) -> str:
     return hashlib.sha256(f"{stage.kind}\n{text}".encode()).hexdigest()[:16]
 
 
-def plan(resolved: ResolvedPipeline) -> Plan:
-    """Order the stages and compute their static cache keys."""
+def plan(resolved: ResolvedPipeline, cluster: ClusterView | None = None) -> Plan:
+    """Order the stages and compute their static cache keys; with a cluster (declared or
+    live), place every GPU stage (`PipeError` with located messages when they do not fit)."""
     order = tuple(topological(resolved.loaded.spec))
     registry = kinds()
     stages = {
@@ -107,4 +122,59 @@ def plan(resolved: ResolvedPipeline) -> Plan:
         )
         for name in order
     }
-    return Plan(resolved, order, stages)
+    placement = place(resolved, order, cluster) if cluster is not None else None
+    return Plan(resolved, order, stages, cluster, placement)
+
+
+def place(resolved: ResolvedPipeline, order: tuple[str, ...], cluster: ClusterView) -> Placement:
+    """The placement of the GPU stages on `cluster`; located errors when they do not fit."""
+    requests = []
+    for name in order:
+        st = resolved.stages[name]
+        if st.gpus:
+            unit = st.config.gpu_unit()
+            requests.append(StageRequest(name, (RoleRequest(st.role, st.gpus, unit),)))
+    groups = {
+        tuple(r for r in ROLES if r == role or r in alloc.colocated_with): alloc.gpus
+        for role, alloc in resolved.roles.items()
+    }
+    pools = [Pool(roles, gpus) for roles, gpus in groups.items() if gpus]
+    spec = resolved.loaded.spec
+    declared = spec.cluster.gpus if isinstance(spec.cluster.gpus, int) else None
+    needs = {n: s.needs for n, s in spec.stages.items()}
+    try:
+        placement = solve(requests, needs, pools, cluster, declared if declared else None)
+    except PlacementError as exc:
+        raise PipeError(_located(resolved, exc.problems)) from None
+    problems = []
+    for name, slots in placement.stages.items():
+        tasks = {(s.node, s.worker) for s in slots}
+        if len(tasks) > 1 and not type(resolved.stages[name].config).SPANS_NODES:
+            problems.append(
+                (
+                    name,
+                    f"a {resolved.stages[name].kind} stage runs on one worker; its "
+                    f"{resolved.stages[name].gpus} GPUs were placed on {len(tasks)}: ask for at "
+                    f"most one worker's GPUs",
+                )
+            )
+    if problems:
+        raise PipeError(_located(resolved, problems))
+    return placement
+
+
+def _located(resolved: ResolvedPipeline, problems: list[tuple[str, str]]) -> list[Diagnostic]:
+    doc = resolved.loaded.doc
+    out = []
+    for stage, message in problems:
+        if stage:
+            path: tuple[str, ...] = ("stages", stage, "resources")
+            where = (
+                doc.value_loc(path)
+                if "resources" in doc.data["stages"][stage]
+                else doc.key_loc(("stages", stage))
+            )
+            out.append(Diagnostic(where, ".".join(path), message))
+        else:
+            out.append(Diagnostic(doc.value_loc(("cluster", "gpus")), "cluster.gpus", message))
+    return out

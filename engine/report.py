@@ -33,6 +33,8 @@ class StageRecord:
     attempts: int = 0
     cache_hit: bool = False
     worker: str | None = None
+    workers: list[str] = field(default_factory=list)
+    placement: list[dict[str, Any]] = field(default_factory=list)
     start: float | None = None
     end: float | None = None
     error: str | None = None

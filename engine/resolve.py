@@ -62,13 +62,11 @@ def resolve(
     colocate, colocate_source = state.colocation()
     total = gpus if gpus is not None else spec.cluster.gpus
     roles: dict[str, RoleAlloc] = {}
-    raw_resources = loaded.doc.data.get("resources")
-    wrote_ratio = isinstance(raw_resources, dict) and "ratio" in raw_resources
-    uses_roles = wrote_ratio or any(st.resources.role for st in spec.stages.values())
-    if isinstance(total, int) and uses_roles:
+    used = state.used_roles()
+    if isinstance(total, int) and used:
         where = loaded.doc.value_loc(("cluster", "gpus"))
-        ratio = {str(role): n for role, n in spec.resources.ratio.items()}
-        roles, errs = allocate(total, ratio, colocate, where, ratio_text(ratio))
+        ratio = state.ratio(used)
+        roles, errs = allocate(total, ratio, colocate, where, ratio_text(ratio), used)
         state.errors.extend(errs)
         state.alloc_failed = bool(errs)
     stages: dict[str, ResolvedStage] = {}
@@ -81,10 +79,10 @@ def resolve(
     if state.errors:
         raise PipeError(state.errors)
     for preset in (profile, memory):
-        used = any(
+        applied = any(
             src.label == preset.label for st in stages.values() for src in st.sources.values()
         )
-        if preset.preset.caution and used:
+        if preset.preset.caution and applied:
             key = preset.preset.kind
             state.note("warning", loaded.doc.value_loc((key,)), key, preset.preset.caution)
     ordered = {n: stages[n] for n in spec.stages if n in stages}
@@ -125,6 +123,36 @@ class _State:
     def user_source(self, path: PathT) -> Source:
         loc = self.doc.value_loc(path)
         return Source(str(loc), "", loc)
+
+    # -- roles ------------------------------------------------------------------------------
+    def used_roles(self) -> frozenset[str]:
+        """Roles some stage holds: its `resources.role`, or those its kind says it uses."""
+        spec = self.loaded.spec
+        used: set[str] = set()
+        for name, st in spec.stages.items():
+            if st.resources.role:
+                used.add(st.resources.role)
+            kind = kinds().get(st.kind)
+            if kind is not None:
+                used.update(kind.config.roles_used(stage_config_data(spec, name, kind)))
+        return frozenset(used)
+
+    def ratio(self, used: frozenset[str]) -> dict[str, int]:
+        """The written ratio over the used roles (a role no stage uses is dropped, with a
+        warning), or 1 for every used role when none is written."""
+        raw = self.doc.data.get("resources")
+        if not (isinstance(raw, dict) and "ratio" in raw):
+            return {r: 1 for r in used}
+        ratio = {str(r): n for r, n in self.loaded.spec.resources.ratio.items()}
+        for role in ratio:
+            if role not in used:
+                self.note(
+                    "warning",
+                    self.doc.key_loc(("resources", "ratio", role)),
+                    f"resources.ratio.{role}",
+                    f"no stage uses role '{role}'; it gets no GPUs",
+                )
+        return {r: n for r, n in ratio.items() if r in used}
 
     # -- colocation -------------------------------------------------------------------------
     def colocation(self) -> tuple[Any, Source]:

@@ -1,8 +1,12 @@
 """GPU roles: split `cluster.gpus` among roles by `ratio`, apply colocation, check the arithmetic.
 
 Input: the pipeline's cluster and resources sections (already preset-resolved
-colocation). Output: `{role: RoleAlloc(gpus, colocated_with)}` or located
-errors. Rules:
+colocation) and the roles its stages use. Output: `{role: RoleAlloc(gpus,
+colocated_with)}` or located errors. Rules:
+
+- Only the roles some stage uses take part: a role of the ratio that no stage
+  uses gets no GPUs (a warning says so), and without a written ratio each used
+  role weighs 1 (8 GPUs and one `role: actor` stage: the actor gets 8).
 
 - Without colocation each role gets `gpus * r / sum(ratio)`; a split that does
   not divide is an error listing GPU counts that would.
@@ -22,27 +26,38 @@ from engine.schema import ROLES
 from engine.stage import RoleAlloc
 
 
-def colocation_groups(ratio: dict[str, int], colocate: Any) -> list[tuple[str, ...]]:
-    """Units of the split: tuples of roles that share GPUs (singletons for the rest)."""
-    roles = [r for r in ROLES if r in ratio]
+def colocation_groups(
+    ratio: dict[str, int], colocate: Any, used: frozenset[str] | None = None
+) -> list[tuple[str, ...]]:
+    """Units of the split: tuples of roles that share GPUs (singletons for the rest); only the
+    roles in `used` (default: those of the ratio) take part."""
+    used = frozenset(ratio) if used is None else used
+    roles = [r for r in ROLES if r in ratio and r in used]
     if colocate == "all":
-        return [tuple(roles)] if roles else []
+        every = [r for r in ROLES if r in used]
+        return [tuple(every)] if every else []
     groups: list[tuple[str, ...]] = []
     grouped: set[str] = set()
     if isinstance(colocate, list):
         for group in colocate:
-            members = tuple(r for r in ROLES if r in group)
-            groups.append(members)
-            grouped.update(members)
+            members = tuple(r for r in ROLES if r in group and r in used)
+            if members:
+                groups.append(members)
+                grouped.update(members)
     groups += [(r,) for r in roles if r not in grouped]
     return sorted(groups, key=lambda g: ROLES.index(g[0]))
 
 
 def allocate(
-    gpus: int, ratio: dict[str, int], colocate: Any, where: Location, ratio_text: str
+    gpus: int,
+    ratio: dict[str, int],
+    colocate: Any,
+    where: Location,
+    ratio_text: str,
+    used: frozenset[str] | None = None,
 ) -> tuple[dict[str, RoleAlloc], list[Diagnostic]]:
-    """Split `gpus` among the roles; the error (if any) is located at `where` (cluster.gpus)."""
-    groups = colocation_groups(ratio, colocate)
+    """Split `gpus` among the `used` roles; the error (if any) is located at `where`."""
+    groups = colocation_groups(ratio, colocate, used)
     weights = [max((ratio.get(r, 0) for r in g), default=0) or 1 for g in groups]
     total = sum(weights)
     out: dict[str, RoleAlloc] = {}

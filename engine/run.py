@@ -17,6 +17,7 @@ from engine.errors import Diagnostic, Location, PipeError, did_you_mean
 from engine.execute import RunOptions, execute, prepare
 from engine.fsio import atomic_write_text, makedirs
 from engine.load import LoadedPipeline, load_pipeline
+from engine.placement import view_from_workers
 from engine.plan import Plan, plan
 from engine.report import RunReport, new_run_id
 from engine.resolve import resolve
@@ -52,20 +53,37 @@ def _check_names(loaded: LoadedPipeline, options: RunOptions) -> None:
 
 
 def run_pipeline(req: RunRequest) -> RunReport:
-    """Run a pipeline end to end; raise `PipeError` for a user's mistake."""
+    """Run a pipeline end to end; raise `PipeError` for a user's mistake.
+
+    A pipeline without GPU stages is planned before any cluster starts. One with GPU
+    stages (or `cluster.gpus: auto`) is placed on the live workers once connected, and
+    refused (`PipeError`, nothing started) when it does not fit them.
+    """
     from engine.cluster import scheduler_address
 
     loaded = load_pipeline(req.pipeline, req.overrides)
     _check_names(loaded, req.options)
     address = scheduler_address(req.scheduler, loaded.spec.cluster.scheduler)
-    if loaded.spec.cluster.gpus == "auto":
-        with _Connection(address, loaded.spec.cluster.workers) as cluster:
-            gpus = int(sum(res.get("GPU", 0) for res in cluster.workers().values()))
+    planned = plan(resolve(loaded, run_dir=req.run_dir, gpus=_declared(loaded)))
+    if loaded.spec.cluster.gpus != "auto" and not any(
+        s.resolved.gpus for s in planned.stages.values()
+    ):
+        return _execute(planned, req, address, None)
+    with _Connection(address, loaded.spec.cluster.workers) as cluster:
+        view = view_from_workers(cluster.worker_info(), loaded.spec.cluster.gpus_per_node)
+        gpus = None
+        if loaded.spec.cluster.gpus == "auto":
+            gpus = len(view.devices())
             log.info("cluster.gpus: auto -> %d (from the workers' resources)", gpus)
-            planned = plan(resolve(loaded, run_dir=req.run_dir, gpus=gpus))
-            return _execute(planned, req, address, cluster)
-    planned = plan(resolve(loaded, run_dir=req.run_dir))
-    return _execute(planned, req, address, None)
+        placed = plan(resolve(loaded, run_dir=req.run_dir, gpus=gpus), view)
+        if placed.placement is not None and placed.placement.stages:
+            log.info("placement:\n%s", placed.placement.render_text(view).rstrip())
+        return _execute(placed, req, address, cluster)
+
+
+def _declared(loaded: LoadedPipeline) -> int | None:
+    """Plan `cluster.gpus: auto` before connecting as if the workers had none."""
+    return 0 if loaded.spec.cluster.gpus == "auto" else None
 
 
 class _Connection:
@@ -109,13 +127,14 @@ def _execute(planned: Plan, req: RunRequest, address: str, cluster: Cluster | No
     try:
         log.info("run %s: %d stages, records in %s", report.run_id, len(planned.order), history)
         keys, pending = prepare(planned, req.options, report)
+        slots = planned.placement.stages if planned.placement is not None else {}
         if pending and cluster is None:
             with _Connection(address, planned.resolved.loaded.spec.cluster.workers) as started:
                 report.dashboard = started.dashboard
-                execute(planned, started, report, req.options, keys, pending)
+                execute(planned, started, report, req.options, keys, pending, slots)
         elif pending and cluster is not None:
             report.dashboard = cluster.dashboard
-            execute(planned, cluster, report, req.options, keys, pending)
+            execute(planned, cluster, report, req.options, keys, pending, slots)
         report.finish()
         path = report.write(run_dir)
         _summary(report, path)

@@ -30,14 +30,15 @@ from __future__ import annotations
 import hashlib
 import importlib
 import logging
+import os
 import re
 import sys
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -99,7 +100,10 @@ class StageConfig(BaseModel):
     upstream stage's main output); `MODEL_INPUTS` those of them that may also be
     a hub id (kept as written when no such local path exists). `OUTPUTS` name
     the fields the stage writes (relative paths resolve inside the stage's
-    folder in the run directory); the first is its main output. `OUTPUT_TYPES`
+    folder in the run directory); the first is its main output. `SPANS_NODES`
+    says the kind's body can run as one task per worker of its placement (its
+    `StageContext` tells each task its rank); `gpu_unit` how many GPUs must stay
+    on one node together. `OUTPUT_TYPES`
     say what an output holds (e.g. `{"output": "checkpoint"}`); a list-valued
     input named in `INPUT_TYPES` and left empty takes the main outputs of the
     stages in `needs` whose main output has that type. An empty `input` with
@@ -114,11 +118,22 @@ class StageConfig(BaseModel):
     INPUT_OPTIONAL: ClassVar[bool] = False
     INPUT_TYPES: ClassVar[dict[str, str]] = {}
     OUTPUT_TYPES: ClassVar[dict[str, str]] = {}
+    SPANS_NODES: ClassVar[bool] = False  # may one stage run on several workers (a task each)?
+
+    def gpu_unit(self) -> int:
+        """GPUs that must sit on one node together (a tensor-parallel group)."""
+        return 1
 
     @classmethod
     def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
         """Where preset setting `key` lands for a stage written as `data`; None: not here."""
         return (key,) if key in cls.model_fields else None
+
+    @classmethod
+    def roles_used(cls, data: Mapping[str, Any]) -> tuple[str, ...]:
+        """GPU roles a stage written as `data` holds besides its `resources.role` (an online-RL
+        stage: its engines, actor, reference, ...); they take part in the ratio split."""
+        return ()
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """Values derived from others, by dotted path."""
@@ -154,6 +169,33 @@ def _is_model(t: Any) -> bool:
 C = TypeVar("C", bound=StageConfig)
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Devices a stage holds on one worker of one node, for one role (or the whole stage)."""
+
+    node: str
+    worker: str | None
+    devices: tuple[int, ...]
+    role: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "worker": self.worker,
+            "devices": list(self.devices),
+            "role": self.role,
+        }
+
+
+class NodeLink(Protocol):
+    """How the tasks of a stage that spans nodes reach each other (Dask variables)."""
+
+    def publish(self, key: str, value: str) -> None: ...
+    def lookup(self, key: str, timeout_s: float) -> str: ...
+    def abort(self, reason: str) -> None: ...
+    def aborted(self) -> str | None: ...
+
+
 @dataclass
 class StageContext:
     """What a running stage knows about its place in the run.
@@ -174,10 +216,46 @@ class StageContext:
     gpus: int = 0
     workers: int = 1
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("pipe.stage"))
+    slots: tuple[Slot, ...] = ()  # every slot of the stage, on every node, in node order
+    node_rank: int = 0  # which of the stage's nodes this task runs on
+    link: NodeLink | None = None  # set when the stage spans nodes
 
     def path(self, name: str) -> str:
         """A file inside this stage's folder."""
         return f"{self.stage_dir.rstrip('/')}/{name}"
+
+    @property
+    def tasks(self) -> tuple[tuple[str, str | None], ...]:
+        """The stage's (node, worker) pairs in rank order: one Dask task each."""
+        return tuple(dict.fromkeys((s.node, s.worker) for s in self.slots))
+
+    def node_slots(self, role: str | None = None) -> tuple[Slot, ...]:
+        """This task's slots (its node and worker), of `role` when given."""
+        if not self.slots:
+            return ()
+        here = self.tasks[self.node_rank]
+        return tuple(
+            s for s in self.slots if (s.node, s.worker) == here and (role is None or s.role == role)
+        )
+
+    def devices(self, role: str | None = None) -> tuple[int, ...]:
+        """Device ids this task holds (of `role` when given); empty on a CPU stage."""
+        return tuple(sorted({d for s in self.node_slots(role) for d in s.devices}))
+
+    def device_env(self, role: str | None = None) -> dict[str, str]:
+        """`CUDA_VISIBLE_DEVICES` for a process this task starts: its devices, as this worker
+        names them; nothing on a CPU stage (the environment is left as it is)."""
+        ids = self.devices(role)
+        return {"CUDA_VISIBLE_DEVICES": ",".join(visible_names(ids))} if ids else {}
+
+
+def visible_names(ids: Sequence[int]) -> list[str]:
+    """How device ids read in `CUDA_VISIBLE_DEVICES`: the worker's own entries when it has a
+    list of names that are not the ids themselves (e.g. GPU UUIDs), else the ids."""
+    own = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if own and not all(d.isdigit() for d in own):
+        return [own[i] if i < len(own) else str(i) for i in ids]
+    return [str(i) for i in ids]
 
 
 StageFn = Callable[[Any, StageContext], Any]

@@ -1,11 +1,19 @@
 """The Dask task that runs one stage on a worker.
 
 Input: a `StagePayload` (the kind, its resolved, frozen config with absolute
-paths, folders, the cache key); Dask pickles it, the config stays typed. Output: a `TaskResult` (metrics, worker, start and end). The stage's
+paths, folders, the cache key, and the stage's placement: its slots and which
+of its tasks this is); Dask pickles it, the config stays typed. Output: a `TaskResult` (metrics, worker, start and end). The stage's
 log goes to `<stage_dir>/log.txt` and, as Dask events on the topic `pipe-log`,
 to the driver. A stamp `<stage_dir>/.pipe-stage.json` holding the cache key is
 written only after the stage succeeded and removed before it starts, so a
 killed stage never looks complete.
+
+A stage placed on several workers runs as one task per worker (rank order of
+its slots); they reach each other through a `DaskLink` (Dask variables named
+after the run, stage and attempt): node 0 publishes what the others need (e.g.
+the torch.distributed master address), any task can ask all to stop, and task
+0 writes the metrics and the stamp only once every other task reported done.
+The others log to `log.<rank>.txt`.
 """
 
 from __future__ import annotations
@@ -15,11 +23,12 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.fsio import atomic_write_text, exists, makedirs, remove
-from engine.stage import StageConfig, StageContext, StageKind
+from engine.stage import Slot, StageConfig, StageContext, StageKind
 
 STAMP = ".pipe-stage.json"
 LOG_TOPIC = "pipe-log"
@@ -40,6 +49,69 @@ class StagePayload:
     gpus: int
     workers: int
     outputs: dict[str, str] = field(default_factory=dict)
+    slots: tuple[Slot, ...] = ()
+    node_rank: int = 0
+    run_id: str = ""
+
+    @property
+    def tasks(self) -> int:
+        return len(dict.fromkeys((s.node, s.worker) for s in self.slots)) or 1
+
+    @property
+    def link_prefix(self) -> str:
+        return f"pipe-{self.run_id}-{self.name}-{self.attempt}-"
+
+
+class StageAborted(RuntimeError):
+    """Another task of the same stage failed, or the driver stopped the stage."""
+
+
+class DaskLink:
+    """`NodeLink` over Dask variables: values by name, and one abort flag per attempt."""
+
+    POLL_S = 0.5
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def _var(self, key: str) -> Any:
+        from distributed import Variable
+
+        return Variable(self.prefix + key)  # type: ignore[no-untyped-call]
+
+    def publish(self, key: str, value: str) -> None:
+        self._var(key).set(value)
+
+    def lookup(self, key: str, timeout_s: float) -> str:
+        """The value published under `key`; `StageAborted` if the stage stops first, and
+        `TimeoutError` after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        var = self._var(key)
+        while True:
+            reason = self.aborted()
+            if reason is not None:
+                raise StageAborted(reason)
+            try:
+                return str(var.get(timeout=self.POLL_S))
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no '{key}' from the stage's other tasks in {timeout_s:.0f} s"
+                    ) from None
+
+    def abort(self, reason: str) -> None:
+        self._var("abort").set(reason)
+
+    def aborted(self) -> str | None:
+        try:
+            return str(self._var("abort").get(timeout=0.05))
+        except TimeoutError:
+            return None
+
+    def clear(self, keys: Sequence[str]) -> None:
+        for key in (*keys, "abort"):
+            with contextlib.suppress(Exception):
+                self._var(key).delete()
 
 
 @dataclass(frozen=True)
@@ -50,6 +122,7 @@ class TaskResult:
     worker: str
     start: float
     end: float
+    node_rank: int = 0
 
 
 class _EventHandler(logging.Handler):
@@ -83,7 +156,8 @@ def _stage_logger(
     logger.propagate = False
     handlers: list[logging.Handler] = []
     if "://" not in payload.stage_dir:
-        fh = logging.FileHandler(os.path.join(payload.stage_dir, "log.txt"))
+        name = "log.txt" if payload.node_rank == 0 else f"log.{payload.node_rank}.txt"
+        fh = logging.FileHandler(os.path.join(payload.stage_dir, name))
         fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         handlers.append(fh)
     if worker is not None:
@@ -94,16 +168,18 @@ def _stage_logger(
 
 
 def run_stage(payload: StagePayload) -> TaskResult:
-    """Run one stage: clear its stamp, call its function, write metrics and the stamp."""
+    """Run one stage (or one task of a stage placed on several workers): clear its stamp,
+    call its function, write metrics and the stamp."""
     makedirs(payload.stage_dir)
     stamp = f"{payload.stage_dir.rstrip('/')}/{STAMP}"
-    if exists(stamp):
+    leader = payload.node_rank == 0
+    if leader and exists(stamp):
         remove(stamp)
     worker = _worker()
     logger, handlers = _stage_logger(payload, worker)
+    link = DaskLink(payload.link_prefix) if payload.tasks > 1 else None
     start = time.time()
     try:
-        cfg = payload.config
         ctx = StageContext(
             name=payload.name,
             kind=payload.kind.name,
@@ -114,14 +190,33 @@ def run_stage(payload: StagePayload) -> TaskResult:
             gpus=payload.gpus,
             workers=payload.workers,
             log=logger,
+            slots=payload.slots,
+            node_rank=payload.node_rank,
+            link=link,
         )
+        where = f" (task {payload.node_rank} of {payload.tasks})" if link else ""
         logger.info(
-            "stage %s (%s) attempt %d starts", payload.name, payload.kind.name, payload.attempt
+            "stage %s (%s) attempt %d starts%s",
+            payload.name,
+            payload.kind.name,
+            payload.attempt,
+            where,
         )
-        metrics = payload.kind.call(cfg, ctx) or {}
+        try:
+            metrics = payload.kind.call(payload.config, ctx) or {}
+        except BaseException as exc:
+            if link is not None:
+                link.abort(f"task {payload.node_rank} on {_address(worker)} failed: {exc}")
+            raise
         if not isinstance(metrics, dict):
             metrics = {"result": metrics}
         end = time.time()
+        if link is not None and not leader:
+            link.publish(f"done-{payload.node_rank}", "ok")
+            return TaskResult(metrics, _address(worker), start, end, payload.node_rank)
+        if link is not None:
+            for rank in range(1, payload.tasks):
+                link.lookup(f"done-{rank}", timeout_s=24 * 3600)
         atomic_write_text(
             f"{payload.stage_dir.rstrip('/')}/metrics.json",
             json.dumps(metrics, indent=2, default=str) + "\n",
@@ -136,5 +231,8 @@ def run_stage(payload: StagePayload) -> TaskResult:
         for h in handlers:
             logger.removeHandler(h)
             h.close()
-    address = worker.address if worker is not None else "local"
-    return TaskResult(metrics, address, start, end)
+    return TaskResult(metrics, _address(worker), start, end)
+
+
+def _address(worker: Any) -> str:
+    return str(worker.address) if worker is not None else "local"

@@ -42,3 +42,18 @@ def fresh_kinds():
     reset_registry()
     yield
     reset_registry()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu`-marked tests skip where no CUDA device is visible (nvidia-smi, no torch import)."""
+    from engine.cluster import visible_gpus
+
+    gpus = None
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            continue
+        if gpus is None:
+            gpus = visible_gpus()
+        need = int(item.get_closest_marker("gpu").kwargs.get("count", 1))  # type: ignore[union-attr]
+        if gpus < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s); {gpus} visible"))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -30,6 +32,11 @@ class ToyConfig(StageConfig):
     fail_times: int = Field(0, ge=0, description="Fail this many attempts before succeeding.")
     always_fail: bool = Field(False, description="Fail every attempt.")
     pid_file: str | None = Field(None, description="Write the worker's PID here, then sleep.")
+    record_devices: bool = Field(
+        False,
+        description="Sleep in a child process started with the stage's device environment; it "
+        "writes what it was given to devices.json in the stage's folder.",
+    )
 
 
 def toy(cfg: ToyConfig, ctx: StageContext) -> dict[str, Any]:
@@ -41,7 +48,10 @@ def toy(cfg: ToyConfig, ctx: StageContext) -> dict[str, Any]:
     if ctx.attempt <= cfg.fail_times:
         raise RuntimeError(f"{ctx.name} fails on attempt {ctx.attempt}")
     start = time.time()
-    time.sleep(cfg.sleep_s)
+    if cfg.record_devices:
+        _child_records_devices(ctx, cfg.sleep_s)
+    else:
+        time.sleep(cfg.sleep_s)
     text = ""
     if cfg.input:
         with open(cfg.input) as f:
@@ -60,5 +70,43 @@ def toy(cfg: ToyConfig, ctx: StageContext) -> dict[str, Any]:
     }
 
 
+CHILD = """
+import json, os, sys, time
+start = time.time()
+time.sleep(float(sys.argv[2]))
+record = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
+          "start": start, "end": time.time()}
+with open(sys.argv[1], "w") as f:
+    json.dump(record, f)
+"""
+
+
+def _child_records_devices(ctx: StageContext, sleep_s: float) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(ctx.device_env())
+    subprocess.run(
+        [sys.executable, "-c", CHILD, ctx.path("devices.json"), str(sleep_s)], env=env, check=True
+    )
+
+
+class SpreadConfig(ToyConfig):
+    """A toy stage that runs as one task per worker of its placement."""
+
+    SPANS_NODES = True
+
+    fail_node: int | None = Field(None, description="The task of this rank fails at once.")
+
+
+def spread(cfg: SpreadConfig, ctx: StageContext) -> dict[str, Any]:
+    """Task `fail_node` fails; every other task waits for a value nobody publishes."""
+    assert ctx.link is not None
+    ctx.link.publish(f"started-{ctx.node_rank}", str(os.getpid()))
+    if ctx.node_rank == cfg.fail_node:
+        raise RuntimeError(f"task {ctx.node_rank} fails on attempt {ctx.attempt}")
+    ctx.link.lookup("never", timeout_s=120)
+    return {"node_rank": ctx.node_rank}
+
+
 def register() -> None:
     register_kind(StageKind("toy", ToyConfig, toy, __name__))
+    register_kind(StageKind("spread", SpreadConfig, spread, __name__))

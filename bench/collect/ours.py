@@ -18,9 +18,6 @@ import time
 
 import aiohttp  # noqa: F401  (imported before the clock starts, as minimal.py does)
 
-import stages.collect.backend
-import stages.collect.collector
-import stages.collect.controller  # noqa: F401
 from engine.stage import StageContext
 from stages.collect import CollectConfig
 from stages.collect.run import run_collect

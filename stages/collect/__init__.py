@@ -18,8 +18,10 @@ from stages.lib.config import (
     CountOrAuto,
     LocalBackend,
     Verifier,
+    backend_gpu_unit,
     backend_preset_path,
     check_backend,
+    check_model,
     derive_backend,
 )
 
@@ -27,6 +29,7 @@ from stages.lib.config import (
 class CollectConfig(StageConfig):
     """Generate `num_repeats` answers per prompt, score each, append them as rollouts."""
 
+    SPANS_NODES = True  # one shard of the prompts per worker, merged by the first
     INPUTS = ("input", "backend.model")
     MODEL_INPUTS = ("backend.model",)
     OUTPUTS = ("output",)
@@ -87,6 +90,10 @@ class CollectConfig(StageConfig):
             raise ValueError(f"end_idx must be greater than start_idx ({start}), found {value}")
         return value
 
+    def gpu_unit(self) -> int:
+        """A vLLM engine's tensor-parallel group stays on one node."""
+        return backend_gpu_unit(self.backend)
+
     @classmethod
     def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
         """vLLM settings go to a `backend: {kind: vllm}` block; the rest to top-level fields."""
@@ -98,7 +105,7 @@ class CollectConfig(StageConfig):
         return derive_backend(self.backend, ctx, self.num_repeats)
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
-        return check_backend(self.backend, ctx)
+        return check_model(self.backend, ctx, wanted=True) + check_backend(self.backend, ctx)
 
 
 stage("collect", config=CollectConfig, run="stages.collect.run:run_collect")

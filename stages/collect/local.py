@@ -15,9 +15,9 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from stages.collect.client import Completion
 from stages.collect.inputs import Prompt
 from stages.collect.stats import Progress
+from stages.lib.client import Completion
 from stages.lib.config import LocalBackend
 
 if TYPE_CHECKING:
@@ -26,9 +26,12 @@ if TYPE_CHECKING:
 
 
 def collect_local(
-    cfg: CollectConfig, work: Iterator[tuple[Prompt, list[int]]], recorder: Recorder
+    cfg: CollectConfig,
+    work: Iterator[tuple[Prompt, list[int]]],
+    recorder: Recorder,
+    device: str = "cpu",
 ) -> None:
-    """Generate every pending sample in batches and record the rollouts."""
+    """Generate every pending sample in batches (on `device`) and record the rollouts."""
     assert isinstance(cfg.backend, LocalBackend)
     progress = Progress(recorder.log)
     recorder.stats.set_limit(cfg.backend.batch_size)
@@ -40,18 +43,18 @@ def collect_local(
             continue
         batch.append((prompt, samples))
         if len(batch) >= cfg.backend.batch_size:
-            _generate_batch(cfg, batch, recorder)
+            _generate_batch(cfg, batch, recorder, device)
             batch = []
             recorder.sink.flush()
             progress.maybe_report(recorder.stats)
     if batch:
-        _generate_batch(cfg, batch, recorder)
+        _generate_batch(cfg, batch, recorder, device)
     recorder.sink.flush()
     progress.close(recorder.stats)
 
 
 def _generate_batch(
-    cfg: CollectConfig, batch: list[tuple[Prompt, list[int]]], recorder: Recorder
+    cfg: CollectConfig, batch: list[tuple[Prompt, list[int]]], recorder: Recorder, device: str
 ) -> None:
     from stages.lib.generate import generate
 
@@ -59,6 +62,7 @@ def _generate_batch(
     prompts = [p.messages if p.messages is not None else (p.text or "") for p, _ in batch]
     start = time.perf_counter()
     recorder.stats.in_flight = len(batch) * cfg.num_repeats
+    assert cfg.backend.model is not None  # the kind's check requires it
     outputs = generate(
         cfg.backend.model,
         prompts,
@@ -68,6 +72,7 @@ def _generate_batch(
         max_new_tokens=cfg.max_output_tokens,
         seed=cfg.seed + batch[0][0].idx,
         batch_size=cfg.backend.batch_size,
+        device=device,
     )
     took = time.perf_counter() - start
     recorder.stats.in_flight = 0

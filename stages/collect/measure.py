@@ -20,14 +20,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from stages.collect.client import RequestError, classify, sample_seed
 from stages.collect.inputs import Prompt, prompt_from_row
+from stages.lib.client import RequestError, classify, sample_seed
 from stages.lib.config import LocalBackend, VLLMBackend
 from stages.lib.verify import Score, make_verifier
 
 if TYPE_CHECKING:
     from stages.collect import CollectConfig
-    from stages.collect.client import OpenAIClient
+    from stages.lib.client import OpenAIClient
 
 log = logging.getLogger("pipe.collect.measure")
 
@@ -59,12 +59,12 @@ def measure_level(
     score = make_verifier(cfg.verifier)
     if isinstance(cfg.backend, LocalBackend):
         return _measure_local(cfg, prompts, score, parallelism, num_requests)
-    from stages.collect.backend import http_endpoint, make_client
+    from stages.lib.backends import http_endpoint, make_client
 
     gpus = 0
     if isinstance(cfg.backend, VLLMBackend):
         gpus = cfg.backend.vllm_num_engines * cfg.backend.vllm_tensor_parallel_size
-    with http_endpoint(cfg, gpus=gpus, log=log) as endpoint:
+    with http_endpoint(cfg.backend, gpus=gpus, log=log) as endpoint:
         client = make_client(cfg, endpoint, connections=parallelism)
         return asyncio.run(_measure_http(client, cfg, prompts, score, parallelism, num_requests))
 
@@ -137,6 +137,7 @@ def _measure_local(
         batch = [prompts[(tally.sent + i) % len(prompts)] for i in range(parallelism)]
         batch = batch[: num_requests - tally.sent]
         t0 = time.perf_counter()
+        assert cfg.backend.model is not None  # the kind's check requires it
         outs = generate(
             cfg.backend.model,
             [p.messages if p.messages is not None else (p.text or "") for p in batch],

@@ -26,8 +26,8 @@ from stages.lib.verify import make_verifier
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.collect import CollectConfig
-    from stages.collect.backend import Endpoint
     from stages.collect.collector import Recorder
+    from stages.lib.backends import Endpoint
 
 T = TypeVar("T")
 
@@ -71,8 +71,9 @@ def collect_range(
         work = pending(cfg.input, start, end, cfg.num_repeats, done)
         if isinstance(cfg.backend, LocalBackend):
             from stages.collect.local import collect_local
+            from stages.lib.devices import torch_device
 
-            collect_local(cfg, work, recorder)
+            collect_local(cfg, work, recorder, torch_device(ctx))
         else:
             _collect_http(cfg, ctx, work, recorder)
     finally:
@@ -144,10 +145,17 @@ def _collect_http(
     work: Iterator[tuple[Prompt, list[int]]],
     recorder: Recorder,
 ) -> None:
-    from stages.collect.backend import http_endpoint
+    from stages.lib.backends import http_endpoint
 
     log_file = ctx.path(f"{os.path.basename(cfg.output)}.vllm.log")
-    with http_endpoint(cfg, gpus=ctx.gpus, log=ctx.log, log_file=log_file) as endpoint:
+    devices = ctx.device_env().get("CUDA_VISIBLE_DEVICES")
+    with http_endpoint(
+        cfg.backend,
+        gpus=ctx.gpus,
+        log=ctx.log,
+        log_file=log_file,
+        devices=devices.split(",") if devices else None,
+    ) as endpoint:
         run_async(_collect_async(cfg, endpoint, pairs(work), recorder))
     if cfg.num_samples_in_parallel == "auto":
         conc = recorder.stats.metrics()["concurrency"]
@@ -165,9 +173,9 @@ async def _collect_async(
     work: Iterator[tuple[Prompt, int]],
     recorder: Recorder,
 ) -> None:
-    from stages.collect.backend import make_client
     from stages.collect.collector import Collector
     from stages.collect.controller import AdaptiveLimit
+    from stages.lib.backends import make_client
 
     parallel = cfg.num_samples_in_parallel
     concurrency: int | AdaptiveLimit = AdaptiveLimit() if parallel == "auto" else parallel

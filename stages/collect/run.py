@@ -7,8 +7,10 @@ StageContext. Output: `cfg.output` (rollouts sorted by prompt_idx, sample_idx),
 `run_collect` publishes nothing until every pair is done, so it can be killed
 and run again at any point: the rerun reads `<output>.partial`, skips the
 pairs written, retries the failed ones (up to `max_failed_runs` runs) and goes
-on. An existing `<output>` means the stage is complete: nothing to do. With
-`shards` > 1 inside a Dask worker the range is split into shard tasks
+on. An existing `<output>` means the stage is complete: nothing to do. A
+stage placed on several workers collects one shard per worker, each with the
+vLLM engines of its own devices, and the first task merges them; without GPUs,
+with `shards` > 1 inside a Dask worker, the range is split into shard tasks
 (`stages.collect.shard`); one range is collected by `stages.collect.ranged`.
 """
 
@@ -28,6 +30,12 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     """Collect every (prompt, sample) pair of the configured range into cfg.output."""
     if os.path.exists(cfg.output):
         return up_to_date(cfg.output, ctx)
+    if ctx.link is not None:  # placed on several workers: a shard each, on their devices
+        from stages.collect.shard import run_on_nodes
+
+        return run_on_nodes(cfg, ctx)
+    if ctx.slots:  # placed on one worker's devices: its engines serve the whole range
+        return collect_range(cfg, ctx)
     shards = ctx.workers if cfg.shards == "auto" else cfg.shards
     if shards > 1:
         from stages.collect.shard import in_dask_worker, run_sharded

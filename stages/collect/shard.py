@@ -15,6 +15,7 @@ done their outputs (each sorted) are concatenated in shard order into
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 import uuid
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from stages.collect import CollectConfig
 
 _SUMMED = ("written", "failed", "skipped_resumed", "skipped_failed", "retries", "verify_errors")
+
+
+SHARD_TIMEOUT_S = 24 * 3600.0  # the first task waits this long for another's shard
 
 
 def in_dask_worker() -> bool:
@@ -64,8 +68,8 @@ def run_shard(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     return collect_range(cfg, ctx, with_histogram=True)
 
 
-def run_sharded(cfg: CollectConfig, ctx: StageContext, shards: int) -> dict[str, Any]:
-    """Split the range into shard tasks, wait for them, merge their outputs in order."""
+def shard_configs(cfg: CollectConfig, shards: int) -> list[CollectConfig]:
+    """The config of each shard: a contiguous piece of the range, its own output file."""
     assert cfg.input is not None
     start, end = row_range(cfg.start_idx, cfg.end_idx, cfg.limit)
     if end is None:
@@ -73,7 +77,7 @@ def run_sharded(cfg: CollectConfig, ctx: StageContext, shards: int) -> dict[str,
     else:
         end = min(end, max(start, count_lines(cfg.input)))
     ranges = split_range(start, end, shards) or [(start, start + 1)]
-    configs = [
+    return [
         cfg.model_copy(
             update={
                 "start_idx": a,
@@ -85,7 +89,37 @@ def run_sharded(cfg: CollectConfig, ctx: StageContext, shards: int) -> dict[str,
         )
         for k, (a, b) in enumerate(ranges)
     ]
-    ctx.log.info("collect: %d shards over prompts [%d, %d)", len(configs), start, end)
+
+
+def run_on_nodes(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
+    """A collect placed on several workers (one task each): task k collects shard k with the
+    engines on its own devices; the first task merges every shard in order."""
+    assert ctx.link is not None
+    configs = shard_configs(cfg, len(ctx.tasks))
+    k = ctx.node_rank
+    began = time.perf_counter()
+    result = run_shard(configs[k], ctx) if k < len(configs) else {"rows": 0, "written": 0}
+    if k > 0:
+        ctx.link.publish(f"shard-{k}", json.dumps(result, default=str))
+        return result
+    results = [result]
+    for j in range(1, len(ctx.tasks)):
+        results.append(json.loads(ctx.link.lookup(f"shard-{j}", timeout_s=SHARD_TIMEOUT_S)))
+    merge_shards(cfg.output, [c.output for c in configs])
+    metrics = _merged_metrics(results[: len(configs)], time.perf_counter() - began, cfg.output)
+    metrics["workers"] = len(ctx.tasks)
+    return metrics
+
+
+def run_sharded(cfg: CollectConfig, ctx: StageContext, shards: int) -> dict[str, Any]:
+    """Split the range into shard tasks, wait for them, merge their outputs in order."""
+    configs = shard_configs(cfg, shards)
+    ctx.log.info(
+        "collect: %d shards over prompts [%d, %d)",
+        len(configs),
+        configs[0].start_idx,
+        configs[-1].end_idx or configs[-1].start_idx,
+    )
     began = time.perf_counter()
     from distributed import worker_client
 

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from pydantic import Field
 
-from engine.stage import StageConfig, stage
-from stages.lib.config import Verifier
+from engine.errors import Diagnostic
+from engine.stage import Derived, ResolveContext, StageConfig, stage
+from stages.lib.config import (
+    Backend,
+    LocalBackend,
+    OpenAIBackend,
+    Verifier,
+    backend_gpu_unit,
+    backend_preset_path,
+    check_backend,
+    check_model,
+    derive_backend,
+)
 
 
 class EvaluateConfig(StageConfig):
@@ -35,9 +47,43 @@ class EvaluateConfig(StageConfig):
     num_samples: int = Field(1, gt=0, description="Samples per prompt (k of pass@k).")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature (0: greedy).")
     max_output_tokens: int = Field(64, gt=0, description="Most tokens generated per answer.")
-    batch_size: int = Field(128, gt=0, description="Prompts generated together in one batch.")
+    timeout_s: float = Field(
+        120.0, gt=0, description="Per-request timeout in seconds (vllm and openai backends)."
+    )
+    backend: Backend = Field(
+        default_factory=lambda: LocalBackend(kind="local", batch_size=128),
+        description="How answers are generated: local (each checkpoint loaded in the stage's process, on its GPUs when it holds some), vllm (each checkpoint served in turn on the stage's GPUs), or openai (the served model, named by backend.model; no checkpoints then).",
+    )
     verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
     seed: int = Field(0, description="Seed for sampling.")
+
+    @property
+    def top_p(self) -> float:
+        """Evaluation samples from the whole distribution (or greedily at temperature 0)."""
+        return 1.0
+
+    def gpu_unit(self) -> int:
+        """A vLLM engine's tensor-parallel group stays on one node."""
+        return backend_gpu_unit(self.backend)
+
+    @classmethod
+    def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
+        return super().preset_path(key, data) or backend_preset_path(key, data)
+
+    def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
+        return derive_backend(self.backend, ctx, self.num_samples)
+
+    def check(self, ctx: ResolveContext) -> list[Diagnostic]:
+        out = check_model(self.backend, ctx, wanted=False) + check_backend(self.backend, ctx)
+        if isinstance(self.backend, OpenAIBackend) and self.checkpoints:
+            out.append(
+                ctx.error(
+                    "checkpoints",
+                    f"an openai backend evaluates the model it serves ('{self.backend.model}'); "
+                    "checkpoints cannot be sent to it: leave checkpoints empty, or use a local or vllm backend",
+                )
+            )
+        return out
 
 
 stage("evaluate", config=EvaluateConfig, run="stages.evaluate.run:run_evaluate")

@@ -1,7 +1,10 @@
 """The evaluate stage's body: generate with each checkpoint, verify, compare to a baseline.
 
 Input: a resolved `EvaluateConfig` (`input` the held-out prompt JSONL,
-`checkpoints` and `baseline` absolute checkpoint directories).
+`checkpoints` and `baseline` absolute checkpoint directories, `backend` how to
+generate: `local` loads each checkpoint in this process, on the stage's GPU when
+it holds one; `vllm` serves each in turn on the stage's GPUs; `openai` asks the
+served model, which is then the only one evaluated).
 Output, in the folder of `cfg.output`: `report.json`
 (`{"baseline": NAME, "results": [{"checkpoint", "n", "accuracy", "mean_reward",
 "pass_at_k"}, ...]}`), `report.md` (a table with the differences to the
@@ -22,9 +25,11 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stages.lib.config import LocalBackend, OpenAIBackend, VLLMBackend
 from stages.lib.jsonl import atomic_path, atomic_write, read_jsonl, write_jsonl
 
 if TYPE_CHECKING:
@@ -43,12 +48,78 @@ def run_evaluate(cfg: EvaluateConfig, ctx: StageContext) -> dict[str, Any]:
 
     if not cfg.input:
         raise ValueError("evaluate needs an 'input' prompt file (e.g. '@data.test_output')")
-    if not cfg.checkpoints:
+    served = isinstance(cfg.backend, OpenAIBackend)
+    if not cfg.checkpoints and not served:
         raise ValueError("evaluate needs at least one checkpoint in 'checkpoints'")
     rows = list(read_jsonl(cfg.input))[: cfg.limit]
+    checkpoints = [cfg.backend.model] if isinstance(cfg.backend, OpenAIBackend) else cfg.checkpoints
+    generate = Generator(cfg, ctx)
     return evaluate_checkpoints(
-        cfg, list(cfg.checkpoints), cfg.baseline, rows, make_verifier(cfg.verifier), ctx.run_dir
+        cfg,
+        list(checkpoints),
+        cfg.baseline,
+        rows,
+        make_verifier(cfg.verifier),
+        ctx.run_dir,
+        generate,
     )
+
+
+class Generator:
+    """Answers of one checkpoint to every prompt, through the configured backend."""
+
+    def __init__(self, cfg: EvaluateConfig, ctx: StageContext | None = None) -> None:
+        self.cfg, self.ctx = cfg, ctx
+
+    def __call__(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:
+        cfg, backend = self.cfg, self.cfg.backend
+        if isinstance(backend, LocalBackend):
+            from stages.lib.devices import torch_device
+            from stages.lib.generate import generate
+
+            return [
+                [Answer(g.text, g.finish_reason, g.completion_tokens) for g in sample]
+                for sample in generate(
+                    path,
+                    prompts,
+                    num_samples=num_samples,
+                    temperature=cfg.temperature,
+                    top_p=1.0,
+                    max_new_tokens=cfg.max_output_tokens,
+                    seed=cfg.seed,
+                    batch_size=backend.batch_size,
+                    device=torch_device(self.ctx),
+                )
+            ]
+        return self._http(path, prompts, num_samples)
+
+    def _http(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:
+        import asyncio
+
+        from stages.lib.backends import http_endpoint, make_client
+        from stages.lib.client import complete_all
+
+        backend = self.cfg.backend
+        if isinstance(backend, VLLMBackend):
+            backend = backend.model_copy(update={"model": path})
+        gpus = len(self.ctx.devices()) if self.ctx is not None else 0
+        visible = self.ctx.device_env().get("CUDA_VISIBLE_DEVICES") if self.ctx else None
+        devices = visible.split(",") if visible else None
+        with http_endpoint(backend, gpus=gpus, log=log, devices=devices) as endpoint:
+            client = make_client(self.cfg, endpoint, connections=64)
+            done = asyncio.run(
+                complete_all(client, prompts, num_samples=num_samples, seed=self.cfg.seed)
+            )
+        return [[Answer(c.text, c.finish_reason, c.completion_tokens) for c in s] for s in done]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One generated answer, whichever backend made it."""
+
+    text: str
+    finish_reason: str
+    completion_tokens: int
 
 
 def evaluate_checkpoints(
@@ -58,13 +129,15 @@ def evaluate_checkpoints(
     rows: list[dict[str, Any]],
     verify: Verify,
     run_dir: str,
+    generate: Generator | None = None,
 ) -> dict[str, Any]:
     """Generate, score and report; `cfg` gives the sampling settings and the output path."""
+    generate = generate or Generator(cfg)
     paths = _with_baseline(checkpoints, baseline)
     names = checkpoint_names(paths, run_dir)
     results, samples = [], []
     for path, name in zip(paths, names, strict=True):
-        rewards, gen_rows = _score_checkpoint(cfg, path, name, rows, verify)
+        rewards, gen_rows = _score_checkpoint(cfg, path, name, rows, verify, generate)
         results.append(summarize(name, rewards))
         samples.extend(gen_rows)
         log.info("%s: accuracy %.3f on %d prompts", name, results[-1]["accuracy"], len(rows))
@@ -98,24 +171,18 @@ def checkpoint_names(paths: Sequence[str], run_dir: str) -> list[str]:
 
 
 def _score_checkpoint(
-    cfg: EvaluateConfig, path: str, name: str, rows: list[dict[str, Any]], verify: Verify
+    cfg: EvaluateConfig,
+    path: str,
+    name: str,
+    rows: list[dict[str, Any]],
+    verify: Verify,
+    generate: Generator,
 ) -> tuple[list[list[float]], list[dict[str, Any]]]:
-    from stages.lib.generate import generate
-
     prompts = [r["messages"] if "messages" in r else r["prompt"] for r in rows]
     greedy = cfg.temperature == 0
     if greedy and cfg.num_samples > 1:
         log.warning("temperature 0 gives %d identical samples; generating one", cfg.num_samples)
-    gens = generate(
-        path,
-        prompts,
-        num_samples=1 if greedy else cfg.num_samples,
-        temperature=cfg.temperature,
-        top_p=1.0,
-        max_new_tokens=cfg.max_output_tokens,
-        seed=cfg.seed,
-        batch_size=cfg.batch_size,
-    )
+    gens = generate(path, prompts, 1 if greedy else cfg.num_samples)
     rewards: list[list[float]] = []
     out: list[dict[str, Any]] = []
     for idx, (row, samples) in enumerate(zip(rows, gens, strict=True)):

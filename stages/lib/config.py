@@ -101,7 +101,10 @@ class VLLMBackend(Block):
     kind: Literal["vllm"] = Field(
         description="Start vLLM's OpenAI server for the stage, then stop it."
     )
-    model: str = Field(description="Checkpoint directory or model id to serve.")
+    model: str | None = Field(
+        None,
+        description="Checkpoint directory or model id to serve (evaluate: empty, it serves each checkpoint in turn).",
+    )
     vllm_num_engines: int = Field(1, gt=0, description="Number of vLLM engines (servers).")
     vllm_tensor_parallel_size: int = Field(
         1, gt=0, description="GPUs per engine (tensor parallelism)."
@@ -130,8 +133,9 @@ class LocalBackend(Block):
     kind: Literal["local"] = Field(
         description="Generate in-process with transformers on a checkpoint directory."
     )
-    model: str = Field(
-        description="Checkpoint directory (or a reference '@stage' to a train stage's output)."
+    model: str | None = Field(
+        None,
+        description="Checkpoint directory (or a reference '@stage' to a train stage's output); evaluate: empty, it loads each checkpoint in turn.",
     )
     batch_size: int = Field(64, gt=0, description="Prompts generated together in one batch.")
 
@@ -225,6 +229,30 @@ def derive_backend(backend: Any, ctx: ResolveContext, num_repeats: int) -> dict[
             f"vllm shares its GPUs with {', '.join(shared.colocated_with)}: leave half for training",
         )
     return out
+
+
+def backend_gpu_unit(backend: Any) -> int:
+    """GPUs one engine of the backend holds on one node: its tensor-parallel size."""
+    return backend.vllm_tensor_parallel_size if isinstance(backend, VLLMBackend) else 1
+
+
+def check_model(backend: Any, ctx: ResolveContext, wanted: bool) -> list[Diagnostic]:
+    """A local or vLLM backend names its model when the stage has no other (`wanted`), and
+    names none when the stage brings its own models (evaluate's checkpoints)."""
+    if not isinstance(backend, LocalBackend | VLLMBackend):
+        return []
+    if wanted and backend.model is None:
+        return [
+            ctx.error("backend", f"a '{backend.kind}' backend needs a 'model' to generate with")
+        ]
+    if not wanted and backend.model is not None:
+        return [
+            ctx.error(
+                "backend.model",
+                "this stage generates with each of its checkpoints in turn; leave backend.model empty",
+            )
+        ]
+    return []
 
 
 def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:

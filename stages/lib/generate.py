@@ -26,7 +26,7 @@ from stages.lib.prompt import Prompt, format_prompt
 
 log = logging.getLogger("pipe.stages.lib.generate")
 
-_CACHE: OrderedDict[tuple[str, float], tuple[Any, Any]] = OrderedDict()
+_CACHE: OrderedDict[tuple[str, float, str], tuple[Any, Any]] = OrderedDict()
 _CACHE_SIZE = 2
 
 
@@ -40,12 +40,12 @@ class Generation:
     completion_tokens: int
 
 
-def load(model_dir: str) -> tuple[Any, Any]:
-    """The model (eval mode) and tokenizer of `model_dir`, cached per process."""
+def load(model_dir: str, device: str = "cpu") -> tuple[Any, Any]:
+    """The model (eval mode, on `device`) and tokenizer of `model_dir`, cached per process."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = os.path.realpath(model_dir)
-    key = (path, _mtime(path))
+    key = (path, _mtime(path), device)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
@@ -54,6 +54,7 @@ def load(model_dir: str) -> tuple[Any, Any]:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model: Any = AutoModelForCausalLM.from_pretrained(path)
+    model.to(device)
     model.eval()
     _CACHE[key] = (model, tokenizer)
     while len(_CACHE) > _CACHE_SIZE:
@@ -78,9 +79,10 @@ def generate(
     max_new_tokens: int = 64,
     seed: int = 0,
     batch_size: int = 64,
+    device: str = "cpu",
 ) -> list[list[Generation]]:
     """Generate `num_samples` answers for every prompt; outer list per prompt, inner per sample."""
-    model, tokenizer = load(model_dir)
+    model, tokenizer = load(model_dir, device)
     return generate_with(
         model,
         tokenizer,
@@ -113,7 +115,7 @@ def generate_with(
     encoded = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     per_batch = max(1, batch_size // num_samples)
-    rng = torch.Generator().manual_seed(seed)
+    rng = torch.Generator(device=model.device).manual_seed(seed)
     eos = _eos_ids(model, tokenizer)
     out: list[list[Generation]] = [[] for _ in prompts]
     started, produced = time.perf_counter(), 0
@@ -177,9 +179,9 @@ def _decode(
     with torch.inference_mode():
         cache, logits, mask = _prefill(model, ids, pad, repeats)
         last = mask.sum(-1) - 1
-        alive = torch.arange(logits.shape[0])
+        alive = torch.arange(logits.shape[0], device=logits.device)
         new: list[list[int]] = [[] for _ in range(logits.shape[0])]
-        eos_t = torch.tensor(sorted(eos)) if eos else torch.tensor([-1])
+        eos_t = torch.tensor(sorted(eos) if eos else [-1], device=logits.device)
         for n in range(max_new_tokens):
             token = _pick(logits, temperature, top_p, rng)
             for row, t in zip(alive.tolist(), token.tolist(), strict=True):
@@ -209,8 +211,8 @@ def _prefill(model: Any, ids: list[list[int]], pad: int, repeats: int) -> tuple[
     import torch
 
     width = max(len(x) for x in ids)
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=model.device)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=model.device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     step = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True)
     cache, logits = step.past_key_values, step.logits[:, -1].float()

@@ -1,14 +1,19 @@
 """Launch the training ranks as fresh processes and follow them.
 
 Input: the rank module to run (e.g. `stages.train.worker`), its spec file,
-the number of ranks, the device kind, threads per rank, a log file and a logger.
+which ranks of the job to start here (`Ranks`: all of them, or this node's
+share of a job that spans nodes), the device kind, threads per rank, a log
+file, a logger, and optionally a `should_stop` callback (another node failed).
 Output: returns when every rank exited 0; otherwise stops the others and
 raises `TrainingFailed` with the exit status and the last lines of the log.
 
 Each rank is `python -m MODULE SPEC` with the usual
-torch.distributed environment (MASTER_ADDR=127.0.0.1, a free MASTER_PORT,
-RANK, WORLD_SIZE, LOCAL_RANK), OMP_NUM_THREADS set to its share of the cores,
-and `DS_ACCELERATOR=cpu` on CPU so DeepSpeed does not probe for GPUs. Every
+torch.distributed environment (MASTER_ADDR and MASTER_PORT of global rank 0:
+127.0.0.1 and a free port for a one-node job; RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, NODE_RANK), `CUDA_VISIBLE_DEVICES` set to the node's devices
+when the stage holds some (rank `LOCAL_RANK` uses the LOCAL_RANK-th of them),
+OMP_NUM_THREADS set to its share of the cores, and `DS_ACCELERATOR=cpu` on CPU
+so DeepSpeed does not probe for GPUs. Every
 output line goes to the log file with its rank; the worker's own log records
 (marked `@pipe LEVEL`) also go to the stage's logger at their level, so the
 stage log shows progress without library noise.
@@ -25,6 +30,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -43,17 +50,40 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rank_env(rank: int, world: int, port: int, threads: int, device: str) -> dict[str, str]:
-    """The environment of rank `rank`: this process's, plus the distributed settings."""
-    root = str(Path(__file__).resolve().parent.parent)
+@dataclass(frozen=True)
+class Ranks:
+    """The ranks of one torch.distributed job this process starts, and where rank 0 listens."""
+
+    world: int
+    first: int = 0  # global rank of the first rank started here
+    local: int | None = None  # ranks started here (default: all of them)
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port of this machine
+    devices: tuple[str, ...] = ()  # this node's CUDA_VISIBLE_DEVICES names (empty: unchanged)
+
+    @property
+    def count(self) -> int:
+        return self.world if self.local is None else self.local
+
+
+def rank_env(
+    rank: int, ranks: Ranks, port: int, threads: int, device: str, local: int = 0
+) -> dict[str, str]:
+    """The environment of global rank `rank` (the `local`-th started here): this process's,
+    plus the distributed settings."""
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
+    if ranks.devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ranks.devices)
     env.update(
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=ranks.master_addr,
         MASTER_PORT=str(port),
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
+        LOCAL_RANK=str(local),
+        WORLD_SIZE=str(ranks.world),
+        LOCAL_WORLD_SIZE=str(ranks.count),
+        NODE_RANK=str(ranks.node_rank),
         OMP_NUM_THREADS=str(threads),
         MKL_NUM_THREADS=str(threads),
         TOKENIZERS_PARALLELISM="false",
@@ -124,25 +154,28 @@ def _stop(procs: list[subprocess.Popen[str]], grace_s: float = 10.0) -> None:
 def launch(
     module: str,
     spec_path: str,
-    world: int,
+    ranks: Ranks,
     device: str,
     threads: int,
     log_path: str,
     logger: logging.Logger,
+    should_stop: Callable[[], str | None] | None = None,
 ) -> None:
-    """Run `world` ranks of `python -m module spec_path`; raise if any fails."""
-    port = free_port()
+    """Run this node's ranks of `python -m module spec_path`; raise if any fails, or (killing
+    them) when `should_stop` returns a reason."""
+    port = ranks.master_port or free_port()
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     lock = threading.Lock()
     procs: list[subprocess.Popen[str]] = []
     followers: list[_Follower] = []
-    failed: tuple[int, int] | None = None
+    failed: tuple[int, int] | str | None = None
     with open(log_path, "a", encoding="utf-8") as sink:
         try:
-            for rank in range(world):
+            for local in range(ranks.count):
+                rank = ranks.first + local
                 proc = subprocess.Popen(
                     [sys.executable, "-m", module, spec_path],
-                    env=rank_env(rank, world, port, threads, device),
+                    env=rank_env(rank, ranks, port, threads, device, local),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
@@ -152,11 +185,15 @@ def launch(
                 assert proc.stdout is not None
                 followers.append(_Follower(rank, proc.stdout, sink, lock, logger, tail))
                 followers[-1].start()
-            failed = _wait(procs)
+            failed = _wait(procs, should_stop, ranks.first)
         finally:
             _stop(procs)
             for f in followers:
                 f.join(timeout=5)
+    if isinstance(failed, str):
+        raise TrainingFailed(
+            f"ranks {ranks.first}-{ranks.first + ranks.count - 1} stopped: {failed}"
+        )
     if failed is not None:
         rank, code = failed
         lines = "\n".join(tail)
@@ -165,13 +202,22 @@ def launch(
         )
 
 
-def _wait(procs: list[subprocess.Popen[str]]) -> tuple[int, int] | None:
-    """Wait for every rank; the first to fail (rank, status), or None when all exit 0."""
+def _wait(
+    procs: list[subprocess.Popen[str]], should_stop: Callable[[], str | None] | None, first: int
+) -> tuple[int, int] | str | None:
+    """Wait for every rank: the first to fail (global rank, status), the reason `should_stop`
+    gave (checked every second), or None when all exit 0."""
+    checked = time.monotonic()
     while True:
         codes = [p.poll() for p in procs]
-        for rank, code in enumerate(codes):
+        for i, code in enumerate(codes):
             if code is not None and code != 0:
-                return rank, code
+                return first + i, code
         if all(code == 0 for code in codes):
             return None
+        if should_stop is not None and time.monotonic() - checked > 1.0:
+            checked = time.monotonic()
+            reason = should_stop()
+            if reason is not None:
+                return reason
         time.sleep(0.1)

@@ -14,6 +14,7 @@ from stages.lib.config import CountOrAuto, ModelRef, TinyModel
 class TrainConfig(StageConfig):
     """Fine-tune a model on the upstream rollouts (or prompts with gold answers)."""
 
+    SPANS_NODES = True  # one torch.distributed job: each worker starts its local ranks
     INPUTS = ("input", "model")
     MODEL_INPUTS = ("model",)
     OUTPUTS = ("output",)

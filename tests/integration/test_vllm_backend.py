@@ -2,7 +2,7 @@
 
 The model is built here (a 2-layer, hidden-64 Llama from a config, random
 weights, and a byte-level BPE tokenizer trained on a few lines with a chat
-template), served by `stages.collect.vllm_server.vllm_server` on the CPU, and
+template), served by `stages.lib.vllm_server.vllm_server` on the CPU, and
 sent real chat completions. The tests marked `vllm` skip where no vLLM
 interpreter is found (`make install-vllm` creates `.venv-vllm/`); the checks
 of the command line and of the "not installed" error run everywhere.
@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 import pytest
 
-from stages.collect import vllm_server as vs
+from stages.lib import vllm_server as vs
 from stages.lib.config import VLLMBackend
 
 LOG = logging.getLogger("test.vllm")
@@ -323,7 +323,7 @@ class TestServed:
 
 HOLDER = """
 import logging, sys, time
-from stages.collect.vllm_server import vllm_server
+from stages.lib.vllm_server import vllm_server
 from stages.lib.config import VLLMBackend
 backend = VLLMBackend(kind="vllm", model=sys.argv[1], startup_timeout_s=float(sys.argv[2]))
 with vllm_server(backend, gpus=0, log=logging.getLogger("holder"), log_file=sys.argv[3]) as url:

@@ -9,7 +9,8 @@ import random
 import aiohttp
 import pytest
 
-from stages.collect.client import (
+from stages.collect.inputs import parse_row
+from stages.lib.client import (
     Completion,
     OpenAIClient,
     RequestError,
@@ -19,7 +20,6 @@ from stages.collect.client import (
     sample_seed,
     status_error,
 )
-from stages.collect.inputs import parse_row
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from stages.evaluate.run import (
     render_markdown,
     summarize,
 )
-from stages.lib.config import Verifier
+from stages.lib.config import LocalBackend, Verifier
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,10 @@ ROWS = [
 
 def _config(run: Path, **fields: Any) -> EvaluateConfig:
     return EvaluateConfig(
-        output=str(run / "evaluate" / "report.json"), max_output_tokens=2, batch_size=3, **fields
+        output=str(run / "evaluate" / "report.json"),
+        max_output_tokens=2,
+        backend=LocalBackend(kind="local", batch_size=3),
+        **fields,
     )
 
 

@@ -50,6 +50,11 @@ TRAIN_VLLM = """\
         needs: [collect]
         resources: {{role: actor}}
         config: {{model: /models/m, micro_train_batch_size: 2, train_batch_size: 64}}
+      value:
+        kind: train
+        needs: [collect]
+        resources: {{role: critic}}
+        config: {{model: /models/m, micro_train_batch_size: 2}}
 """
 
 
@@ -109,6 +114,8 @@ def test_memory_constrained_settings_and_no_colocation(tmp_path: Path):
         "p.yaml:3:9: warning: resources.colocate: memory preset 'memory_constrained' sets 'none' over profile "
         "'high-performance''s 'all' (when hitting OOM: disable all --colocate_* options)",
         "p.yaml:3:9: warning: stages.train.config.overlap_comm: memory preset 'memory_constrained' sets false over "
+        "profile 'high-performance''s true (when hitting OOM: disable --overlap_comm (its buckets take memory))",
+        "p.yaml:3:9: warning: stages.value.config.overlap_comm: memory preset 'memory_constrained' sets false over "
         "profile 'high-performance''s true (when hitting OOM: disable --overlap_comm (its buckets take memory))",
     ]
 
@@ -221,7 +228,11 @@ def test_colocation_groups_split_as_units(tmp_path: Path):
           ratio: {vllm: 1, actor: 1, critic: 1, ref: 1, reward: 1}
           colocate: [[actor, ref], [critic, reward]]
         stages:
-          f: {kind: filter, config: {input: x.jsonl}}
+          a: {kind: filter, resources: {role: vllm}, config: {input: x.jsonl}}
+          b: {kind: filter, resources: {role: actor}, config: {input: x.jsonl}}
+          c: {kind: filter, resources: {role: ref}, config: {input: x.jsonl}}
+          d: {kind: filter, resources: {role: critic}, config: {input: x.jsonl}}
+          e: {kind: filter, resources: {role: reward}, config: {input: x.jsonl}}
     """
     roles = build(tmp_path, text).as_dict()["roles"]
     assert roles == {
@@ -231,6 +242,36 @@ def test_colocation_groups_split_as_units(tmp_path: Path):
         "critic": {"gpus": 8, "colocated_with": ["reward"]},
         "reward": {"gpus": 8, "colocated_with": ["critic"]},
     }
+
+
+def test_one_actor_stage_on_8_gpus_gets_all_8(tmp_path: Path):
+    text = """\
+        name: p
+        cluster: {gpus: 8}
+        stages:
+          t: {kind: train, resources: {role: actor}, config: {input: d.jsonl, model: /m, micro_train_batch_size: 8}}
+    """
+    p = build(tmp_path, text)
+    assert p.as_dict()["roles"] == {"actor": {"gpus": 8, "colocated_with": []}}
+    assert p.as_dict()["stages"]["t"]["resources"] == {"role": "actor", "gpus": 8}
+    assert p.resolved.notes == []
+
+
+def test_a_ratio_role_no_stage_uses_gets_no_gpus_and_a_warning(tmp_path: Path):
+    text = """\
+        name: p
+        cluster: {gpus: 8}
+        resources:
+          ratio: {vllm: 1, actor: 1, critic: 1}
+        stages:
+          t: {kind: train, resources: {role: actor}, config: {input: d.jsonl, model: /m, micro_train_batch_size: 8}}
+    """
+    p = build(tmp_path, text)
+    assert p.as_dict()["roles"] == {"actor": {"gpus": 8, "colocated_with": []}}
+    assert [d.render() for d in p.resolved.notes] == [
+        "p.yaml:4:11: warning: resources.ratio.vllm: no stage uses role 'vllm'; it gets no GPUs",
+        "p.yaml:4:30: warning: resources.ratio.critic: no stage uses role 'critic'; it gets no GPUs",
+    ]
 
 
 def test_references_and_paths(tmp_path: Path):

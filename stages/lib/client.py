@@ -7,6 +7,11 @@ engine's prefix cache), the model name, the endpoint (`chat`, `completions`, or
 string), sampling settings, and an API key read by the caller from the
 environment (never logged, never written). Output: `Completion` objects.
 
+A prompt string sent to a chat endpoint becomes one user message, so the server
+applies the model's chat template to it exactly as local generation and
+training do (`stages.lib.prompt`); the vLLM backend always uses its chat
+endpoint for that reason.
+
 One aiohttp `ClientSession` with a `TCPConnector` sized to the concurrency
 (no per-host cap) serves every request. Each request's JSON body is a prefix
 built once per prompt plus the per-sample seed, so repeats cost one string
@@ -20,11 +25,21 @@ import asyncio
 import json
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
-from stages.collect.inputs import Prompt
+
+class Request(Protocol):
+    """A prompt to send: its index (which engine), and its chat messages or text."""
+
+    @property
+    def idx(self) -> int: ...
+    @property
+    def messages(self) -> list[dict[str, str]] | None: ...
+    @property
+    def text(self) -> str | None: ...
+
 
 _dumps = json.JSONEncoder(ensure_ascii=False).encode
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
@@ -148,7 +163,7 @@ class OpenAIClient:
             await self.session.close()
             self.session = None
 
-    def prepare(self, prompt: Prompt) -> tuple[str, str]:
+    def prepare(self, prompt: Request) -> tuple[str, str]:
         """(url, JSON body without its closing seed) for a prompt; ValueError if unusable."""
         chat = self.endpoint == "chat" or (self.endpoint == "auto" and prompt.messages is not None)
         if chat:
@@ -198,3 +213,47 @@ def parse_completion(data: Any) -> Completion:
         raise RequestError(
             "bad_response", f"unexpected response shape: {snippet}", retryable=True
         ) from exc
+
+
+@dataclass(frozen=True)
+class _Ask:
+    idx: int
+    messages: list[dict[str, str]] | None
+    text: str | None
+
+
+async def complete_all(
+    client: OpenAIClient,
+    prompts: list[str | list[dict[str, str]]],
+    *,
+    num_samples: int,
+    seed: int,
+    parallel: int = 64,
+    max_retries: int = 4,
+    backoff_s: float = 0.5,
+) -> list[list[Completion]]:
+    """Every prompt `num_samples` times through `client`, at most `parallel` requests in
+    flight, each retried with backoff while it fails in a retryable way (evaluation: a
+    batch to finish, not a stream to keep, unlike the collector)."""
+    gate = asyncio.Semaphore(parallel)
+
+    async def one(i: int, prompt: str | list[dict[str, str]], s: int) -> Completion:
+        ask = _Ask(i, None, prompt) if isinstance(prompt, str) else _Ask(i, prompt, None)
+        url, head = client.prepare(ask)
+        body = f"{head}{sample_seed(seed, i, s, num_samples)}}}".encode()
+        for attempt in range(max_retries + 1):
+            async with gate:
+                try:
+                    return await client.complete(url, body)
+                except Exception as exc:
+                    error = classify(exc)
+            if not error.retryable or attempt == max_retries:
+                raise error
+            await asyncio.sleep(backoff_delay(attempt, backoff_s, error.retry_after))
+        raise AssertionError("unreachable")
+
+    async with client:
+        flat = await asyncio.gather(
+            *(one(i, p, s) for i, p in enumerate(prompts) for s in range(num_samples))
+        )
+    return [list(flat[i * num_samples : (i + 1) * num_samples]) for i in range(len(prompts))]

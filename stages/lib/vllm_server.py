@@ -98,6 +98,8 @@ def server_command(
 ) -> list[str]:
     """The command line that serves `backend.model` on `port`."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server"]
+    if backend.model is None:
+        raise ValueError("a vllm backend needs a 'model' to serve")
     cmd += ["--model", backend.model, "--served-model-name", backend.model]
     cmd += ["--host", HOST, "--port", str(port)]
     cmd += ["--tensor-parallel-size", str(backend.vllm_tensor_parallel_size)]
@@ -131,9 +133,22 @@ def server_env(
     return env
 
 
-def device_slices(backend: VLLMBackend, gpus: int) -> list[list[str]]:
-    """GPU ids for each engine; on CPU, one empty slice per engine."""
+def device_slices(
+    backend: VLLMBackend, gpus: int, devices: Sequence[str] | None = None
+) -> list[list[str]]:
+    """GPU ids for each engine; on CPU, one empty slice per engine.
+
+    With `devices` (the placement's devices of this node, as `CUDA_VISIBLE_DEVICES` names
+    them) one engine per tensor-parallel group of them; otherwise `vllm_num_engines`
+    engines on the first GPUs this process sees.
+    """
     engines, tp = backend.vllm_num_engines, backend.vllm_tensor_parallel_size
+    if devices:
+        if len(devices) % tp:
+            raise ValueError(
+                f"{len(devices)} GPUs do not split into tensor-parallel groups of {tp}"
+            )
+        return [list(devices[i : i + tp]) for i in range(0, len(devices), tp)]
     if gpus == 0:
         return [[] for _ in range(engines)]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
@@ -311,14 +326,16 @@ def vllm_servers(
     log: logging.Logger,
     log_file: str | Path | None = None,
     extra_args: Sequence[str] = (),
+    devices: Sequence[str] | None = None,
 ) -> Iterator[list[str]]:
-    """Serve `backend` with `vllm_num_engines` servers; yield their base URLs.
+    """Serve `backend` with `vllm_num_engines` servers (one per tensor-parallel group of
+    `devices` when given); yield their base URLs.
 
     Engine i logs to `log_file` (`vllm.log`, then `vllm.1.log`, ...; default a
     file in $TMPDIR named after the port). `extra_args` go to every server.
     """
     python = find_vllm_python()
-    slices = device_slices(backend, gpus)
+    slices = device_slices(backend, gpus, devices)
     started = time.monotonic()
     with ExitStack() as stack:
         servers = []
@@ -346,12 +363,13 @@ def vllm_server(
     log: logging.Logger,
     log_file: str | Path | None = None,
     extra_args: Sequence[str] = (),
+    devices: Sequence[str] | None = None,
 ) -> Iterator[str]:
     """Serve `backend`; yield its base URL ("http://127.0.0.1:PORT/v1").
 
-    With `vllm_num_engines` > 1, the engines' URLs joined by commas.
+    With several engines, their URLs joined by commas.
     """
     with vllm_servers(
-        backend, gpus=gpus, log=log, log_file=log_file, extra_args=extra_args
+        backend, gpus=gpus, log=log, log_file=log_file, extra_args=extra_args, devices=devices
     ) as urls:
         yield ",".join(urls)

@@ -1,28 +1,41 @@
 """Where requests go: an HTTP endpoint for the `openai` and `vllm` backends.
 
-Input: a CollectConfig (and, for vllm, the GPUs the stage holds). Output: an
-`Endpoint` (base URL, model name, endpoint mode, API key) while a context is
-open, and `make_client`, the OpenAIClient for it. For `vllm` the context
-starts vLLM's OpenAI server (`stages.collect.vllm_server.vllm_server`) and
-stops it on exit, also on failure; rows with messages go to its chat endpoint
-and rows with a prompt string to its completions endpoint (no chat template
-applied to plain prompts, as the local backend does).
+Input: a backend block (and, for vllm, the GPUs the stage holds) and the
+sampling settings. Output: an `Endpoint` (base URL, model name, endpoint mode,
+API key) while a context is open, and `make_client`, the OpenAIClient for it.
+For `vllm` the context starts vLLM's OpenAI server
+(`stages.lib.vllm_server.vllm_server`) and stops it on exit, also on failure;
+every row goes to its chat endpoint, so a prompt string gets the model's chat
+template exactly as with the local backend and in training.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from stages.collect.client import OpenAIClient
+from stages.lib.client import OpenAIClient
 from stages.lib.config import OpenAIBackend, VLLMBackend
 
 if TYPE_CHECKING:
-    from stages.collect import CollectConfig
+    from stages.lib.config import Backend
+
+
+class Sampling(Protocol):
+    """The settings a request is sent with (collect's and evaluate's configs have them)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def max_output_tokens(self) -> int: ...
+    @property
+    def timeout_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -52,27 +65,33 @@ def api_key(backend: OpenAIBackend) -> str | None:
 
 @contextmanager
 def http_endpoint(
-    cfg: CollectConfig, *, gpus: int, log: logging.Logger, log_file: str | None = None
+    backend: Backend,
+    *,
+    gpus: int,
+    log: logging.Logger,
+    log_file: str | None = None,
+    devices: Sequence[str] | None = None,
 ) -> Iterator[Endpoint]:
     """The endpoint of an openai or vllm backend, open for the duration of the block.
 
     For vllm, `log_file` receives the server's output; several engines give a
     comma-separated base URL, which the client spreads prompts over.
     """
-    backend = cfg.backend
     if isinstance(backend, OpenAIBackend):
         yield Endpoint(backend.base_url, backend.model, backend.endpoint, api_key(backend))
     elif isinstance(backend, VLLMBackend):
-        from stages.collect.vllm_server import vllm_server
+        from stages.lib.vllm_server import vllm_server
 
-        with vllm_server(backend, gpus=gpus, log=log, log_file=log_file) as base_url:
+        with vllm_server(
+            backend, gpus=gpus, log=log, log_file=log_file, devices=devices
+        ) as base_url:
             log.info("vLLM server ready at %s", base_url)
-            yield Endpoint(base_url, backend.model, "auto")
+            yield Endpoint(base_url, str(backend.model), "chat")
     else:
         raise ValueError(f"backend kind '{backend.kind}' has no HTTP endpoint")
 
 
-def make_client(cfg: CollectConfig, endpoint: Endpoint, connections: int) -> OpenAIClient:
+def make_client(cfg: Sampling, endpoint: Endpoint, connections: int) -> OpenAIClient:
     """The client for `endpoint` with the config's sampling settings and timeout."""
     sampling = {
         "temperature": cfg.temperature,

@@ -1,0 +1,327 @@
+"""Plan, part of: placement. Roles, GPU stages and a cluster -> the slots each stage holds.
+
+Input: the GPU stages (each asks for GPUs per role, in tensor-parallel units
+that must stay on one node), the DAG (`needs`), the roles' pools (the resolved
+GPU counts per colocation group) and a `ClusterView` (the live Dask workers or a
+declared cluster file). Output: a `Placement`: for every GPU stage its slots,
+each a `(node, worker, device ids, role)` on one worker of one node. Pure and
+deterministic: no I/O, no clock, no randomness.
+
+Rules:
+- A node offers at most `gpus_per_node` devices; a unit (a tensor-parallel
+  group) never spans nodes, nor workers.
+- Pools first: each colocation group of roles gets its GPUs, whole nodes first
+  in node order, then the node that fits best; colocated roles share them. A
+  stage's role is placed inside its pool; a stage asking for plain GPUs may use
+  any device.
+- Stages that can run at the same time (no path between them in the DAG) get
+  disjoint devices when the pool allows it; otherwise the later one shares
+  devices with them and `waits` names them (execute runs them one after the
+  other). Stages with a path between them reuse devices freely.
+- Every problem is collected; `PlacementError` carries them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.stage import Slot
+
+Device = tuple[str, str | None, int]  # (node, worker, device id)
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A Dask worker (or a declared node): where it runs and the devices it holds."""
+
+    address: str | None
+    node: str
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The cluster placement works with."""
+
+    workers: tuple[Worker, ...]
+    gpus_per_node: int
+    gpu_memory_bytes: int | None = None
+    host_memory_bytes: int | None = None
+
+    def nodes(self) -> list[str]:
+        return list(dict.fromkeys(w.node for w in self.workers))
+
+    def devices(self) -> list[Device]:
+        """Every usable device in order: node, worker, id; at most gpus_per_node a node."""
+        out: list[Device] = []
+        for node in self.nodes():
+            here = [(node, w.address, d) for w in self.workers if w.node == node for d in w.devices]
+            out.extend(here[: self.gpus_per_node])
+        return out
+
+    def describe(self) -> str:
+        counts = [sum(1 for d in self.devices() if d[0] == n) for n in self.nodes()]
+        if counts and len(set(counts)) == 1:
+            return f"{len(counts)} node(s) x {counts[0]}"
+        return ", ".join(f"{n}: {c}" for n, c in zip(self.nodes(), counts, strict=True))
+
+
+@dataclass(frozen=True)
+class RoleRequest:
+    """GPUs one role of a stage holds (role None: a plain `resources: {gpus: n}` stage)."""
+
+    role: str | None
+    gpus: int
+    unit: int = 1
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    name: str
+    roles: tuple[RoleRequest, ...]
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A colocation group of roles and the GPUs it shares."""
+
+    roles: tuple[str, ...]
+    gpus: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every GPU stage (and every role's pool) sits."""
+
+    stages: dict[str, tuple[Slot, ...]]
+    pools: dict[str, tuple[Slot, ...]] = field(default_factory=dict)
+    waits: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, list[dict[str, Any]]]:
+        return {name: [s.as_dict() for s in slots] for name, slots in self.stages.items()}
+
+    def render_text(self, cluster: ClusterView) -> str:
+        """A table per node: each pool and stage with the devices it holds there."""
+        lines = [f"placement on {cluster.describe()} GPUs (gpus_per_node {cluster.gpus_per_node}):"]
+        for node in cluster.nodes():
+            count = sum(1 for d in cluster.devices() if d[0] == node)
+            lines.append(f"  node {node}: {count} GPUs")
+            rows = [(f"role {r}", s) for r, slots in self.pools.items() for s in slots]
+            rows += [(name, s) for name, slots in self.stages.items() for s in slots]
+            for label, s in rows:
+                if s.node != node:
+                    continue
+                role = f" ({s.role})" if s.role and not label.startswith("role") else ""
+                worker = f"  on {s.worker}" if s.worker else ""
+                lines.append(f"    {label + role:28s} devices {_ranges(s.devices)}{worker}")
+        for name, others in self.waits.items():
+            lines.append(f"  {name} waits for {', '.join(others)}: they would share devices")
+        return "\n".join(lines) + "\n"
+
+
+class PlacementError(Exception):
+    """The stages cannot be placed: (stage or '' for the cluster, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{s or 'cluster'}: {m}" for s, m in problems))
+
+
+def _ranges(ids: Iterable[int]) -> str:
+    ids = sorted(ids)
+    parts, start = [], None
+    for i, d in enumerate(ids):
+        start = d if start is None else start
+        if i + 1 == len(ids) or ids[i + 1] != d + 1:
+            parts.append(str(start) if start == d else f"{start}-{d}")
+            start = None
+    return ",".join(parts)
+
+
+def _take(free: Sequence[Device], n: int, unit: int, per_node: int) -> list[Device] | None:
+    """`n` devices of `free` in units of `unit` on one worker each: whole nodes first, then
+    the node that fits best; None when they do not fit."""
+    by_place: dict[tuple[str, str | None], list[Device]] = {}
+    for d in free:
+        by_place.setdefault((d[0], d[1]), []).append(d)
+    chosen: list[Device] = []
+    need = n
+    order = list(by_place)
+    while need > 0:
+        usable = {p: len(v) - len(v) % unit for p, v in by_place.items() if len(v) >= unit}
+        if not usable:
+            return None
+        whole = [p for p in order if p in usable and usable[p] <= need and usable[p] >= per_node]
+        fits = sorted((c, order.index(p), p) for p, c in usable.items() if c >= need)
+        if whole:
+            place = whole[0]
+        elif fits:
+            place = fits[0][2]
+        else:
+            place = max(order, key=lambda p: (usable.get(p, 0), -order.index(p)))
+        got = by_place.pop(place)[: min(usable[place], need)]
+        chosen.extend(got)
+        need -= len(got)
+    return chosen
+
+
+def _capacity(devices: Sequence[Device], unit: int) -> int:
+    """How many of `devices` fit in whole groups of `unit`, each group on one worker."""
+    counts: dict[tuple[str, str | None], int] = {}
+    for node, worker, _ in devices:
+        counts[(node, worker)] = counts.get((node, worker), 0) + 1
+    return sum(c - c % unit for c in counts.values())
+
+
+def _slots(devices: Iterable[Device], role: str | None) -> tuple[Slot, ...]:
+    groups: dict[tuple[str, str | None], list[int]] = {}
+    for node, worker, d in devices:
+        groups.setdefault((node, worker), []).append(d)
+    return tuple(Slot(n, w, tuple(sorted(ids)), role) for (n, w), ids in groups.items())
+
+
+def _ancestors(needs: Mapping[str, Sequence[str]]) -> dict[str, set[str]]:
+    memo: dict[str, set[str]] = {}
+
+    def up(name: str) -> set[str]:
+        if name not in memo:
+            memo[name] = set()
+            for n in needs.get(name, ()):
+                memo[name] |= {n} | up(n)
+        return memo[name]
+
+    for name in needs:
+        up(name)
+    return memo
+
+
+def solve(
+    stages: Sequence[StageRequest],
+    needs: Mapping[str, Sequence[str]],
+    pools: Sequence[Pool],
+    cluster: ClusterView,
+    declared: int | None = None,
+) -> Placement:
+    """Place `stages` (in topological order) on `cluster`; see the module docstring."""
+    problems: list[tuple[str, str]] = []
+    devices = cluster.devices()
+    per_node = cluster.gpus_per_node
+    asked = declared if declared is not None else sum(p.gpus for p in pools)
+    if asked > len(devices):
+        offer = (
+            cluster.describe() if devices else f"{len(cluster.workers)} worker(s), none with GPUs"
+        )
+        problems.append(
+            (
+                "",
+                f"the pipeline asks for {asked} GPUs (cluster.gpus); the workers offer "
+                f"{len(devices)} ({offer})",
+            )
+        )
+        raise PlacementError(problems)
+    units = {r.role: r.unit for s in stages for r in s.roles if r.role}
+    pool_devices: dict[str, list[Device]] = {}
+    free = list(devices)
+    for pool in pools:
+        unit = max((units.get(r, 1) for r in pool.roles), default=1)
+        got = _take(free, pool.gpus, unit, per_node) if pool.gpus else []
+        if got is None:
+            problems.append(
+                (
+                    "",
+                    f"role(s) {', '.join(pool.roles)} need {pool.gpus} GPUs in tensor-parallel "
+                    f"groups of {unit}, each on one node; {_capacity(free, unit)} of the "
+                    f"{len(free)} free GPUs can be grouped so",
+                )
+            )
+            continue
+        free = [d for d in free if d not in got]
+        for role in pool.roles:
+            pool_devices[role] = got
+    ancestors = _ancestors(needs)
+    placed: dict[str, set[Device]] = {}
+    out: dict[str, tuple[Slot, ...]] = {}
+    waits: dict[str, tuple[str, ...]] = {}
+    for st in stages:
+        concurrent = [
+            o
+            for o in placed
+            if o not in ancestors.get(st.name, set()) and st.name not in ancestors.get(o, set())
+        ]
+        held = {d for o in concurrent for d in placed[o]}
+        slots: list[Slot] = []
+        mine: set[Device] = set()
+        done_pools: dict[tuple[Device, ...], list[Device]] = {}
+        for req in st.roles:
+            where = pool_devices.get(req.role, devices) if req.role else devices
+            key = tuple(where)
+            if key in done_pools and req.role:  # a colocated role: the same devices
+                slots.extend(_slots(done_pools[key], req.role))
+                continue
+            problem = _unit_problem(req, per_node)
+            if problem is None and req.gpus > len(where):
+                owner = f"role '{req.role}' has" if req.role else "the cluster has"
+                problem = f"asks for {req.gpus} GPUs; {owner} {len(where)}"
+            if problem is not None:
+                problems.append((st.name, problem))
+                continue
+            got = _take([d for d in where if d not in held], req.gpus, req.unit, per_node)
+            if got is None:
+                got = _take(where, req.gpus, req.unit, per_node)
+                if got is None:
+                    problems.append(
+                        (
+                            st.name,
+                            f"asks for {req.gpus} GPUs in tensor-parallel groups of {req.unit}, "
+                            f"each on one node; {_capacity(where, req.unit)} of the "
+                            f"{len(where)} GPUs it may use can be grouped so",
+                        )
+                    )
+                    continue
+                waits[st.name] = tuple(o for o in concurrent if placed[o] & set(got))
+            done_pools[key] = got
+            mine |= set(got)
+            slots.extend(_slots(got, req.role))
+        placed[st.name] = mine
+        out[st.name] = tuple(slots)
+    if problems:
+        raise PlacementError(problems)
+    pool_slots = {r: _slots(d, r) for r, d in pool_devices.items()}
+    return Placement(out, pool_slots, {k: v for k, v in waits.items() if v})
+
+
+def _unit_problem(req: RoleRequest, per_node: int) -> str | None:
+    if req.unit > per_node or per_node % req.unit:
+        fits = ", ".join(str(n) for n in range(1, per_node + 1) if per_node % n == 0)
+        return (
+            f"tensor-parallel size {req.unit} does not fit on a node of {per_node} GPUs; "
+            f"a tensor-parallel group never spans nodes: use {fits}"
+        )
+    if req.gpus % req.unit:
+        return f"{req.gpus} GPUs do not split into tensor-parallel groups of {req.unit}"
+    return None
+
+
+def view_from_workers(info: Mapping[str, Mapping[str, Any]], gpus_per_node: int) -> ClusterView:
+    """The live cluster: `{address: {"host", "resources", "env"}}` from the Dask workers.
+
+    A worker's node is its `PIPE_NODE` environment variable, else its host; its device ids
+    the first `GPU` integer entries of its `CUDA_VISIBLE_DEVICES`, else 0..GPU-1.
+    """
+    workers = []
+    for address, w in info.items():
+        env = w.get("env") or {}
+        count = int((w.get("resources") or {}).get("GPU", 0))
+        visible = [
+            d.strip() for d in (env.get("CUDA_VISIBLE_DEVICES") or "").split(",") if d.strip()
+        ]
+        if len(visible) >= count and all(d.isdigit() for d in visible[:count]):
+            ids = tuple(int(d) for d in visible[:count])
+        else:
+            ids = tuple(range(count))
+        node = env.get("PIPE_NODE") or str(w.get("host") or address)
+        workers.append(Worker(address, node, ids))
+    workers.sort(key=lambda w: (w.node, w.address or ""))
+    return ClusterView(tuple(workers), gpus_per_node)

@@ -1,0 +1,71 @@
+"""A real Dask cluster on 127.0.0.1 for tests: `dask scheduler` and `dask worker` processes.
+
+Each worker can stand in for a GPU node (`--resources GPU=n`, its own `PIPE_NODE` name and
+`CUDA_VISIBLE_DEVICES` list), so placement runs for real without GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True)
+class SimWorker:
+    """One `dask worker`: its GPU count, node name and device ids (None: not set)."""
+
+    gpus: int = 0
+    node: str | None = None
+    devices: str | None = None
+    nthreads: int = 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def dask_cluster(workers: Sequence[SimWorker], cwd: Path) -> Iterator[str]:
+    """Start the scheduler and `workers`; yield the scheduler's address; stop them by PID."""
+    port = free_port()
+    dask = str(Path(sys.executable).parent / "dask")
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    scheduler = [dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]
+    procs = [subprocess.Popen(scheduler, env=ENV, **quiet)]  # type: ignore[call-overload]
+    address = f"tcp://127.0.0.1:{port}"
+    for i, w in enumerate(workers):
+        env = dict(ENV)
+        if w.node:
+            env["PIPE_NODE"] = w.node
+        if w.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = w.devices
+        cmd = [dask, "worker", address, "--nthreads", str(w.nthreads), "--host", "127.0.0.1"]
+        cmd += ["--name", f"w{i}", "--no-dashboard"]
+        if w.gpus:
+            cmd += ["--resources", f"GPU={w.gpus}"]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, **quiet))  # type: ignore[call-overload]
+    try:
+        from distributed import Client
+
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(len(workers), timeout=60)
+        yield address
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
