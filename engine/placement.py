@@ -141,28 +141,29 @@ def _ranges(ids: Iterable[int]) -> str:
 
 
 def _take(free: Sequence[Device], n: int, unit: int, per_node: int) -> list[Device] | None:
-    """`n` devices of `free` in units of `unit` on one worker each: whole nodes first, then
-    the node that fits best; None when they do not fit."""
+    """`n` devices of `free` in units of `unit` on one worker each: whole nodes first (in
+    order), then the worker that fits the rest best, then the largest; None when they do
+    not fit."""
     by_place: dict[tuple[str, str | None], list[Device]] = {}
     for d in free:
         by_place.setdefault((d[0], d[1]), []).append(d)
+    cap = {p: len(v) - len(v) % unit for p, v in by_place.items()}
+    if sum(cap.values()) < n:
+        return None
     chosen: list[Device] = []
     need = n
-    order = list(by_place)
+    for place, count in cap.items():  # whole nodes, in node order
+        if per_node <= count <= need:
+            chosen += by_place[place][:count]
+            cap[place] = 0
+            need -= count
     while need > 0:
-        usable = {p: len(v) - len(v) % unit for p, v in by_place.items() if len(v) >= unit}
-        if not usable:
-            return None
-        whole = [p for p in order if p in usable and usable[p] <= need and usable[p] >= per_node]
-        fits = sorted((c, order.index(p), p) for p, c in usable.items() if c >= need)
-        if whole:
-            place = whole[0]
-        elif fits:
-            place = fits[0][2]
-        else:
-            place = max(order, key=lambda p: (usable.get(p, 0), -order.index(p)))
-        got = by_place.pop(place)[: min(usable[place], need)]
-        chosen.extend(got)
+        fits = [(c, p) for p, c in cap.items() if c >= need]
+        # the tightest fit, else the largest; ties: first in node order
+        place = min(fits, key=lambda cp: cp[0])[1] if fits else max(cap, key=lambda p: cap[p])
+        got = by_place[place][: min(cap[place], need)]
+        cap[place] = 0
+        chosen += got
         need -= len(got)
     return chosen
 

@@ -183,3 +183,41 @@ def test_the_same_input_gives_the_same_placement_and_the_text_table():
     assert first.as_dict()["gen"] == [
         {"node": "node0", "worker": None, "devices": list(range(8)), "role": "vllm"}
     ]
+
+
+def test_validate_with_a_declared_cluster_gives_a_located_error(tmp_path, monkeypatch):
+    from tests.conftest import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text(
+        "name: p\n"
+        "cluster: {gpus: 16, gpus_per_node: 8}\n"
+        "stages:\n"
+        "  t:\n"
+        "    kind: train\n"
+        "    resources: {gpus: 16}\n"
+        "    config: {input: d.jsonl, model: /m, micro_train_batch_size: 4}\n"
+    )
+    (tmp_path / "c.yaml").write_text("nodes: 1\ngpus_per_node: 8\ngpu_memory_gb: 80\n")
+    result = run_cli("validate", "p.yaml", "--cluster", "c.yaml")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "p.yaml:2:17: cluster.gpus: the pipeline asks for 16 GPUs (cluster.gpus); the workers "
+        "offer 8 (1 node(s) x 8)\n"
+    )
+    assert run_cli("validate", "p.yaml", "--cluster", "2x8").exit_code == 0
+
+
+def test_a_cluster_file_error_is_located(tmp_path):
+    from engine.cluster_spec import load_cluster_spec
+    from engine.errors import PipeError
+
+    path = tmp_path / "c.yaml"
+    path.write_text("nodes: 2\ngpus_per_nod: 8\n")
+    with pytest.raises(PipeError) as info:
+        load_cluster_spec(str(path))
+    assert info.value.render() == (
+        f"{path}:2:1: gpus_per_nod: unknown field 'gpus_per_nod'; did you mean 'gpus_per_node'?"
+    )
+    view = load_cluster_spec("6x8x80GB")
+    assert (len(view.workers), view.gpus_per_node, view.gpu_memory_bytes) == (6, 8, 80 * 10**9)
