@@ -12,7 +12,7 @@ from engine.stage import StageConfig, stage
 class DatasetConfig(StageConfig):
     """Prompts from reasoning-gym's procedural tasks, a local file, or a Hugging Face dataset."""
 
-    OUTPUTS = ("output", "test_output")
+    OUTPUTS = ("output", "test_output", "val_output")
 
     source: Literal["reasoning_gym", "jsonl", "parquet", "huggingface"] = Field(
         "reasoning_gym", description="Where prompts come from."
@@ -30,10 +30,18 @@ class DatasetConfig(StageConfig):
     test_size: int = Field(
         0, ge=0, description="Number of held-out test prompts, disjoint from the training prompts."
     )
+    val_size: int = Field(
+        0,
+        ge=0,
+        description="Number of validation prompts (e.g. for a warm-up's accuracy target), disjoint from both other splits.",
+    )
     seed: int = Field(0, description="Seed for generation and shuffling.")
     system_prompt: str | None = Field(None, description="A system message put before every prompt.")
     output: str = Field("train.jsonl", description="Training prompts written.")
     test_output: str = Field("test.jsonl", description="Held-out test prompts written.")
+    val_output: str = Field(
+        "val.jsonl", description="Validation prompts written (empty unless val_size)."
+    )
 
 
 stage("dataset", config=DatasetConfig, run="stages.dataset.run:run_dataset")

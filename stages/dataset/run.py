@@ -34,27 +34,46 @@ ANSWER_FIELDS = ("answer", "solution", "output", "target")
 
 
 def run_dataset(cfg: DatasetConfig, ctx: StageContext) -> dict[str, Any]:
-    """Write the train and test files; return their row counts."""
+    """Write the train, test and validation files; return their row counts.
+
+    The validation prompts are the held-out prompts after the test ones (the test split
+    stays what it is without them), and no training row shares a prompt with either.
+    """
+    held = cfg.test_size + cfg.val_size
     if cfg.source == "reasoning_gym":
-        train, test = _reasoning_gym_split(cfg)
+        train, out = _reasoning_gym_split(cfg, held)
     else:
-        train, test = _split_rows(list(_read_source(cfg)), cfg.size, cfg.test_size, cfg.seed)
+        train, out = _split_rows(list(_read_source(cfg)), cfg.size, held, cfg.seed)
+    test, val = out[: cfg.test_size], out[cfg.test_size :]
     if cfg.system_prompt is not None:
-        train = [with_system_prompt(r, cfg.system_prompt) for r in train]
-        test = [with_system_prompt(r, cfg.system_prompt) for r in test]
+        train, test, val = (
+            [with_system_prompt(r, cfg.system_prompt) for r in rows] for rows in (train, test, val)
+        )
     write_jsonl(cfg.output, train)
     write_jsonl(cfg.test_output, test)
+    write_jsonl(cfg.val_output, val)
     unique = len({prompt_key(r) for r in train})
     log.info(
-        "wrote %d training rows (%d unique prompts), %d test rows", len(train), unique, len(test)
+        "wrote %d training rows (%d unique prompts), %d test rows, %d validation rows",
+        len(train),
+        unique,
+        len(test),
+        len(val),
     )
-    return {"train_rows": len(train), "test_rows": len(test), "unique_train_prompts": unique}
+    return {
+        "train_rows": len(train),
+        "test_rows": len(test),
+        "val_rows": len(val),
+        "unique_train_prompts": unique,
+    }
 
 
-def _reasoning_gym_split(cfg: DatasetConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _reasoning_gym_split(
+    cfg: DatasetConfig, held: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     if not cfg.task:
         raise ValueError("source 'reasoning_gym' needs a 'task', e.g. chain_sum")
-    test = _take_unique(_gym_rows(cfg, cfg.seed + TEST_SEED_OFFSET), cfg.test_size, set())
+    test = _take_unique(_gym_rows(cfg, cfg.seed + TEST_SEED_OFFSET), held, set())
     banned = {prompt_key(r) for r in test}
     train: list[dict[str, Any]] = []
     for row in _gym_rows(cfg, cfg.seed):

@@ -19,7 +19,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stages.lib.prompt import Prompt, format_prompt
@@ -38,6 +38,9 @@ class Generation:
     finish_reason: str  # "stop" (end-of-sequence token) | "length" (hit max_new_tokens)
     prompt_tokens: int
     completion_tokens: int
+    token_ids: tuple[int, ...] = ()  # the completion's tokens (the end-of-sequence one included)
+    logprobs: tuple[float, ...] = ()  # with `logprobs=True`: each token's log-probability
+    prompt_ids: tuple[int, ...] = ()  # the prompt as the model saw it (chat template applied)
 
 
 def load(model_dir: str, device: str = "cpu") -> tuple[Any, Any]:
@@ -107,8 +110,14 @@ def generate_with(
     max_new_tokens: int,
     seed: int,
     batch_size: int,
+    logprobs: bool = False,
 ) -> list[list[Generation]]:
-    """`generate` with a model and tokenizer already in memory (e.g. inside a training loop)."""
+    """`generate` with a model and tokenizer already in memory (e.g. inside a training loop).
+
+    With `logprobs`, each sample carries its token ids and each token's log-probability
+    under the sampling distribution (`softmax(logits / temperature)`; greedy: T = 1), and
+    the prompt's token ids: what an RL update needs of the behaviour policy.
+    """
     import torch
 
     texts = [format_prompt(tokenizer, p) for p in prompts]
@@ -131,11 +140,21 @@ def generate_with(
             top_p=top_p,
             max_new_tokens=max_new_tokens,
             rng=rng,
+            logprobs=logprobs,
         )
         for j, i in enumerate(chunk):
-            for new in rows[j * num_samples : (j + 1) * num_samples]:
-                out[i].append(_finish(tokenizer, new, eos, len(encoded[i])))
-                produced += out[i][-1].completion_tokens
+            for new, lps in rows[j * num_samples : (j + 1) * num_samples]:
+                gen = _finish(tokenizer, new, eos, len(encoded[i]))
+                if logprobs:
+                    n = gen.completion_tokens
+                    gen = replace(
+                        gen,
+                        token_ids=tuple(new[:n]),
+                        logprobs=tuple(lps[:n]),
+                        prompt_ids=tuple(encoded[i]),
+                    )
+                out[i].append(gen)
+                produced += gen.completion_tokens
     elapsed = time.perf_counter() - started
     log.info(
         "generated %d answers, %d tokens in %.1fs (%.0f tokens/s)",
@@ -168,8 +187,10 @@ def _decode(
     top_p: float,
     max_new_tokens: int,
     rng: Any,
-) -> list[list[int]]:
-    """New tokens for each prompt, `repeats` rows per prompt (prompt-major).
+    logprobs: bool = False,
+) -> list[tuple[list[int], list[float]]]:
+    """New tokens (and, with `logprobs`, their log-probabilities) for each prompt, `repeats`
+    rows per prompt (prompt-major).
 
     The prompts are prefilled once (left-padded), the KV cache is repeated for
     the samples, and rows that emit an end-of-sequence token leave the batch.
@@ -181,11 +202,17 @@ def _decode(
         last = mask.sum(-1) - 1
         alive = torch.arange(logits.shape[0], device=logits.device)
         new: list[list[int]] = [[] for _ in range(logits.shape[0])]
+        lps: list[list[float]] = [[] for _ in range(logits.shape[0])]
         eos_t = torch.tensor(sorted(eos) if eos else [-1], device=logits.device)
+        scale = temperature if temperature > 0 else 1.0
         for n in range(max_new_tokens):
             token = _pick(logits, temperature, top_p, rng)
             for row, t in zip(alive.tolist(), token.tolist(), strict=True):
                 new[row].append(t)
+            if logprobs:
+                chosen = torch.log_softmax(logits / scale, dim=-1).gather(1, token[:, None])
+                for row, lp in zip(alive.tolist(), chosen.squeeze(1).tolist(), strict=True):
+                    lps[row].append(lp)
             keep = ~torch.isin(token, eos_t)
             if n == max_new_tokens - 1 or not bool(keep.any()):
                 break
@@ -203,7 +230,7 @@ def _decode(
                 use_cache=True,
             )
             cache, logits = step.past_key_values, step.logits[:, -1].float()
-    return new
+    return list(zip(new, lps, strict=True))
 
 
 def _prefill(model: Any, ids: list[list[int]], pad: int, repeats: int) -> tuple[Any, Any, Any]:

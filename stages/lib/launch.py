@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from stages.lib.rank import MARK, PARENT_ENV
+
 TAIL_LINES = 40
-MARK = "@pipe "  # lines a rank marks for the stage log (see stages.train.worker)
 
 
 class TrainingFailed(RuntimeError):
@@ -89,7 +90,7 @@ def rank_env(
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
         PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p),
-        PIPE_TRAIN_PARENT_PID=str(os.getpid()),  # a rank exits when this process dies
+        **{PARENT_ENV: str(os.getpid())},  # a rank exits when this process dies
     )
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"

@@ -8,14 +8,14 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import ResolveContext, StageConfig, stage
-from stages.lib.config import CountOrAuto, ModelRef, TinyModel
+from stages.lib.config import CountOrAuto, ModelRef, TinyModel, Verifier
 
 
 class TrainConfig(StageConfig):
     """Fine-tune a model on the upstream rollouts (or prompts with gold answers)."""
 
     SPANS_NODES = True  # one torch.distributed job: each worker starts its local ranks
-    INPUTS = ("input", "model")
+    INPUTS = ("input", "model", "eval_input")
     MODEL_INPUTS = ("model",)
     OUTPUTS = ("output",)
     OUTPUT_TYPES: ClassVar[dict[str, str]] = {"output": "checkpoint"}
@@ -98,6 +98,22 @@ class TrainConfig(StageConfig):
         description="Save a resumable checkpoint every this many steps (and always at the end).",
     )
     beta: float = Field(0.1, gt=0, description="dpo: strength of the KL penalty.")
+    eval_input: str | None = Field(
+        None,
+        description="Held-out prompts scored greedily every eval_steps steps (e.g. '@data.val_output').",
+    )
+    target_accuracy: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Stop once the held-out accuracy reaches this (max_steps stays the cap): a warm-up that ends where the model is, not at a step count.",
+    )
+    eval_steps: int = Field(100, gt=0, description="Score eval_input every this many steps.")
+    eval_limit: int = Field(200, gt=0, description="Held-out prompts scored at most.")
+    eval_max_tokens: int = Field(16, gt=0, description="Most tokens of a held-out answer.")
+    verifier: Verifier = Field(
+        default_factory=Verifier, description="How held-out answers are scored."
+    )
     seed: int = Field(0, description="Seed for data order and initialisation.")
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
@@ -105,7 +121,15 @@ class TrainConfig(StageConfig):
         offload only with ZeRO."""
         from stages.lib.ds_config import check_deepspeed
 
-        return check_deepspeed(self, ctx, ctx.gpus or self.num_processes)
+        out = check_deepspeed(self, ctx, ctx.gpus or self.num_processes)
+        if self.target_accuracy is not None and self.eval_input is None:
+            out.append(
+                ctx.error(
+                    "target_accuracy",
+                    "a target accuracy needs held-out prompts to measure it: set eval_input",
+                )
+            )
+        return out
 
 
 stage("train", config=TrainConfig, run="stages.train.run:run_train")

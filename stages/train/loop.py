@@ -26,6 +26,7 @@ import torch.distributed as dist
 from stages.train import ckpt as train_ckpt
 from stages.train.batch import BatchPlan, Micro, Step
 from stages.train.data import TrainingSet
+from stages.train.heldout import HeldOut
 from stages.train.loss import Batch, collate, dpo_terms, sequence_logprobs, sft_loss_sum
 from stages.train.threads import ThreadTuner
 
@@ -48,10 +49,12 @@ class Counters:
     run_samples: int = 0
     run_time_s: float = 0.0
     run_steps: int = 0
+    stopped: bool = False  # the held-out target was reached: training is over
     last: dict[str, float] = field(default_factory=dict)
 
     def state(self) -> dict[str, Any]:
         return {
+            "stopped": self.stopped,
             "step": self.step,
             "tokens": self.tokens,
             "samples": self.samples,
@@ -75,6 +78,7 @@ class Loop:
     reference: torch.nn.Module | None = None
     fingerprint: str = ""
     threads: ThreadTuner | None = None  # num_threads: auto
+    held_out: HeldOut | None = None  # eval_input: scored every eval_steps
     counters: Counters = field(default_factory=Counters)
     _ref_cache: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -150,7 +154,7 @@ class Loop:
                 loss_log = stack.enter_context(
                     open(f"{self.stage_dir}/loss.jsonl", "a", encoding="utf-8")
                 )
-            while c.step < total:
+            while c.step < total and not c.stopped:
                 if self.threads is not None:
                     torch.set_num_threads(self.threads.threads_for(c.run_steps))
                 t = time.perf_counter()
@@ -161,6 +165,10 @@ class Loop:
                 if self.threads is not None:
                     self.threads.record(c.run_steps - 1, tokens, seconds)
                 c.last = {"step": c.step, **record, "epoch": step.epoch, "tokens": c.tokens}
+                if self.held_out is not None and c.step % self.cfg.eval_steps == 0:
+                    c.last["eval_accuracy"] = self._held_out()
+                    target = self.cfg.target_accuracy
+                    c.stopped = target is not None and c.last["eval_accuracy"] >= target
                 if loss_log is not None:
                     loss_log.write(json.dumps(c.last) + "\n")
                 now = time.perf_counter()
@@ -171,11 +179,32 @@ class Loop:
                 ):
                     self._progress(c.last, total)
                     last_log = now
-                if c.step % self.cfg.save_steps == 0 or c.step == total:
+                if c.stopped and self.rank == 0:
+                    log.info(
+                        "held-out accuracy %.3f reached the target %.3f at step %d: done",
+                        c.last["eval_accuracy"],
+                        self.cfg.target_accuracy,
+                        c.step,
+                    )
+                if c.step % self.cfg.save_steps == 0 or c.step == total or c.stopped:
                     if loss_log is not None:
                         loss_log.flush()
                     self._save(step)
         return c
+
+    def _held_out(self) -> float:
+        """Held-out greedy accuracy: rank 0 generates (under ZeRO-3 with the weights gathered
+        on every rank for the moment); every rank gets the figure."""
+        assert self.held_out is not None
+        with self.trainer.full_weights() as module:
+            score = self.held_out.accuracy(module) if self.rank == 0 else 0.0
+        if self.world > 1:
+            shared = torch.tensor([score], dtype=torch.float64, device=self.device)
+            dist.broadcast(shared, 0)
+            score = float(shared.item())
+        if self.rank == 0:
+            log.info("step %d: held-out accuracy %.3f", self.counters.step, score)
+        return score
 
     def _count(self, step: Step, seconds: float) -> int:
         """Add a finished step to the counters; its real tokens."""

@@ -299,6 +299,8 @@ def _metrics(cfg: TrainConfig, stage_dir: str, name: str) -> dict[str, Any]:
         "samples": result["units"],
         "dropped": result["dropped"],
         "threads": result["threads"],
+        "stopped_at_target": result.get("stopped_at_target"),
+        "eval_accuracy": result["last"].get("eval_accuracy") if result.get("last") else None,
     }
     if cfg.algorithm == "dpo" and records:
         out["accuracy"] = records[-1].get("accuracy")

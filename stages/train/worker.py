@@ -15,7 +15,6 @@ means the output is complete.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -23,7 +22,6 @@ import random
 import shutil
 import sys
 import time
-import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -33,49 +31,9 @@ if TYPE_CHECKING:
     from stages.train.loop import Loop
     from stages.train.spec import WorkerSpec
 
+from stages.lib.rank import die_with_parent, exit_now, init_distributed, make_trainer, setup
+
 log = logging.getLogger("pipe.train")
-PARENT_ENV = "PIPE_TRAIN_PARENT_PID"
-MARK = "@pipe "  # lines the launcher passes on to the stage's log; the rest go to the log file only
-
-
-def _setup(rank: int, threads: int) -> None:
-    logging.basicConfig(
-        level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True
-    )
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(f"{MARK}%(levelname)s %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    log.propagate = False
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    for category in (FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category)
-    warnings.filterwarnings("ignore", message=".*(barrier|destroy_process_group|TypedStorage).*")
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def init_distributed(trainer: str, device: str, world: int) -> None:
-    """The process group of this rank (from the environment): gloo on CPU, NCCL on GPU."""
-    import torch.distributed as dist
-
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if trainer == "deepspeed":
-        import deepspeed
-
-        if device == "cpu":
-            # DeepSpeed's CPU accelerator compiles a shared-memory all-reduce op on first use
-            # (~40 s on a fresh machine); only tensor-parallel inference calls it, not training
-            with contextlib.suppress(Exception):
-                deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    elif world > 1:
-        dist.init_process_group(backend)
 
 
 def _load(model_dir: str, device: str) -> tuple[Any, Any]:
@@ -86,25 +44,6 @@ def _load(model_dir: str, device: str) -> tuple[Any, Any]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False
     return tokenizer, model
-
-
-def make_trainer(
-    trainer: str, ds_config: dict[str, Any] | None, cfg: Any, model: Any, total: int, device: str
-) -> Any:
-    """The `Trainer` (`trainer`: deepspeed with `ds_config`, or torch) around `model`, in
-    training mode."""
-    from stages.lib.trainer import DeepSpeedTrainer, TorchTrainer
-
-    model.train()  # from_pretrained returns eval mode, where checkpointing is skipped
-    if cfg.gradient_checkpointing:
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if trainer == "deepspeed" and ds_config is not None:
-        return DeepSpeedTrainer(model, cfg, total, device, ds_config)
-    return TorchTrainer(model, cfg, total, device)
 
 
 def _save_final(trainer: Any, tokenizer: Any, output: str, rank: int) -> None:
@@ -157,6 +96,7 @@ def _resume(loop: Loop, root: str, rank: int) -> int | None:
         tokens=state["tokens"],
         samples=state["samples"],
         train_time_s=state["train_time_s"],
+        stopped=bool(state.get("stopped", False)),
     )
     log.info("resumed from checkpoint %s (step %d)", tag, state["step"])
     return int(state["step"])
@@ -179,6 +119,7 @@ def _result(loop: Loop, resumed: int | None) -> dict[str, Any]:
         "dropped": loop.data.dropped,
         "threads": loop.threads.best if loop.threads else torch.get_num_threads(),
         "last": c.last,
+        "stopped_at_target": c.step if c.stopped else None,
     }
 
 
@@ -187,6 +128,7 @@ def _build_loop(
 ) -> tuple[Loop, Any]:
     """Model, data, plan and trainer of this rank, ready to run; and the tokenizer."""
     from stages.train.data import read_rows, training_set
+    from stages.train.heldout import HeldOut
     from stages.train.loop import Loop
     from stages.train.threads import ThreadTuner
 
@@ -213,6 +155,7 @@ def _build_loop(
         reference=reference,
         fingerprint=spec.fingerprint,
         threads=ThreadTuner(spec.threads) if spec.tune_threads else None,
+        held_out=HeldOut(cfg, tokenizer) if cfg.eval_input else None,
     )
     return loop, tokenizer
 
@@ -225,7 +168,7 @@ def run(spec: WorkerSpec) -> None:
     cfg = spec.config
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    _setup(rank, spec.threads)
+    setup(log, rank, spec.threads)
     device = f"cuda:{local}" if spec.device == "cuda" else "cpu"
     if device != "cpu":
         torch.cuda.set_device(local)
@@ -277,23 +220,9 @@ def _record_rank(stage_dir: str, rank: int, world: int, device: str) -> None:
     )
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank when the stage process dies (no orphans training on)."""
-    parent = int(os.environ.get(PARENT_ENV, "0"))
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    _die_with_parent()
+    die_with_parent()
     from stages.train.spec import WorkerSpec
 
     run(WorkerSpec.read(args[0]))
@@ -305,10 +234,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Everything is written and flushed by now. Skip the interpreter's teardown: a gloo or
-    # DeepSpeed thread still joinable there aborts the process now and then ("terminate called
-    # without an active exception", SIGABRT) after a run that succeeded.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main())

@@ -33,7 +33,7 @@ EXPECTED = {
     "cycle.yaml": "cycle.yaml:3:28: stages.a.needs: needs form a cycle: 'a' -> 'c' -> 'b' -> 'a' (each needs the next)",
     "self_need.yaml": "self_need.yaml:3:29: stages.a.needs[0]: stage 'a' cannot need itself",
     "dangling_need.yaml": "dangling_need.yaml:4:34: stages.filter.needs[0]: no stage named 'colect'; did you mean 'collect'?",
-    "kind_typo.yaml": "kind_typo.yaml:3:13: stages.a.kind: unknown stage kind 'filtr'; expected 'collect', 'dataset', 'evaluate', 'filter' or 'train'; did you mean 'filter'?",
+    "kind_typo.yaml": "kind_typo.yaml:3:13: stages.a.kind: unknown stage kind 'filtr'; expected 'collect', 'dataset', 'evaluate', 'filter', 'rl' or 'train'; did you mean 'filter'?",
     "profile_typo.yaml": "profile_typo.yaml:2:10: profile: unknown profile 'high-performace'; expected 'default', 'high-performance' or 'max-throughput'; did you mean 'high-performance'?",
     "memory_typo.yaml": "memory_typo.yaml:2:9: memory: unknown memory preset 'memory-constrained'; expected 'default' or 'memory_constrained'; did you mean 'memory_constrained'?",
     "role_typo.yaml": "role_typo.yaml:5:23: stages.t.resources.role: expected 'vllm', 'actor', 'critic', 'ref' or 'reward', found 'actr'; did you mean 'actor'?",

@@ -55,7 +55,7 @@ def test_reasoning_gym_rows_have_the_prompt_file_format(tmp_path: Path):
         _chain_sum_row("20 + 56 =", "76", 2, "20 + 56"),
     ]
     assert test == []
-    assert metrics == {"train_rows": 3, "test_rows": 0, "unique_train_prompts": 3}
+    assert metrics == {"train_rows": 3, "test_rows": 0, "val_rows": 0, "unique_train_prompts": 3}
     assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
@@ -138,7 +138,12 @@ def test_jsonl_source_maps_fields_and_holds_out_whole_prompts(tmp_path: Path):
         r["id"] for r in rows if r["question"] not in held
     ]  # file order kept, every copy of a held-out prompt removed
     assert all(r["answer"] == str(r["id"]) for r in train + test)
-    assert metrics == {"train_rows": len(train), "test_rows": 2, "unique_train_prompts": 4}
+    assert metrics == {
+        "train_rows": len(train),
+        "test_rows": 2,
+        "val_rows": 0,
+        "unique_train_prompts": 4,
+    }
 
 
 def test_jsonl_source_caps_training_rows_at_size(tmp_path: Path):

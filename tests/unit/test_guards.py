@@ -149,5 +149,6 @@ def test_stages_lists_builtin_kinds():
         "dataset",
         "evaluate",
         "filter",
+        "rl",
         "train",
     ]

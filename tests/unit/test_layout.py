@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-KINDS = ("dataset", "collect", "filter", "train", "evaluate")
+KINDS = ("dataset", "collect", "filter", "train", "evaluate", "rl")
 # one internal file (not the light __init__.py) of each built-in kind
 INTERNAL = {
     "dataset": "stages/dataset/run.py",
@@ -21,6 +21,7 @@ INTERNAL = {
     "filter": "stages/filter/rules.py",
     "train": "stages/train/loop.py",
     "evaluate": "stages/evaluate/run.py",
+    "rl": "stages/rl/loss.py",
 }
 
 
@@ -98,4 +99,13 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
     with open(copy / "stages/lib/verify.py", "a") as f:
         f.write("\n# edited\n")
     after = _versions(copy)
-    assert sorted(k for k in KINDS if after[k] != before[k]) == ["collect", "evaluate"]
+    assert sorted(k for k in KINDS if after[k] != before[k]) == [
+        "collect",
+        "evaluate",
+        "rl",
+        "train",
+    ]
+    with open(copy / "stages/lib/client.py", "a") as f:  # HTTP backends: not train's, not rl's
+        f.write("\n# edited\n")
+    again = _versions(copy)
+    assert sorted(k for k in KINDS if again[k] != after[k]) == ["collect", "evaluate"]

@@ -301,7 +301,7 @@ def test_bad_references(tmp_path: Path):
     assert errors(tmp_path, text) == [
         "p.yaml:4:51: stages.t.config.input: '@dat' refers to no stage named 'dat'; did you mean 'data'?",
         "p.yaml:5:36: stages.u.config.input: '@data' refers to stage 'data', which stage 'u' does not need; add it to needs",
-        "p.yaml:6:54: stages.e.config.input: stage 'data' (dataset) has no output 'test'; its outputs: 'output' or 'test_output'",
+        "p.yaml:6:54: stages.e.config.input: stage 'data' (dataset) has no output 'test'; its outputs: 'output', 'test_output' or 'val_output'",
     ]
 
 

@@ -1,0 +1,102 @@
+"""What every rank process (a train or rl rank) does first, and how it ends.
+
+Input: the rank's environment (set by `stages.lib.launch`). Output: logging whose marked
+lines (`@pipe LEVEL ...`) the launcher passes on to the stage's log, the process group
+(gloo on CPU, NCCL on GPU; DeepSpeed's when it trains), the trainer around the model,
+and an exit that skips the interpreter's teardown once everything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from typing import Any
+
+PARENT_ENV = "PIPE_TRAIN_PARENT_PID"
+MARK = "@pipe "  # lines the launcher passes on to the stage's log; the rest go to the log file only
+
+
+def setup(log: logging.Logger, rank: int, threads: int) -> None:
+    """Quiet libraries, mark this rank's own log lines (rank 0 logs INFO), set torch threads."""
+    logging.basicConfig(
+        level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True
+    )
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"{MARK}%(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.propagate = False
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", message=".*(barrier|destroy_process_group|TypedStorage).*")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def init_distributed(trainer: str, device: str, world: int) -> None:
+    """The process group of this rank (from the environment): gloo on CPU, NCCL on GPU."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if trainer == "deepspeed":
+        import deepspeed
+
+        if device == "cpu":
+            # DeepSpeed's CPU accelerator compiles a shared-memory all-reduce op on first use
+            # (~40 s on a fresh machine); only tensor-parallel inference calls it, not training
+            with contextlib.suppress(Exception):
+                deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    elif world > 1:
+        dist.init_process_group(backend)
+
+
+def make_trainer(
+    trainer: str, ds_config: dict[str, Any] | None, cfg: Any, model: Any, total: int, device: str
+) -> Any:
+    """The `Trainer` (`trainer`: deepspeed with `ds_config`, or torch) around `model`, in
+    training mode."""
+    from stages.lib.trainer import DeepSpeedTrainer, TorchTrainer
+
+    model.train()  # from_pretrained returns eval mode, where checkpointing is skipped
+    if cfg.gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if trainer == "deepspeed" and ds_config is not None:
+        return DeepSpeedTrainer(model, cfg, total, device, ds_config)
+    return TorchTrainer(model, cfg, total, device)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank when the stage process dies (no orphans training on)."""
+    parent = int(os.environ.get(PARENT_ENV, "0"))
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown: everything is written and flushed by now,
+    and a gloo or DeepSpeed thread still joinable there aborts the process now and then
+    ("terminate called without an active exception", SIGABRT) after a run that succeeded."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,192 @@
+"""rl: online RL (GRPO) with placed roles, live weight sync to the rollout engine.
+
+The config model, its registration and its rules; the body (`stages.rl.run`) and the
+actor ranks (`stages.rl.actor`) are imported only when a stage runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from engine.errors import Diagnostic
+from engine.stage import ResolveContext, StageConfig, stage
+from stages.lib.config import (
+    Backend,
+    LocalBackend,
+    ModelRef,
+    TinyModel,
+    Verifier,
+    VLLMBackend,
+    backend_preset_path,
+)
+from stages.lib.ds_config import check_deepspeed
+
+
+class RLConfig(StageConfig):
+    """Online RL: sample groups from the engine, score them, update the actor, sync weights."""
+
+    SPANS_NODES = False
+    INPUTS = ("input", "eval_input", "model")
+    MODEL_INPUTS = ("model",)
+    OUTPUTS = ("output",)
+    OUTPUT_TYPES: ClassVar[dict[str, str]] = {"output": "checkpoint"}
+
+    algorithm: Literal["grpo", "ppo"] = Field(
+        "grpo", description="grpo (group-normalised advantages, no critic); ppo needs a critic."
+    )
+    input: str | None = Field(
+        None,
+        description="Prompt JSONL (rows with messages or prompt); empty: the upstream's output.",
+    )
+    eval_input: str | None = Field(
+        None, description="Held-out prompt JSONL scored greedily every eval_every steps."
+    )
+    output: str = Field("checkpoint", description="The final checkpoint directory written.")
+    model: ModelRef = Field(
+        default_factory=TinyModel,
+        description="The policy to start from: a checkpoint directory, '@stage', a hub id, or a tiny model spec.",
+    )
+    verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
+    backend: Backend = Field(
+        default_factory=lambda: LocalBackend(kind="local", batch_size=256),
+        description="The rollout engine: local (in the stage's process, weights synced from the actor).",
+    )
+    num_repeats: int = Field(8, ge=2, description="Samples per prompt: the group size.")
+    rollout_batch_size: int = Field(32, gt=0, description="Prompts per step.")
+    train_batch_size: int = Field(
+        256,
+        gt=0,
+        description="Samples per optimizer step (a step's kept samples, cut in pieces of this).",
+    )
+    micro_train_batch_size: int = Field(64, gt=0, description="Samples per rank per forward pass.")
+    learning_rate: float = Field(1e-4, gt=0, description="Actor learning rate.")
+    lr_scheduler: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Learning-rate schedule over the run's optimizer steps."
+    )
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Fraction of updates warming up.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_steps: int | None = Field(
+        100,
+        gt=0,
+        description="RL steps (rollout, update, sync); empty: max_epochs over the prompts.",
+    )
+    max_epochs: int = Field(1, gt=0, description="Passes over the prompts when max_steps is empty.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
+    max_output_tokens: int = Field(256, gt=0, description="Most tokens per answer.")
+    max_length: int = Field(512, gt=0, description="Longest prompt + answer trained on, in tokens.")
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the k3 KL to the reference; 0: no reference loaded."
+    )
+    eps_clip: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip.")
+    ppo_epochs: int = Field(1, gt=0, description="Updates over each rollout batch.")
+    std_normalize: bool = Field(
+        True, description="Divide group advantages by their standard deviation (off: Dr. GRPO)."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="ppo: discount.")
+    lambd: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda.")
+    async_train: bool = Field(
+        False,
+        description="Generate batch k+1 with the previous weights while the actor trains on batch k.",
+    )
+    async_queue_size: int = Field(
+        1, ge=0, description="async: rollout batches in flight at most (0: synchronous)."
+    )
+    save_steps: int = Field(
+        50, gt=0, description="Save a resumable checkpoint every this many steps."
+    )
+    eval_every: int = Field(
+        20, gt=0, description="Score eval_input every this many steps (and at the end)."
+    )
+    eval_limit: int | None = Field(500, gt=0, description="Held-out prompts scored at most.")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage of the actor.")
+    adam_offload: bool = Field(False, description="Offload Adam states to CPU memory (ZeRO).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    packing_samples: bool = Field(
+        False, description="Pack samples into rows (no padding); rl records it as not applied yet."
+    )
+    use_dynamic_batch: bool = Field(
+        False, description="Form micro batches by a token budget instead of a sample count."
+    )
+    overlap_comm: bool = Field(
+        False, description="Overlap gradient communication with backward (ZeRO)."
+    )
+    deepspeed_enable_sleep: bool = Field(
+        False,
+        description="Move the actor's optimizer states off the GPU while the engine generates.",
+    )
+    bf16: bool = Field(False, description="Train in bfloat16 (fp32 otherwise).")
+    vllm_sync_backend: Literal["nccl", "gloo", "disk"] = Field(
+        "gloo",
+        description="How weights reach the engine: nccl (GPUs), gloo (a process group, CPU too) or disk (safetensors).",
+    )
+    sync_timeout_s: float = Field(
+        120.0, gt=0, description="A weight sync taking longer fails the step."
+    )
+    num_processes: int = Field(
+        1, gt=0, description="Actor ranks on CPU (on GPU: one per actor GPU)."
+    )
+    num_threads: int = Field(
+        1, gt=0, description="Torch threads of each actor rank and of the engine."
+    )
+    trainer: Literal["auto", "deepspeed", "torch"] = Field(
+        "auto", description="auto: DeepSpeed when installed, plain torch otherwise."
+    )
+
+    @classmethod
+    def roles_used(cls, data: Mapping[str, Any]) -> tuple[str, ...]:
+        """The rollout engines and the actor; the reference when kl_coef > 0."""
+        kl = data.get("kl_coef", 0.0)
+        return ("vllm", "actor", *(("ref",) if isinstance(kl, int | float) and kl > 0 else ()))
+
+    @classmethod
+    def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
+        return super().preset_path(key, data) or backend_preset_path(key, data)
+
+    def check(self, ctx: ResolveContext) -> list[Diagnostic]:
+        out = check_deepspeed(self, ctx, self.num_processes)
+        if self.algorithm == "ppo":
+            out.append(
+                ctx.error(
+                    "algorithm",
+                    "ppo needs a critic, which this version does not train yet; use grpo",
+                )
+            )
+        if isinstance(self.backend, VLLMBackend):
+            out.append(
+                ctx.error(
+                    "backend.kind",
+                    "the rl stage's engine is the in-process local generator for now; use backend kind 'local'",
+                )
+            )
+        if isinstance(self.backend, LocalBackend) and self.backend.model is not None:
+            out.append(
+                ctx.error(
+                    "backend.model",
+                    "the engine generates with the actor's weights; leave backend.model empty",
+                )
+            )
+        sleeping = isinstance(self.backend, VLLMBackend) and self.backend.vllm_enable_sleep
+        if self.async_train and sleeping:
+            out.append(
+                ctx.error(
+                    "async_train",
+                    f"async_train ({ctx.source('async_train')}) cannot run with vllm_enable_sleep "
+                    f"({ctx.source('backend.vllm_enable_sleep')}): the engines must stay awake to "
+                    "generate while the actor trains; turn one of them off",
+                )
+            )
+        if self.rollout_batch_size * self.num_repeats < self.micro_train_batch_size:
+            out.append(
+                ctx.warning(
+                    "micro_train_batch_size",
+                    f"larger than a step's {self.rollout_batch_size * self.num_repeats} samples",
+                )
+            )
+        return out
+
+
+stage("rl", config=RLConfig, run="stages.rl.run:run_rl")

@@ -1,0 +1,327 @@
+"""One actor rank, run as its own process: `python -m stages.rl.actor SPEC.json`.
+
+Input: the `ActorSpec` (resolved `RLConfig`, model directory, trainer, ds_config, the
+stage's channel and the weight-sync rendezvous) and the rank in the environment.
+Output: answers to the stage's requests, in order: `train` (the clipped GRPO update over
+a rollout batch, `ppo_epochs` passes, one optimizer step per `train_batch_size` samples;
+returns its statistics), `sync` (publish the weights to the engine, then score the probe),
+`probe`, `save` (a resumable checkpoint), `offload`/`reload` (the optimizer states, for
+the hybrid engine), `final` (the Hugging Face checkpoint at `output`), `stop`.
+
+Rank 0 talks to the stage and passes each request on to the other ranks; every rank
+trains on its share of each optimizer step's samples (gradients averaged by the
+trainer), and per-token losses are divided by the step's token count over all ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from stages.lib.rank import die_with_parent, exit_now, init_distributed, make_trainer, setup
+
+log = logging.getLogger("pipe.rl")
+
+
+class Actor:
+    """The model, its trainer and reference, and what each request does."""
+
+    def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.spec, self.cfg = spec, spec.config
+        self.rank, self.world, self.device = rank, world, device
+        model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
+        model.config.use_cache = False
+        self.pad_id = int(model.config.pad_token_id or model.config.eos_token_id or 0)
+        self.trainer = make_trainer(
+            spec.trainer, spec.ds_config, self.cfg, model, spec.total_updates, device
+        )
+        self.reference = None
+        if self.cfg.kl_coef > 0:
+            ref: Any = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
+            ref.to(device)
+            self.reference = ref.eval().requires_grad_(False)
+        if spec.resume_tag:
+            self.trainer.load(f"{spec.stage_dir}/checkpoints", spec.resume_tag)
+            log.info("resumed the actor from %s", spec.resume_tag)
+        self.publisher: Any = None
+        self.offloaded: dict[int, Any] = {}
+
+    # --- requests ----------------------------------------------------------------------
+    def train(self, payload: dict[str, Any]) -> dict[str, float]:
+        """`ppo_epochs` passes over the batch; one optimizer step per `train_batch_size`."""
+        from stages.rl.logprobs import Sample
+
+        samples = [Sample(**s) for s in payload["samples"]]
+        rng = random.Random(self.cfg.seed * 1_000_003 + payload["step"])
+        totals: dict[str, float] = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        tokens = updates = 0
+        norms = []
+        for _ in range(self.cfg.ppo_epochs):
+            order = list(range(len(samples)))
+            rng.shuffle(order)
+            for lo in range(0, len(order), self.cfg.train_batch_size):
+                chunk = [samples[i] for i in order[lo : lo + self.cfg.train_batch_size]]
+                step_stats, norm = self._update(chunk)
+                for k, v in step_stats.items():
+                    totals[k] += v
+                tokens += sum(s.completion_len for s in chunk)
+                updates += 1
+                if norm is not None:
+                    norms.append(norm)
+        out = {k: v / max(tokens, 1) for k, v in totals.items()}
+        out.update(updates=updates, tokens=tokens, lr=self.trainer.lr())
+        if norms:
+            out["grad_norm"] = sum(norms) / len(norms)
+        return out
+
+    def _micros(self, mine: list[Any]) -> list[list[Any]]:
+        """This rank's samples in micro batches: a count each, or a token budget each."""
+        size = self.cfg.micro_train_batch_size
+        if not self.cfg.use_dynamic_batch:
+            return [mine[i : i + size] for i in range(0, len(mine), size)]
+        mine = sorted(mine, key=lambda s: len(s.ids))
+        budget = size * max(1, sum(len(s.ids) for s in mine) // max(len(mine), 1))
+        micros: list[list[Any]] = [[]]
+        for s in mine:
+            if micros[-1] and (len(micros[-1]) + 1) * len(s.ids) > budget:
+                micros.append([])
+            micros[-1].append(s)
+        return micros
+
+    def _update(self, chunk: list[Any]) -> tuple[dict[str, float], float | None]:
+        """One optimizer step over `chunk` (this rank takes every world-th sample)."""
+        import torch
+
+        from stages.rl.logprobs import completion_logprobs
+        from stages.rl.loss import clipped_policy_loss, kl_k3
+
+        norm = sum(s.completion_len for s in chunk)  # the step's tokens, over all ranks
+        mine = chunk[self.rank :: self.world]
+        micros = self._micros(mine) if mine else [chunk[:1]]  # a rank with nothing: weight 0
+        weight = self.world / norm if mine else 0.0
+        sums = torch.zeros(4, dtype=torch.float64)
+        for i, micro in enumerate(micros):
+            self.trainer.begin_micro(i == len(micros) - 1)
+            new, ent = completion_logprobs(
+                self.trainer.module, micro, self.device, self.cfg.temperature, self.pad_id, True
+            )
+            new_t = torch.cat(new)
+            old = torch.tensor([lp for s in micro for lp in s.old_logprobs], device=self.device)
+            adv = torch.tensor(
+                [s.advantage for s in micro for _ in range(s.completion_len)], device=self.device
+            )
+            pg, clipped = clipped_policy_loss(new_t, old, adv, self.cfg.eps_clip)
+            loss = pg.sum()
+            kl = torch.zeros((), device=self.device)
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref, _ = completion_logprobs(
+                        self.reference, micro, self.device, self.cfg.temperature, self.pad_id
+                    )
+                kl = kl_k3(new_t, torch.cat(ref)).sum()
+                loss = loss + self.cfg.kl_coef * kl
+            self.trainer.backward(loss * weight)
+            n = float(new_t.numel()) if mine else 0.0
+            sums += torch.tensor(
+                [
+                    loss.item() * (n > 0),
+                    kl.item() * (n > 0),
+                    clipped.sum().item() * (n > 0),
+                    float(ent or 0.0) * n,
+                ],
+                dtype=torch.float64,
+            )
+        grad_norm = self.trainer.step()
+        if self.world > 1:  # NCCL reduces device tensors only
+            import torch.distributed as dist
+
+            reduced = sums.to(self.device)
+            dist.all_reduce(reduced)
+            sums = reduced.cpu()
+        names = ("loss", "kl", "clip_frac", "entropy")
+        return dict(zip(names, sums.tolist(), strict=True)), grad_norm
+
+    def params(self) -> Iterator[tuple[str, Any]]:
+        """The full parameters one at a time (under ZeRO-3 each is gathered on every rank for
+        the moment it is sent, then released)."""
+        zero3 = getattr(self.trainer, "zero3", False)
+        for name, param in self.trainer.module.named_parameters():
+            if not zero3:
+                yield name, param.data
+                continue
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                yield name, param.data
+
+    def sync(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Publish the weights (rank 0 sends, every rank gathers), then score the probe."""
+        from stages.rl.sync import make_publisher
+
+        start = time.perf_counter()
+        if self.rank == 0 and self.publisher is None:
+            spec = self.spec
+            self.publisher = make_publisher(
+                spec.sync_backend,
+                spec.sync_store,
+                f"{spec.stage_dir}/sync.safetensors",
+                spec.config.sync_timeout_s,
+            )
+        if self.rank == 0:
+            self.publisher.publish(self.params())
+        else:
+            for _ in self.params():  # take part in each gather
+                pass
+        probe = self.probe(payload["probe"])
+        return {"probe": probe, "seconds": time.perf_counter() - start}
+
+    def probe(self, sample: dict[str, Any]) -> list[float]:
+        import torch
+
+        from stages.rl.logprobs import Sample, completion_logprobs
+
+        with torch.no_grad():
+            lp, _ = completion_logprobs(
+                self.trainer.module,
+                [Sample(**sample)],
+                self.device,
+                self.cfg.temperature,
+                self.pad_id,
+            )
+        return [float(x) for x in lp[0]]
+
+    def save(self, payload: dict[str, Any]) -> str:
+        """A resumable checkpoint: the trainer's state, and (rank 0) the stage's cursor."""
+        root = f"{self.spec.stage_dir}/checkpoints"
+        tag = payload["tag"]
+        self.trainer.save(root, tag)
+        if self.rank == 0:
+            from stages.lib.jsonl import atomic_write, write_json
+
+            write_json(f"{root}/{tag}/rl_state.json", payload["state"])
+            atomic_write(f"{root}/latest", tag)
+        return f"{root}/{tag}"
+
+    def final(self, payload: dict[str, Any]) -> str:
+        """The Hugging Face checkpoint at `output` (written beside it, then renamed in)."""
+        output = self.cfg.output
+        tmp = f"{output.rstrip('/')}.tmp-{os.getpid()}"
+        with self.trainer.full_weights() as module:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                module.save_pretrained(tmp)
+                for name in os.listdir(self.spec.model_dir):
+                    if "token" in name or name in (
+                        "special_tokens_map.json",
+                        "chat_template.jinja",
+                    ):
+                        shutil.copy(f"{self.spec.model_dir}/{name}", f"{tmp}/{name}")
+        if self.rank == 0:
+            shutil.rmtree(output, ignore_errors=True)
+            os.replace(tmp, output)
+        return str(output)
+
+    def offload(self, payload: Any) -> str:
+        """Move the optimizer states off the GPU while the engine generates (hybrid engine)."""
+        if not self.device.startswith("cuda"):
+            return "skipped: on the CPU the optimizer states already live in host memory"
+        engine = getattr(self.trainer, "engine", None)
+        if engine is not None and hasattr(engine, "offload_states"):
+            engine.offload_states()
+            return "offloaded through DeepSpeed"
+        moved = _move_optimizer(self.trainer.optimizer, "cpu")
+        return f"moved {moved} bytes of optimizer state to the host"
+
+    def reload(self, payload: Any) -> str:
+        if not self.device.startswith("cuda"):
+            return "skipped: on the CPU the optimizer states already live in host memory"
+        engine = getattr(self.trainer, "engine", None)
+        if engine is not None and hasattr(engine, "reload_states"):
+            engine.reload_states()
+            return "reloaded through DeepSpeed"
+        moved = _move_optimizer(self.trainer.optimizer, self.device)
+        return f"moved {moved} bytes of optimizer state back"
+
+
+def _move_optimizer(optimizer: Any, device: str) -> int:
+    moved = 0
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if hasattr(value, "to") and hasattr(value, "numel"):
+                state[key] = value.to(device)
+                moved += value.numel() * value.element_size()
+    return moved
+
+
+def serve(actor: Actor, conn: Any) -> None:
+    """Answer the stage's requests until `stop` (rank 0 receives and passes each on)."""
+    import torch.distributed as dist
+
+    handlers = {
+        "train": actor.train,
+        "sync": actor.sync,
+        "probe": actor.probe,
+        "save": actor.save,
+        "final": actor.final,
+        "offload": actor.offload,
+        "reload": actor.reload,
+    }
+    while True:
+        message: list[Any] = [conn.recv() if conn is not None else None]
+        if actor.world > 1:
+            dist.broadcast_object_list(message, src=0)
+        kind, payload = message[0]
+        if kind == "stop":
+            if conn is not None:
+                conn.send(("ok", None))
+            return
+        try:
+            reply = handlers[kind](payload)
+        except Exception as exc:
+            if conn is not None:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            raise
+        if conn is not None:
+            conn.send(("ok", reply))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from stages.rl.channel import connect
+    from stages.rl.spec import ActorSpec
+
+    args = sys.argv[1:] if argv is None else argv
+    die_with_parent()
+    spec = ActorSpec.read(args[0])
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    setup(log, rank, spec.threads)
+    device = f"cuda:{local}" if spec.device == "cuda" else "cpu"
+    if device != "cpu":
+        torch.cuda.set_device(local)
+    init_distributed(spec.trainer, device, world)
+    random.seed(spec.config.seed)
+    torch.manual_seed(spec.config.seed)
+    actor = Actor(spec, rank, world, device)
+    conn = connect(spec.channel, spec.authkey) if rank == 0 else None
+    log.info("actor ready: %d rank(s), %s, %s", world, actor.trainer.name, device)
+    serve(actor, conn)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_now(main())

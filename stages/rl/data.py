@@ -1,0 +1,71 @@
+"""The rl stage's prompts: rows, their prompts, the batch of each step, and the probe.
+
+Input: a prompt JSONL (rows with `messages` or a `prompt` string; every other field is
+kept for the verifier). Output: `Prompts` (rows and prompts), `Stream` (the prompt
+indices of step k: each epoch a fresh permutation from the seed, so a resumed run
+takes exactly the batches it had not trained on), and the probe sample.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from stages.lib.jsonl import read_jsonl
+from stages.lib.prompt import Prompt
+
+
+@dataclass(frozen=True)
+class Prompts:
+    rows: list[dict[str, Any]]
+    prompts: list[Prompt]
+
+
+def load_prompts(path: str, limit: int | None = None) -> Prompts:
+    """Rows of `path` (at most `limit`) and the prompt of each."""
+    rows: list[dict[str, Any]] = []
+    for n, row in enumerate(read_jsonl(path), start=1):
+        if limit is not None and len(rows) >= limit:
+            break
+        if not (isinstance(row.get("messages"), list) or isinstance(row.get("prompt"), str)):
+            raise ValueError(f"{path}:{n}: a row needs 'messages' or a string 'prompt'")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no prompt rows")
+    return Prompts(rows, [r["messages"] if "messages" in r else r["prompt"] for r in rows])
+
+
+class Stream:
+    """Which prompts step k (1-based) uses: `batch` of them, epoch after epoch."""
+
+    def __init__(self, size: int, batch: int, seed: int) -> None:
+        self.size, self.batch, self.seed = size, min(batch, size), seed
+        self._orders: dict[int, list[int]] = {}
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.size // self.batch
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(self.size))
+            random.Random(self.seed * 7_919 + epoch).shuffle(order)
+            self._orders = {epoch: order}
+        return self._orders[epoch]
+
+    def indices(self, step: int) -> list[int]:
+        epoch, k = divmod(step - 1, self.steps_per_epoch)
+        return self._order(epoch)[k * self.batch : (k + 1) * self.batch]
+
+
+def probe_ids(tokenizer: Any, prompt: Prompt, answer: str) -> tuple[tuple[int, ...], int]:
+    """A fixed probe: the first prompt (chat template applied) and its reference answer with
+    the end-of-sequence token, as token ids, and where the answer starts."""
+    from stages.lib.prompt import format_prompt
+
+    head = list(tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
+    tail = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    if tokenizer.eos_token_id is not None:
+        tail.append(int(tokenizer.eos_token_id))
+    return tuple(head + tail), len(head)

@@ -1,0 +1,107 @@
+"""The rollout engine in the stage's process: the local generator on its own copy of the
+policy, whose weights arrive from the actor after every update.
+
+Input: the model directory (architecture and tokenizer), prompts. Output: samples with
+their token ids and the behaviour policy's per-token log-probabilities (the shared
+batched generator, prompt KV cache shared by a group's samples, rows leaving the batch
+as they finish), greedy answers for held-out scoring, and the probe's log-probabilities
+after a sync. `sleep` frees the weights (the hybrid engine, while the actor trains);
+`wake_weights` allocates them again, to be filled by the next sync; the KV cache is
+allocated per generation call, so `wake_cache` has nothing to reserve here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from stages.lib.generate import Generation, generate_with
+from stages.lib.prompt import Prompt
+from stages.rl.logprobs import Sample, completion_logprobs
+
+log = logging.getLogger("pipe.rl")
+
+
+class LocalEngine:
+    """One in-process engine (`local-0`)."""
+
+    name = "local-0"
+
+    def __init__(self, model_dir: str, device: str = "cpu") -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.eval()
+        if device != "cpu":
+            model.to(device)
+        self.model = model
+        self.device = device
+        self.asleep = False
+        self.shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        num_samples: int,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+        batch_size: int,
+    ) -> list[list[Generation]]:
+        """`num_samples` answers per prompt with token ids and behaviour log-probabilities."""
+        return generate_with(
+            self.model,
+            self.tokenizer,
+            prompts,
+            num_samples=num_samples,
+            temperature=temperature,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            batch_size=batch_size,
+            logprobs=temperature > 0,
+        )
+
+    def score(self, sample: Sample, temperature: float) -> list[float]:
+        """Log-probabilities of the sample's completion tokens under the engine's weights."""
+        with torch.no_grad():
+            lp, _ = completion_logprobs(self.model, [sample], self.device, temperature, self.pad_id)
+        return [float(x) for x in lp[0]]
+
+    def sleep(self) -> int:
+        """Free the weights; returns the bytes freed."""
+        freed = 0
+        for name, p in self.model.named_parameters():
+            self.shapes[name] = (p.shape, p.dtype)
+            freed += p.numel() * p.element_size()
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.asleep = True
+        return freed
+
+    def wake_weights(self) -> int:
+        """Allocate the weights again (their values come with the next sync)."""
+        allocated = 0
+        for name, p in self.model.named_parameters():
+            shape, dtype = self.shapes[name]
+            p.data = torch.empty(shape, dtype=dtype, device=self.device)
+            allocated += p.numel() * p.element_size()
+        self.asleep = False
+        return allocated
+
+    def wake_cache(self) -> int:
+        """Nothing to reserve: the local generator allocates its KV cache per call."""
+        return 0

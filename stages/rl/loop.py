@@ -1,0 +1,175 @@
+"""The rl stage's steps, synchronous or asynchronous, and what each records.
+
+Input: a started `Controller` (engine, actor, channel) and the step to start after.
+Output: one `metrics.jsonl` line per step, held-out accuracy every `eval_every` steps,
+a checkpoint every `save_steps`, a progress line per step (with its rate).
+
+Order of a step, synchronous: train on batch k -> sync (weights version k) -> sample
+batch k+1. Asynchronous (`async_train`, `async_queue_size` q > 0): the actor gets batch
+k, and while it trains the engine samples up to q batches ahead with the weights it has
+(version k-1); then the sync. A batch records the version that sampled it and its
+staleness (updates between that version and the one it trains); with q = 0 the order is
+exactly the synchronous one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from stages.rl.records import append_metrics
+
+if TYPE_CHECKING:
+    from engine.stage import StageContext
+    from stages.rl import RLConfig
+    from stages.rl.channel import StageEnd
+    from stages.rl.logprobs import Sample
+
+
+@dataclass
+class Batch:
+    """A generated rollout batch, ready for the actor."""
+
+    step: int
+    indices: list[int]
+    samples: list[Sample]
+    rewards: list[list[float]]
+    kept: int
+    gen_s: float
+    version: int
+    tokens: int
+
+
+class Controller(Protocol):
+    """What the steps need of the stage's controller (`stages.rl.run.Controller`)."""
+
+    cfg: RLConfig
+    ctx: StageContext
+    dir: str
+    total: int
+    version: int
+    sleeps: bool
+    channel: StageEnd
+
+    def generate(self, step: int) -> Batch: ...
+    def sync(self, version: int) -> dict[str, Any]: ...
+    def evaluate(self) -> float | None: ...
+    def request(self, kind: str, payload: Any = None) -> Any: ...
+    def actor_alive(self) -> bool: ...
+    def save(self, step: int) -> None: ...
+
+
+def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[str, Any]]:
+    """Steps start+1 .. c.total; returns their records."""
+    cfg = c.cfg
+    ahead = cfg.async_queue_size if cfg.async_train else 0
+    records: list[dict[str, Any]] = []
+    if start >= c.total:
+        return records
+    queue: deque[Batch] = deque([c.generate(start + 1)])
+    held_out = first_eval
+    step = start
+    while step < c.total:
+        step += 1
+        began = time.perf_counter()
+        batch = queue.popleft()
+        stats: dict[str, Any] = {}
+        stale = c.version - batch.version  # updates since the weights that sampled it
+        sync = {"sync_s": 0.0, "probe_diff": 0.0, "probe_logprob": None}
+        train_s = 0.0
+        if batch.samples:
+            t = time.perf_counter()
+            if c.sleeps:  # the hybrid engine: optimizer states back on the GPU to train
+                c.request("reload")
+            c.channel.send("train", {"step": step, "samples": [asdict(s) for s in batch.samples]})
+            while len(queue) < ahead and step + len(queue) < c.total:
+                queue.append(c.generate(step + len(queue) + 1))  # with the weights it has
+            stats = c.channel.receive("train", timeout_s=3600, alive=c.actor_alive)
+            train_s = time.perf_counter() - t
+            sync = c.sync(c.version + 1)
+        if not queue and step < c.total:
+            if c.sleeps:  # off the GPU while the engine generates
+                c.request("offload")
+            queue.append(c.generate(step + 1))
+        if step % cfg.eval_every == 0 or step == c.total:
+            held_out = c.evaluate()
+        row = _row(
+            stale,
+            c,
+            batch,
+            stats,
+            sync,
+            train_s,
+            held_out if step % cfg.eval_every == 0 or step == c.total else None,
+        )
+        row["step_s"] = round(time.perf_counter() - began, 4)  # train, sync and one generation
+        append_metrics(f"{c.dir}/metrics.jsonl", row)
+        records.append(row)
+        _progress(c, row)
+        if step % cfg.save_steps == 0 and step < c.total:
+            c.save(step)
+    c.save(c.total)
+    return records
+
+
+def _row(
+    stale: int,
+    c: Controller,
+    batch: Batch,
+    stats: dict[str, Any],
+    sync: dict[str, Any],
+    train_s: float,
+    held_out: float | None,
+) -> dict[str, Any]:
+    flat = [r for group in batch.rewards for r in group]
+    groups = len(batch.rewards)
+    lengths = [s.completion_len for s in batch.samples]
+    return {
+        "step": batch.step,
+        "version": batch.version,
+        "staleness": stale,
+        "prompts": batch.indices,
+        "reward_mean": sum(flat) / len(flat),
+        "reward_std": statistics.pstdev(flat) if len(flat) > 1 else 0.0,
+        "accuracy": sum(r >= 1.0 for r in flat) / len(flat),
+        "groups_kept": batch.kept,
+        "groups_dropped_frac": 1 - batch.kept / groups if groups else 0.0,
+        "samples_trained": len(batch.samples),
+        "response_len": sum(lengths) / len(lengths) if lengths else 0.0,
+        "loss": stats.get("loss"),
+        "kl": stats.get("kl"),
+        "entropy": stats.get("entropy"),
+        "clip_frac": stats.get("clip_frac"),
+        "grad_norm": stats.get("grad_norm"),
+        "updates": stats.get("updates", 0),
+        "gen_s": round(batch.gen_s, 4),
+        "train_s": round(train_s, 4),
+        "sync_s": round(sync["sync_s"], 4),
+        "probe_diff": sync["probe_diff"],
+        "probe_logprob": sync["probe_logprob"],  # the engine's, after the sync
+        "tokens_per_s": round(batch.tokens / max(batch.gen_s, 1e-9), 1),
+        "eval_accuracy": held_out,
+    }
+
+
+def _progress(c: Controller, row: dict[str, Any]) -> None:
+    held = f", held-out {row['eval_accuracy']:.1%}" if row["eval_accuracy"] is not None else ""
+    c.ctx.log.info(
+        "step %d/%d: reward %.3f, accuracy %.1f%%, %d/%d groups kept | gen %.2f s (%.0f tokens/s), "
+        "train %.2f s, sync %.3f s, staleness %d%s",
+        row["step"],
+        c.total,
+        row["reward_mean"],
+        100 * row["accuracy"],
+        row["groups_kept"],
+        len(row["prompts"]),
+        row["gen_s"],
+        row["tokens_per_s"],
+        row["train_s"],
+        row["sync_s"],
+        row["staleness"],
+        held,
+    )

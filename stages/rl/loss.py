@@ -1,0 +1,69 @@
+"""The GRPO objective: group advantages, the clipped policy loss per token, k3 KL.
+
+Input: rewards per prompt group, per-token log-probabilities of the completions under
+the current policy, the behaviour policy (the engine that sampled them) and the frozen
+reference. Output: advantages (and which groups carry a signal), and the loss terms.
+
+- Advantages are normalised within each prompt's group: `r - mean(r)`, divided by the
+  group's standard deviation unless `std_normalize` is off (Dr. GRPO). A group whose
+  samples all scored the same has no signal and is dropped before the update.
+- The policy loss per token is PPO's clipped surrogate
+  `-min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)` with `ratio = exp(new - old)`.
+- Per-token losses are summed and divided by the token count of the whole global batch
+  (every micro batch of every rank), so micro-batching gives exactly the full batch's
+  gradient, and a long answer weighs what its tokens weigh (a per-sequence mean would
+  give short answers more weight per token).
+- KL to the reference is the k3 estimator `exp(ref - new) - (ref - new) - 1` per token
+  (unbiased, never negative), added with `kl_coef`.
+
+With one update per batch the ratio is 1 and its gradient is `grad(new)`, so the loss
+reduces to REINFORCE with a group-mean baseline (tests/unit/test_rl_loss.py shows it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-6
+
+
+def group_advantages(
+    rewards: torch.Tensor, std_normalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages `[groups, samples]` and which groups carry a signal (`[groups]` bool)."""
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, unbiased=False, keepdim=True)
+    keep = std.squeeze(1) > EPS
+    adv = rewards - mean
+    if std_normalize:
+        adv = adv / (std + EPS)
+    return adv, keep
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probability of each target token under `softmax(logits / temperature)`."""
+    scaled = logits.float() / max(temperature, EPS)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of the sampling distribution at each position."""
+    logp = torch.log_softmax(logits.float() / max(temperature, EPS), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def clipped_policy_loss(
+    new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, eps_clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss, and which tokens the clip bound (float 0/1)."""
+    ratio = torch.exp(new - old)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip) * advantages
+    loss = -torch.min(unclipped, clipped)
+    return loss, (clipped < unclipped).float()
+
+
+def kl_k3(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(policy || reference) per token."""
+    delta = ref - new
+    return torch.exp(delta) - delta - 1.0

@@ -1,0 +1,81 @@
+"""What an rl stage leaves behind besides its checkpoint.
+
+Input: per-step records, held-out scores, and what each setting did at run time.
+Output, in the stage's folder: `metrics.jsonl` (one line per step, appended as it
+ends; trimmed back to the checkpoint on resume), `rl.png` (reward and held-out
+accuracy against step), and `settings.json`: every field of the resolved config with
+its value and whether it was applied (and how) or skipped (and why) in this run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from stages.lib.jsonl import atomic_path, atomic_write, write_json
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def trim_metrics(path: str, step: int) -> None:
+    """Keep the records of steps up to `step` (what the checkpoint holds)."""
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def append_metrics(path: str, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def plot(records: list[dict[str, Any]], path: str, title: str) -> str | None:
+    """Reward mean (and held-out accuracy where scored) against step; None without
+    matplotlib or records."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    if not records:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in records], [r["reward_mean"] for r in records], label="reward mean")
+    evals = [r for r in records if r.get("eval_accuracy") is not None]
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_accuracy"] for r in evals],
+            "o-",
+            label="held-out accuracy",
+        )
+    ax.set_xlabel("step")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def settings_record(config: Any, how: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Every field: `{"value", "status": applied|skipped, "how"}`; a field nobody accounted
+    for is an error (a setting must act, or say why it did not)."""
+    data = config.model_dump(mode="json")
+    missing = sorted(set(data) - set(how))
+    if missing:
+        raise RuntimeError(f"settings not accounted for at run time: {', '.join(missing)}")
+    return {key: {"value": data[key], "status": how[key][0], "how": how[key][1]} for key in data}
+
+
+def write_settings(path: str, config: Any, how: dict[str, tuple[str, str]]) -> None:
+    write_json(path, settings_record(config, how))

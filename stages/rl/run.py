@@ -1,0 +1,369 @@
+"""The rl stage's body: the controller. It owns the rollout engine and drives the actor.
+
+Input: a resolved `RLConfig` (absolute `input`, `eval_input`, `model`, `output`) and the
+`StageContext`. Output: the final checkpoint at `output`; in the stage's folder
+`metrics.jsonl`, `rl.png`, `settings.json`, `checkpoints/` and the actor's log; the
+metrics dict.
+
+A step: the engine samples `rollout_batch_size` prompts x `num_repeats` with per-token
+log-probabilities -> the verifier scores them -> group advantages (uniform groups
+dropped) -> the actor's update -> the weights go to the engine (`stages.rl.sync`) and the
+engine's probe must score like the actor's -> next step. With `async_train` the engine
+samples batch k+1 with the previous weights while the actor trains on batch k (at most
+`async_queue_size` batches ahead; 0 is the synchronous order). Every `save_steps` the
+actor saves a checkpoint with the step and the weight version; a run started again
+resumes from the last one (same config and inputs), the engine loading the actor's
+weights before its first rollout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+from stages.lib.jsonl import write_json
+from stages.rl.data import Prompts, Stream, load_prompts, probe_ids
+from stages.rl.loop import Batch, run_steps
+from stages.rl.records import plot, read_metrics, trim_metrics, write_settings
+from stages.rl.settings import account
+
+if TYPE_CHECKING:
+    from engine.stage import StageContext
+    from stages.rl import RLConfig
+    from stages.rl.engine import LocalEngine
+
+log = logging.getLogger("pipe.rl")
+UNHASHED = ("save_steps", "eval_every", "eval_limit", "num_threads", "sync_timeout_s")
+
+
+def run_rl(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
+    """Run the stage; see the module docstring."""
+    controller = Controller(cfg, ctx)
+    try:
+        return controller.run()
+    finally:
+        controller.close()
+
+
+class Controller:
+    """The engine, the actor's ranks and channel, and the loop over steps."""
+
+    def __init__(self, cfg: RLConfig, ctx: StageContext) -> None:
+        import torch
+
+        from stages.lib.verify import make_verifier
+
+        torch.set_num_threads(cfg.num_threads)
+        self.cfg, self.ctx = cfg, ctx
+        self.dir = ctx.stage_dir.rstrip("/")
+        if not cfg.input:
+            raise ValueError(
+                "rl needs prompts: set 'input' or add the stage producing them to needs"
+            )
+        self.data = load_prompts(cfg.input)
+        self.evals: Prompts | None = (
+            load_prompts(cfg.eval_input, cfg.eval_limit) if cfg.eval_input else None
+        )
+        self.verify = make_verifier(cfg.verifier)
+        self.stream = Stream(len(self.data.rows), cfg.rollout_batch_size, cfg.seed)
+        self.total = cfg.max_steps or cfg.max_epochs * self.stream.steps_per_epoch
+        self.how: dict[str, tuple[str, str]] = {}
+        self.actor_thread: threading.Thread | None = None
+        self.actor_error: BaseException | None = None
+        self.channel: Any = None
+        self.version = 0
+
+    # --- preparation ----------------------------------------------------------------
+    def _model_dir(self) -> str:
+        if isinstance(self.cfg.model, str):
+            return self.cfg.model
+        path = f"{self.dir}/init_model"
+        if not os.path.exists(f"{path}/config.json"):
+            from stages.lib.model import build_tiny_model
+
+            texts: list[str] = []
+            for p in self.data.prompts:
+                texts += [p] if isinstance(p, str) else [m["content"] for m in p]
+            texts += [str(r.get(self.cfg.verifier.answer_field, "")) for r in self.data.rows]
+            build_tiny_model(self.cfg.model, texts, path, seed=self.cfg.seed)
+        return path
+
+    def _fingerprint(self, world: int, trainer: str) -> str:
+        config = self.cfg.model_dump(mode="json", exclude=set(UNHASHED))
+        stamps = {}
+        for path in (self.cfg.input, self.cfg.model if isinstance(self.cfg.model, str) else None):
+            if path and os.path.exists(path):
+                st = os.stat(path)
+                stamps[path] = (st.st_size, st.st_mtime_ns)
+        blob = json.dumps([config, stamps, world, trainer], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def _resume(self, fingerprint: str) -> tuple[str | None, int]:
+        """The checkpoint tag to resume from and its step (None, 0: a fresh start)."""
+        root = f"{self.dir}/checkpoints"
+        latest = f"{root}/latest"
+        if os.path.exists(latest):
+            with open(latest, encoding="utf-8") as f:
+                tag = f.read().strip()
+            state_path = f"{root}/{tag}/rl_state.json"
+            if os.path.exists(state_path):
+                with open(state_path, encoding="utf-8") as f:
+                    state = json.load(f)
+                if state.get("fingerprint") == fingerprint:
+                    trim_metrics(f"{self.dir}/metrics.jsonl", int(state["step"]))
+                    self.ctx.log.info("resuming from %s (step %d)", tag, state["step"])
+                    self.version = int(state.get("version", state["step"]))
+                    return tag, int(state["step"])
+            self.ctx.log.warning(
+                "checkpoint %s is from another config or input: starting over", tag
+            )
+        shutil.rmtree(root, ignore_errors=True)
+        for name in ("metrics.jsonl", "settings.json"):
+            if os.path.exists(f"{self.dir}/{name}"):
+                os.remove(f"{self.dir}/{name}")
+        return None, 0
+
+    def _start(self) -> int:
+        """Build the engine, launch the actor, sync the first weights; the step to start at."""
+        from stages.lib.ds_config import build_ds_config
+        from stages.lib.launch import Ranks, launch
+        from stages.rl.channel import StageEnd
+        from stages.rl.engine import LocalEngine
+        from stages.rl.spec import ActorSpec
+        from stages.rl.sync import make_receiver
+
+        cfg = self.cfg
+        model_dir = self._model_dir()
+        device, world, names = self._actor_devices()
+        has_ds = importlib.util.find_spec("deepspeed") is not None
+        trainer = (
+            "deepspeed"
+            if cfg.trainer == "deepspeed" or (cfg.trainer == "auto" and has_ds)
+            else "torch"
+        )
+        fingerprint = self._fingerprint(world, trainer)
+        tag, start = self._resume(fingerprint)
+        self.fingerprint = fingerprint
+        sync = cfg.vllm_sync_backend
+        if sync == "nccl" and device == "cpu":
+            sync = "gloo"
+        self.sync_kind = sync
+        self.channel = StageEnd()
+        self.receiver: Any = make_receiver(
+            sync, "local-0", f"{self.dir}/sync.safetensors", cfg.sync_timeout_s
+        )
+        ds = (
+            build_ds_config(cfg, world, pin_memory=device == "cuda")
+            if trainer == "deepspeed"
+            else None
+        )
+        spec = ActorSpec(
+            config=cfg,
+            model_dir=model_dir,
+            stage_dir=self.dir,
+            device=device,
+            trainer=trainer,  # type: ignore[arg-type]
+            ds_config=ds,
+            threads=cfg.num_threads,
+            channel=self.channel.address,
+            authkey=self.channel.authkey.hex(),
+            sync_backend=sync,
+            sync_store=getattr(self.receiver, "address", ""),
+            resume_tag=tag,
+            total_updates=max(1, self.total * cfg.ppo_epochs),
+        )
+        spec.write(f"{self.dir}/actor_spec.json")
+        ranks = Ranks(world=world, devices=names)
+
+        def actor() -> None:
+            try:
+                launch(
+                    "stages.rl.actor",
+                    f"{self.dir}/actor_spec.json",
+                    ranks,
+                    device,
+                    cfg.num_threads,
+                    f"{self.dir}/actor_log.txt",
+                    self.ctx.log,
+                )
+            except BaseException as exc:
+                self.actor_error = exc
+
+        self.actor_thread = threading.Thread(target=actor, name="rl-actor", daemon=True)
+        self.actor_thread.start()
+        self.channel.accept(self.actor_alive, timeout_s=600)
+        from stages.lib.devices import torch_device
+
+        self.engine: LocalEngine = LocalEngine(model_dir, torch_device(self.ctx, "vllm"))
+        tok = self.engine.tokenizer
+        row = self.data.rows[0]
+        self.probe = probe_ids(
+            tok, self.data.prompts[0], str(row.get(cfg.verifier.answer_field, ""))
+        )
+        self._account(trainer, device, world, sync)
+        # the actor's optimizer states leave the GPU while the engine generates (sync steps)
+        self.sleeps = cfg.deepspeed_enable_sleep and device == "cuda" and not cfg.async_train
+        self.sync(self.version)  # the engine takes the actor's weights (a checkpoint's too)
+        return start
+
+    def _actor_devices(self) -> tuple[Literal["cpu", "cuda"], int, tuple[str, ...]]:
+        """Device kind, actor ranks and their CUDA_VISIBLE_DEVICES names."""
+        devices = self.ctx.devices("actor")
+        if not devices:
+            return "cpu", self.cfg.num_processes, ()
+        import torch
+
+        names = self.ctx.device_env("actor").get("CUDA_VISIBLE_DEVICES", "")
+        device: Literal["cpu", "cuda"] = "cuda" if torch.cuda.is_available() else "cpu"
+        return device, len(devices), tuple(names.split(",")) if names else ()
+
+    def actor_alive(self) -> bool:
+        return self.actor_thread is not None and self.actor_thread.is_alive()
+
+    def _account(self, trainer: str, device: str, world: int, sync: str) -> None:
+        self.how = account(self.cfg, trainer, device, world, sync)
+
+    # --- the loop ---------------------------------------------------------------------
+    def request(self, kind: str, payload: Any = None) -> Any:
+        try:
+            return self.channel.request(kind, payload, timeout_s=3600, alive=self.actor_alive)
+        except Exception:
+            if self.actor_error is not None:
+                raise self.actor_error from None
+            raise
+
+    def generate(self, step: int) -> Batch:
+        import torch
+
+        from stages.rl.logprobs import Sample
+        from stages.rl.loss import group_advantages
+
+        cfg = self.cfg
+        indices = self.stream.indices(step)
+        start = time.perf_counter()
+        gens = self.engine.generate(
+            [self.data.prompts[i] for i in indices],
+            num_samples=cfg.num_repeats,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_output_tokens,
+            seed=cfg.seed * 1_000_003 + step,
+            batch_size=cfg.backend.batch_size if hasattr(cfg.backend, "batch_size") else 256,
+        )
+        rewards = [
+            [float(self.verify(self.data.rows[i], g.text)) for g in gs]
+            for i, gs in zip(indices, gens, strict=True)
+        ]
+        adv, keep = group_advantages(torch.tensor(rewards, dtype=torch.float64), cfg.std_normalize)
+        samples = []
+        for g_idx, gs in enumerate(gens):
+            if not keep[g_idx]:
+                continue
+            for s_idx, g in enumerate(gs):
+                ids = (g.prompt_ids + g.token_ids)[: cfg.max_length]
+                n = len(ids) - len(g.prompt_ids)
+                if n <= 0:
+                    continue
+                samples.append(
+                    Sample(
+                        ids,
+                        len(g.prompt_ids),
+                        g.logprobs[:n],
+                        float(adv[g_idx, s_idx]),
+                        self.version,
+                    )
+                )
+        tokens = sum(g.completion_tokens for gs in gens for g in gs)
+        return Batch(
+            step,
+            indices,
+            samples,
+            rewards,
+            int(keep.sum()),
+            time.perf_counter() - start,
+            self.version,
+            tokens,
+        )
+
+    def sync(self, version: int) -> dict[str, Any]:
+        from stages.rl.logprobs import Sample
+        from stages.rl.sync import verify
+
+        start = time.perf_counter()
+        probe = {"ids": self.probe[0], "prompt_len": self.probe[1]}
+        self.channel.send("sync", {"probe": probe})
+        self.receiver.apply(self.engine.model)
+        reply = self.channel.receive(
+            "sync", timeout_s=self.cfg.sync_timeout_s, alive=self.actor_alive
+        )
+        mine = self.engine.score(Sample(*self.probe), self.cfg.temperature)
+        diff = verify(
+            self.engine.name, mine, reply["probe"], "bf16" if self.cfg.bf16 else "fp32", version
+        )
+        self.version = version
+        return {
+            "sync_s": time.perf_counter() - start,
+            "probe_diff": diff,
+            "probe_logprob": sum(mine),
+        }
+
+    def evaluate(self) -> float | None:
+        if self.evals is None:
+            return None
+        gens = self.engine.generate(
+            self.evals.prompts,
+            num_samples=1,
+            temperature=0.0,
+            max_new_tokens=self.cfg.max_output_tokens,
+            seed=0,
+            batch_size=256,
+        )
+        scores = [
+            float(self.verify(row, g[0].text)) for row, g in zip(self.evals.rows, gens, strict=True)
+        ]
+        return sum(s >= 1.0 for s in scores) / len(scores)
+
+    def run(self) -> dict[str, Any]:
+        began = time.perf_counter()
+        start = self._start()
+        write_settings(f"{self.dir}/settings.json", self.cfg, self.how)
+        first_eval = self.evaluate() if start == 0 else None
+        records = run_steps(self, start, first_eval)
+        self.request("final")
+        self.request("stop")
+        if self.actor_thread is not None:
+            self.actor_thread.join(timeout=120)
+        if self.actor_error is not None:
+            raise self.actor_error
+        every = read_metrics(f"{self.dir}/metrics.jsonl")
+        plot(every, f"{self.dir}/rl.png", f"{self.ctx.name}: GRPO reward and held-out accuracy")
+        evals = [r["eval_accuracy"] for r in every if r.get("eval_accuracy") is not None]
+        out = {
+            "steps": len(every),
+            "resumed_from_step": start or None,
+            "reward_first": every[0]["reward_mean"] if every else None,
+            "reward_last": every[-1]["reward_mean"] if every else None,
+            "eval_accuracy_start": first_eval
+            if first_eval is not None
+            else (evals[0] if evals else None),
+            "eval_accuracy_end": evals[-1] if evals else None,
+            "seconds": round(time.perf_counter() - began, 2),
+            "seconds_per_step": round(sum(r["step_s"] for r in records) / max(len(records), 1), 4),
+            "sync_backend": self.sync_kind,
+        }
+        write_json(f"{self.dir}/rl_result.json", out)
+        return out
+
+    def save(self, step: int) -> None:
+        state = {"step": step, "fingerprint": self.fingerprint, "version": self.version}
+        self.request("save", {"tag": f"step_{step:08d}", "state": state})
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()

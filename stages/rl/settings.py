@@ -1,0 +1,142 @@
+"""How each setting of an rl stage acts in this run: applied (and how), or skipped (and why).
+
+Input: the resolved `RLConfig` and what the stage decided (trainer, device, actor ranks,
+weight-sync backend). Output: `{field: (status, how)}` for every field, written to the
+stage's `settings.json`; a field missing here fails the run (`stages.rl.records`), so a
+new setting cannot be resolved and then ignored.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stages.rl import RLConfig
+
+A, S = "applied", "skipped"
+
+
+def account(
+    cfg: RLConfig, trainer: str, device: str, world: int, sync: str
+) -> dict[str, tuple[str, str]]:
+    """Every field of `cfg` with its status in a run with these decisions."""
+    ds = trainer == "deepspeed"
+    no_ds = (S, "plain torch trains the actor (deepspeed is not installed or trainer: torch)")
+    how: dict[str, tuple[str, str]] = {
+        "algorithm": (A, "GRPO: group-normalised advantages, clipped ratio, no critic"),
+        "input": (A, "the prompts sampled each step"),
+        "eval_input": (A, "scored greedily every eval_every steps")
+        if cfg.eval_input
+        else (S, "no held-out prompts given"),
+        "output": (A, "the final checkpoint"),
+        "model": (A, "the actor's and the engine's starting weights"),
+        "verifier": (A, f"scores every sample ({cfg.verifier.kind})"),
+        "backend": (A, f"{cfg.backend.kind} engine in the stage's process, weights from the actor"),
+        "num_repeats": (A, "samples per prompt (the group)"),
+        "rollout_batch_size": (A, "prompts per step"),
+        "train_batch_size": (A, "samples per optimizer step"),
+        "micro_train_batch_size": (
+            A,
+            "samples per rank per forward pass"
+            + (" (token budget with use_dynamic_batch)" if cfg.use_dynamic_batch else ""),
+        ),
+        "learning_rate": (A, "the actor's AdamW rate"),
+        "lr_scheduler": (A, "the actor's schedule over its updates"),
+        "warmup_ratio": (A, "the actor's warm-up share of its updates"),
+        "weight_decay": (A, "the actor's AdamW weight decay"),
+        "max_steps": (A, "steps run") if cfg.max_steps else (S, "max_epochs decides"),
+        "max_epochs": (S, "max_steps decides") if cfg.max_steps else (A, "passes over the prompts"),
+        "temperature": (A, "sampling temperature, and the policy the ratio is taken under"),
+        "max_output_tokens": (A, "most tokens per answer"),
+        "max_length": (A, "prompt + answer cut to this for the update"),
+        "kl_coef": (A, "k3 KL to a frozen reference in the actor")
+        if cfg.kl_coef > 0
+        else (A, "0: no reference model loaded"),
+        "eps_clip": (A, "ratio clip of the policy loss"),
+        "ppo_epochs": (A, "updates over each rollout batch"),
+        "std_normalize": (
+            A,
+            "advantages divided by the group's std"
+            if cfg.std_normalize
+            else "advantages not divided by the std (Dr. GRPO)",
+        ),
+        "gamma": (S, "GRPO has no value function: gamma acts with algorithm ppo"),
+        "lambd": (S, "GRPO has no value function: lambd acts with algorithm ppo"),
+        "async_train": (
+            A,
+            "the engine samples ahead while the actor trains"
+            if cfg.async_train
+            else "off: synchronous steps",
+        ),
+        "async_queue_size": (A, f"at most {cfg.async_queue_size} batch(es) ahead")
+        if cfg.async_train
+        else (S, "async_train is off"),
+        "save_steps": (A, "a resumable checkpoint every this many steps"),
+        "eval_every": (A, "held-out scoring interval")
+        if cfg.eval_input
+        else (S, "no held-out prompts given"),
+        "eval_limit": (A, "held-out prompts scored at most")
+        if cfg.eval_input
+        else (S, "no held-out prompts given"),
+        "seed": (A, "data order, sampling and the actor's initialisation"),
+        "zero_stage": (A, f"ZeRO stage {cfg.zero_stage} in the actor's ds_config") if ds else no_ds,
+        "adam_offload": (
+            A,
+            "optimizer states offloaded (ds_config)" if cfg.adam_offload else "off (ds_config)",
+        )
+        if ds
+        else no_ds,
+        "gradient_checkpointing": (
+            A,
+            "activations recomputed in backward" if cfg.gradient_checkpointing else "off",
+        ),
+        "packing_samples": (
+            S,
+            "the rl actor pads each micro batch: packing is not built for rl yet",
+        )
+        if cfg.packing_samples
+        else (A, "off: micro batches are padded"),
+        "use_dynamic_batch": (
+            A,
+            "micro batches by a token budget"
+            if cfg.use_dynamic_batch
+            else "off: micro batches by sample count",
+        ),
+        "overlap_comm": (
+            A,
+            "overlap_comm in the actor's ds_config" if cfg.overlap_comm else "off (ds_config)",
+        )
+        if ds
+        else no_ds,
+        "deepspeed_enable_sleep": _sleep(cfg.deepspeed_enable_sleep, device, cfg.async_train),
+        "bf16": (A, "the actor trains in bfloat16" if cfg.bf16 else "fp32")
+        if ds or not cfg.bf16
+        else (A, "torch autocast to bfloat16"),
+        "vllm_sync_backend": _sync(cfg.vllm_sync_backend, sync),
+        "sync_timeout_s": (A, "a weight sync past it fails the step"),
+        "num_processes": (A, f"{world} actor rank(s) on the CPU")
+        if device == "cpu"
+        else (S, f"one actor rank per GPU: {world}"),
+        "num_threads": (A, "torch threads of the engine and of each actor rank"),
+        "trainer": (A, f"{trainer} trains the actor"),
+    }
+    return how
+
+
+def _sleep(wanted: bool, device: str, overlapped: bool) -> tuple[str, str]:
+    if not wanted:
+        return A, "off: the optimizer states stay where they are"
+    if device == "cpu":
+        return S, "on the CPU the optimizer states already live in host memory"
+    if overlapped:
+        return S, "async_train: the actor trains while the engine generates, so its states stay"
+    return A, "the actor's optimizer states leave the GPU while the engine generates"
+
+
+def _sync(wanted: str, used: str) -> tuple[str, str]:
+    if wanted == used:
+        return A, f"weights reach the engine over {used}, checked by a probe after every sync"
+    return S, (
+        f"{wanted} needs GPUs on both ends; this run has none, so {used} carries the weights "
+        "(checked by a probe after every sync)"
+    )

@@ -1,0 +1,44 @@
+"""What the rl stage hands its actor ranks: one typed, validated spec file.
+
+Input: written by the stage (`stages.rl.run`) as `<stage_dir>/actor_spec.json`.
+Output: read once per actor rank (`ActorSpec.read`): the resolved `RLConfig`, the
+model directory, the device, the trainer and its ds_config, where the controller
+listens, and how weights reach the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from stages.lib.jsonl import atomic_write
+from stages.rl import RLConfig
+
+
+class ActorSpec(BaseModel):
+    """The resolved config and what the stage decided before launching the actor."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: RLConfig
+    model_dir: str
+    stage_dir: str
+    device: Literal["cpu", "cuda"]
+    trainer: Literal["deepspeed", "torch"]
+    ds_config: dict[str, Any] | None
+    threads: int
+    channel: str  # host:port of the stage's listener
+    authkey: str  # hex
+    sync_backend: Literal["nccl", "gloo", "disk"]
+    sync_store: str  # host:port of the weight-sync rendezvous (gloo, nccl)
+    resume_tag: str | None
+    total_updates: int
+
+    def write(self, path: str) -> None:
+        atomic_write(path, self.model_dump_json(indent=1) + "\n")
+
+    @classmethod
+    def read(cls, path: str) -> ActorSpec:
+        with open(path, encoding="utf-8") as f:
+            return cls.model_validate_json(f.read())

@@ -1,0 +1,175 @@
+"""Weight sync from the actor to the rollout engine: one interface, several backends.
+
+Input: the actor's parameters (rank 0 sends; under ZeRO-3 every rank takes part in
+gathering each parameter, one at a time). Output: the engine's model holding the same
+weights. Then `verify` compares the engine's log-probabilities of a fixed probe with the
+actor's: a return code is never trusted (NCCL is a silent no-op off the GPU, CPU kernels
+may repack weights), a mismatch fails the step naming the engine.
+
+- `gloo`: a process group of two (actor rank 0, the engine's process) on a TCP store;
+  each parameter is broadcast in `named_parameters` order; a sync past `timeout_s` raises.
+- `nccl`: the same on CUDA tensors (GPU only; on a CPU run the stage uses gloo instead and
+  records why).
+- `disk`: rank 0 writes safetensors atomically, the engine reloads them parameter by
+  parameter.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+PROBE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+
+
+class SyncFailed(RuntimeError):
+    """Weights did not arrive, or the engine does not score like the actor after a sync."""
+
+
+class Publisher(Protocol):
+    """The actor's side."""
+
+    def publish(self, params: Iterator[tuple[str, torch.Tensor]]) -> None: ...
+
+
+class Receiver(Protocol):
+    """The engine's side."""
+
+    name: str
+
+    def apply(self, model: torch.nn.Module) -> None: ...
+
+
+def _pg(store: Any, rank: int, timeout_s: float, nccl: bool) -> Any:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if nccl:
+        options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, options)  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+class GroupPublisher:
+    """gloo or nccl: actor rank 0 is rank 0 of a two-process group with the engine."""
+
+    def __init__(self, store_address: str, timeout_s: float, nccl: bool = False) -> None:
+        import torch.distributed as dist
+
+        host, port = store_address.rsplit(":", 1)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            host, int(port), 2, False, timeout=timeout
+        )
+        self.pg = _pg(store, 0, timeout_s, nccl)
+        self.device = "cuda" if nccl else "cpu"
+
+    def publish(self, params: Iterator[tuple[str, torch.Tensor]]) -> None:
+        for _, tensor in params:
+            self.pg.broadcast(tensor.detach().to(self.device).contiguous(), 0).wait()
+
+
+class GroupReceiver:
+    """The engine's end of the gloo/nccl group: rank 1, and it hosts the rendezvous store."""
+
+    def __init__(
+        self, name: str, timeout_s: float, nccl: bool = False, host: str = "127.0.0.1"
+    ) -> None:
+        import torch.distributed as dist
+
+        self.name = name
+        self.timeout_s, self.nccl = timeout_s, nccl
+        self.store = dist.TCPStore(  # type: ignore[attr-defined]
+            host, 0, 2, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self.address = f"{host}:{self.store.port}"
+        self.pg: Any = None
+
+    def apply(self, model: torch.nn.Module) -> None:
+        if self.pg is None:  # the first sync: the actor joins the group then
+            self.pg = _pg(self.store, 1, self.timeout_s, self.nccl)
+        with torch.no_grad():
+            for _, param in model.named_parameters():
+                buf = torch.empty_like(param, device="cuda" if self.nccl else "cpu")
+                try:
+                    self.pg.broadcast(buf, 0).wait()
+                except RuntimeError as exc:
+                    raise SyncFailed(
+                        f"engine '{self.name}': weights did not arrive: {exc}"
+                    ) from None
+                param.copy_(buf)
+
+
+class DiskPublisher:
+    """Rank 0 writes every parameter to one safetensors file, atomically."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def publish(self, params: Iterator[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().cpu().contiguous().clone() for name, t in params}
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        save_file(tensors, tmp)
+        os.replace(tmp, self.path)
+
+
+class DiskReceiver:
+    """The engine reloads the file parameter by parameter."""
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name, self.path = name, path
+
+    def apply(self, model: torch.nn.Module) -> None:
+        from safetensors import safe_open
+
+        with torch.no_grad(), safe_open(self.path, framework="pt") as f:  # type: ignore[no-untyped-call]
+            for name, param in model.named_parameters():
+                param.copy_(f.get_tensor(name))
+
+
+def make_receiver(kind: str, name: str, path: str, timeout_s: float) -> Receiver:
+    """The engine's side of `kind` (gloo, nccl or disk); a group receiver's `address` is
+    where the actor's rank 0 joins."""
+    if kind == "disk":
+        return DiskReceiver(name, path)
+    return GroupReceiver(name, timeout_s, nccl=kind == "nccl")
+
+
+def make_publisher(kind: str, store_address: str, path: str, timeout_s: float) -> Publisher:
+    """The actor's side of `kind`."""
+    if kind == "disk":
+        return DiskPublisher(path)
+    return GroupPublisher(store_address, timeout_s, nccl=kind == "nccl")
+
+
+def verify(
+    engine: str, engine_lp: list[float], actor_lp: list[float], precision: str, step: int
+) -> float:
+    """The largest difference between the engine's and the actor's probe log-probabilities;
+    `SyncFailed` naming the engine when it is over the tolerance of `precision`."""
+    if len(engine_lp) != len(actor_lp):
+        raise SyncFailed(
+            f"step {step}: engine '{engine}' scored {len(engine_lp)} probe tokens, the actor {len(actor_lp)}"
+        )
+    worst = max((abs(a - b) for a, b in zip(engine_lp, actor_lp, strict=True)), default=0.0)
+    if worst > PROBE_TOLERANCE[precision]:
+        raise SyncFailed(
+            f"step {step}: engine '{engine}' does not match the actor after the weight sync: "
+            f"probe log-probabilities differ by up to {worst:.3g} (tolerance "
+            f"{PROBE_TOLERANCE[precision]:g}); the weights did not arrive"
+        )
+    return worst
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start

@@ -1,0 +1,94 @@
+"""The rl kind's rules: roles it holds, what it refuses (full messages), presets it takes."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.errors import PipeError
+from engine.load import load_pipeline
+from engine.plan import plan
+from engine.resolve import resolve
+from stages.rl import RLConfig
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+
+
+def build(tmp_path: Path, text: str, *overrides: str):
+    (tmp_path / "p.yaml").write_text(textwrap.dedent(text))
+    return plan(resolve(load_pipeline("p.yaml", overrides), run_dir="runs/p"))
+
+
+def errors(tmp_path: Path, text: str) -> list[str]:
+    with pytest.raises(PipeError) as info:
+        build(tmp_path, text)
+    return [d.render() for d in info.value.diagnostics]
+
+
+def test_roles_are_the_engines_and_the_actor_and_the_reference_with_kl():
+    assert RLConfig.roles_used({}) == ("vllm", "actor")
+    assert RLConfig.roles_used({"kl_coef": 0.01}) == ("vllm", "actor", "ref")
+
+
+def test_async_with_sleeping_engines_is_refused_naming_both_settings_and_sources(tmp_path: Path):
+    text = """\
+        name: p
+        profile: high-performance
+        stages:
+          rl:
+            kind: rl
+            config:
+              input: prompts.jsonl
+              async_train: true
+              backend: {kind: vllm}
+    """
+    assert errors(tmp_path, text) == [
+        "p.yaml:8:20: stages.rl.config.async_train: async_train (p.yaml:8:20) cannot run with "
+        "vllm_enable_sleep (profile high-performance: hybrid engine: vLLM frees its memory while "
+        "training runs): the engines must stay awake to generate while the actor trains; turn "
+        "one of them off",
+        "p.yaml:9:23: stages.rl.config.backend.kind: the rl stage's engine is the in-process "
+        "local generator for now; use backend kind 'local'",
+    ]
+
+
+def test_ppo_and_offload_without_zero_are_refused(tmp_path: Path):
+    text = """\
+        name: p
+        stages:
+          rl: {kind: rl, config: {input: prompts.jsonl, algorithm: ppo, adam_offload: true}}
+    """
+    assert errors(tmp_path, text) == [
+        "p.yaml:3:60: stages.rl.config.algorithm: ppo needs a critic, which this version does "
+        "not train yet; use grpo",
+        "p.yaml:3:79: stages.rl.config.adam_offload: optimizer offload needs ZeRO: set "
+        "zero_stage 1, 2 or 3",
+    ]
+
+
+def test_presets_reach_the_rl_stage(tmp_path: Path):
+    text = """\
+        name: p
+        profile: max-throughput
+        memory: memory_constrained
+        stages:
+          rl: {kind: rl, config: {input: prompts.jsonl}}
+    """
+    cfg = build(tmp_path, text).as_dict()["stages"]["rl"]["config"]
+    assert (
+        cfg["async_train"],
+        cfg["zero_stage"],
+        cfg["adam_offload"],
+        cfg["vllm_sync_backend"],
+    ) == (
+        True,
+        3,
+        True,
+        "nccl",
+    )
+    assert cfg["micro_train_batch_size"] == 2
