@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: install install-vllm quickstart test test-fast test-vllm lint fmt schemas bench clean
+.PHONY: install install-vllm quickstart test test-fast test-vllm lint fmt schemas bench bench-rl bench-rl-setup clean
 
 install: $(VENV)/.installed
 
@@ -53,5 +53,15 @@ bench: install
 	$(PY) bench/engine_overhead.py
 	$(PY) bench/train.py
 
+# TRL in its own venv (.venv-trl/), for bench/rl.py's side-by-side run against GRPOTrainer
+bench-rl-setup:
+	test -x .venv-trl/bin/python || $(PYTHON) -m venv .venv-trl
+	.venv-trl/bin/pip install -q torch==2.13.0
+	.venv-trl/bin/pip install -q trl torch==2.13.0 "transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"
+
+bench-rl: install bench-rl-setup
+	$(PY) bench/rl.py
+	$(PY) bench/rl.py --async --shapes 32x8 --steps 60
+
 clean:
-	rm -rf $(VENV) .venv-vllm runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-trl runs .pytest_cache .mypy_cache .ruff_cache

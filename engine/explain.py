@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from engine.memory import fmt
 from engine.paths import shown_config
 from engine.stage import nested_blocks
 
@@ -68,6 +69,16 @@ def explain(plan: Plan) -> str:
     if plan.placement is not None and plan.cluster is not None:
         lines.append("")
         lines.append(plan.placement.render_text(plan.cluster).rstrip("\n"))
+    if plan.memory:
+        device = plan.cluster.gpu_memory_bytes if plan.cluster is not None else None
+        lines.append("")
+        lines.append("memory per GPU" + (f" (of {fmt(device)})" if device else "") + ":")
+        for name, roles in plan.memory.items():
+            for role, est in roles.items():
+                parts = ", ".join(f"{k} {fmt(v)}" for k, v in est.parts.items() if v)
+                lines.append(
+                    f"  {name} ({role}): {fmt(est.gpu_bytes)} ({parts}); host {fmt(est.host_bytes)}"
+                )
     if res.notes:
         lines.append("")
         lines += [d.render() for d in res.notes]

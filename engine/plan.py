@@ -15,8 +15,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.budget import check_memory
 from engine.errors import Diagnostic, PipeError
 from engine.graph import topological
+from engine.memory import Estimate
 from engine.paths import shown_config
 from engine.placement import (
     ClusterView,
@@ -59,6 +61,7 @@ class Plan:
     stages: dict[str, PlannedStage]
     cluster: ClusterView | None = None
     placement: Placement | None = None
+    memory: dict[str, dict[str, Estimate]] | None = None
 
     @property
     def name(self) -> str:
@@ -87,6 +90,15 @@ class Plan:
             },
             "roles": roles,
             **({"placement": self.placement.as_dict()} if self.placement is not None else {}),
+            **(
+                {
+                    "memory": {
+                        s: {r: e.as_dict() for r, e in m.items()} for s, m in self.memory.items()
+                    }
+                }
+                if self.memory is not None
+                else {}
+            ),
         }
 
     def to_json(self) -> str:
@@ -123,7 +135,11 @@ def plan(resolved: ResolvedPipeline, cluster: ClusterView | None = None) -> Plan
         for name in order
     }
     placement = place(resolved, order, cluster) if cluster is not None else None
-    return Plan(resolved, order, stages, cluster, placement)
+    memory = None
+    if placement is not None and cluster is not None:
+        memory, warnings = check_memory(resolved, placement, cluster)
+        resolved.notes.extend(warnings)
+    return Plan(resolved, order, stages, cluster, placement, memory)
 
 
 def place(resolved: ResolvedPipeline, order: tuple[str, ...], cluster: ClusterView) -> Placement:
@@ -131,7 +147,14 @@ def place(resolved: ResolvedPipeline, order: tuple[str, ...], cluster: ClusterVi
     requests = []
     for name in order:
         st = resolved.stages[name]
-        if st.gpus:
+        if st.gpus and st.roles:  # a stage holding several roles: each on its pool
+            held = tuple(
+                RoleRequest(r, resolved.roles[r].gpus, st.config.gpu_unit())
+                for r in st.roles
+                if r in resolved.roles and resolved.roles[r].gpus
+            )
+            requests.append(StageRequest(name, held))
+        elif st.gpus:
             unit = st.config.gpu_unit()
             requests.append(StageRequest(name, (RoleRequest(st.role, st.gpus, unit),)))
     groups = {

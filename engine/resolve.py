@@ -132,10 +132,16 @@ class _State:
         for name, st in spec.stages.items():
             if st.resources.role:
                 used.add(st.resources.role)
-            kind = kinds().get(st.kind)
-            if kind is not None:
-                used.update(kind.config.roles_used(stage_config_data(spec, name, kind)))
+            used.update(self.kind_roles(name))
         return frozenset(used)
+
+    def kind_roles(self, name: str) -> tuple[str, ...]:
+        """The roles a stage's kind says it holds (an online-RL stage's engines, actor, ...)."""
+        spec = self.loaded.spec
+        kind = kinds().get(spec.stages[name].kind)
+        if kind is None:
+            return ()
+        return kind.config.roles_used(stage_config_data(spec, name, kind))
 
     def ratio(self, used: frozenset[str]) -> dict[str, int]:
         """The written ratio over the used roles (a role no stage uses is dropped, with a
@@ -212,7 +218,15 @@ class _State:
         if final is None:
             return None
         resolved = ResolvedStage(
-            name, st.kind, tuple(st.needs), st.resources.role, gpus, st.retries, final, sources
+            name,
+            st.kind,
+            tuple(st.needs),
+            st.resources.role,
+            gpus,
+            st.retries,
+            final,
+            sources,
+            () if st.resources.role or st.resources.gpus is not None else self.kind_roles(name),
         )
         for diag in self.check(resolved, ctx):
             (self.errors if diag.severity == "error" else self.notes).append(diag)
@@ -349,7 +363,9 @@ class _State:
         if res.gpus is not None:
             return res.gpus
         if res.role is None:
-            return 0
+            held = self.kind_roles(name)
+            pools = {(r, *sorted(roles[r].colocated_with)) for r in held if r in roles}
+            return sum(roles[pool[0]].gpus for pool in {tuple(sorted(p)) for p in pools})
         if res.role in roles:
             return roles[res.role].gpus
         if self.alloc_failed:

@@ -38,6 +38,7 @@ class ResolvedStage:
     retries: int
     config: StageConfig
     sources: dict[str, Source]
+    roles: tuple[str, ...] = ()  # roles held besides `role` (a kind's roles_used)
 
     def source(self, dotted: str) -> Source:
         return self.sources.get(dotted, DEFAULT)

@@ -27,17 +27,13 @@ names no kind and no kind's field:
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import logging
 import os
-import re
-import sys
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
@@ -64,6 +60,26 @@ class Derived:
 
     value: Any
     reason: str
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What a role of a stage needs memory for: a kind's `memory_needs` hook returns them and
+    `engine.memory` estimates them (role empty: the stage's role, or its kind's name)."""
+
+    role: str = ""
+    profile: str = (
+        "trainer"  # "trainer" (weights, gradients, optimizer, activations), "frozen", "engine"
+    )
+    model: Any = None  # a checkpoint directory or a tiny-model spec mapping
+    zero_stage: int = 0
+    adam_offload: bool = False
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    micro_batch: int = 1
+    seq_len: int = 512
+    utilization: float = 0.9  # engine: vllm_gpu_memory_utilization
+    sleep: bool = False  # trainer: deepspeed_enable_sleep; engine: vllm_enable_sleep
 
 
 @dataclass(frozen=True)
@@ -141,6 +157,14 @@ class StageConfig(BaseModel):
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         """The kind's own checks of a resolved config."""
+        return []
+
+    def memory_needs(self) -> list[MemoryNeed]:
+        """What the stage's roles need memory for on their GPUs (empty: nothing estimated)."""
+        return []
+
+    def memory_changes(self) -> list[tuple[str, Any]]:
+        """Changes to this config that cut memory, cheapest first (`(dotted field, value)`)."""
         return []
 
 
@@ -280,6 +304,8 @@ class StageKind:
 
     def code_version(self) -> str:
         """Hash of every file of the kind's package and the shared code it imports."""
+        from engine.codeversion import code_version
+
         return code_version(self.module)
 
 
@@ -327,65 +353,7 @@ def reset_registry() -> None:
     """Forget every kind and code hash; the next `kinds()` reads the entry points again."""
     global _LOADED
     _REGISTRY.clear()
-    _HASHES.clear()
+    from engine.codeversion import forget_code_versions
+
+    forget_code_versions()
     _LOADED = False
-
-
-_HASHES: dict[str, str] = {}
-_IMPORT = re.compile(
-    r"^\s*(?:from\s+([\w.]+)\s+import\s+(\([^)]*\)|[\w., ]+)|import\s+([\w.]+))", re.M
-)
-
-
-def code_version(module_name: str) -> str:
-    """Hash of the source a kind runs: its package (or module) and the modules of the same
-    top-level package it imports (directly or not), each file named by its path."""
-    if module_name in _HASHES:
-        return _HASHES[module_name]
-    module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    origin = getattr(module, "__file__", None)
-    digest = hashlib.sha256()
-    if not origin:
-        digest.update(module_name.encode())
-        _HASHES[module_name] = digest.hexdigest()[:16]
-        return _HASHES[module_name]
-    path = Path(origin)
-    top = module_name.split(".")[0]
-    root = path.parents[len(module_name.split(".")) - (0 if path.name == "__init__.py" else 1)]
-    own = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
-    files = _with_imports(own, top, root)
-    for f in sorted(files):
-        digest.update(str(f.relative_to(root)).encode())
-        digest.update(f.read_bytes())
-    _HASHES[module_name] = digest.hexdigest()[:16]
-    return _HASHES[module_name]
-
-
-def _with_imports(files: list[Path], top: str, root: Path) -> set[Path]:
-    """`files` and every module file of package `top` (under `root`) they import, transitively."""
-    seen: set[Path] = set()
-    todo = list(files)
-    while todo:
-        f = todo.pop()
-        if f in seen:
-            continue
-        seen.add(f)
-        for match in _IMPORT.finditer(f.read_text(encoding="utf-8")):
-            base, names, plain = match.groups()
-            targets = [plain] if plain else [base, *(f"{base}.{n.strip()}" for n in _names(names))]
-            for target in targets:
-                if target and target.split(".")[0] == top:
-                    todo.extend(_module_files(target, root))
-    return seen
-
-
-def _names(text: str) -> list[str]:
-    return [n.split(" as ")[0].strip() for n in text.strip("() ").split(",") if n.strip()]
-
-
-def _module_files(dotted: str, root: Path) -> list[Path]:
-    """The file of module `dotted` and the `__init__.py` of each package on its way."""
-    parts = dotted.split(".")
-    out = [root.joinpath(*parts[:i], "__init__.py") for i in range(1, len(parts) + 1)]
-    out.append(root.joinpath(*parts).with_suffix(".py"))
-    return [p for p in out if p.is_file()]

@@ -12,13 +12,14 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator
 
 from engine.errors import Diagnostic
-from engine.stage import Derived, ResolveContext, StageConfig, stage
+from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig, stage
 from stages.lib.config import (
     Backend,
     CountOrAuto,
     LocalBackend,
     Verifier,
     backend_gpu_unit,
+    backend_memory,
     backend_preset_path,
     check_backend,
     check_model,
@@ -89,6 +90,9 @@ class CollectConfig(StageConfig):
         if value is not None and isinstance(start, int) and value <= start:
             raise ValueError(f"end_idx must be greater than start_idx ({start}), found {value}")
         return value
+
+    def memory_needs(self) -> list[MemoryNeed]:
+        return backend_memory(self.backend)
 
     def gpu_unit(self) -> int:
         """A vLLM engine's tensor-parallel group stays on one node."""

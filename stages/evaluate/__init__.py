@@ -8,13 +8,14 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from engine.errors import Diagnostic
-from engine.stage import Derived, ResolveContext, StageConfig, stage
+from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig, stage
 from stages.lib.config import (
     Backend,
     LocalBackend,
     OpenAIBackend,
     Verifier,
     backend_gpu_unit,
+    backend_memory,
     backend_preset_path,
     check_backend,
     check_model,
@@ -61,6 +62,9 @@ class EvaluateConfig(StageConfig):
     def top_p(self) -> float:
         """Evaluation samples from the whole distribution (or greedily at temperature 0)."""
         return 1.0
+
+    def memory_needs(self) -> list[MemoryNeed]:
+        return backend_memory(self.backend)
 
     def gpu_unit(self) -> int:
         """A vLLM engine's tensor-parallel group stays on one node."""

@@ -18,7 +18,7 @@ from pydantic import (
 )
 
 from engine.errors import Diagnostic, found
-from engine.stage import Derived, ResolveContext
+from engine.stage import Derived, MemoryNeed, ResolveContext
 
 _CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 VERIFIER_KINDS = ("reasoning_gym", "exact_match", "regex", "math")
@@ -291,3 +291,16 @@ def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:
             )
         )
     return out
+
+
+def backend_memory(backend: Any) -> list[MemoryNeed]:
+    """A vLLM engine takes its share of each GPU; other backends estimate nothing here."""
+    if not isinstance(backend, VLLMBackend):
+        return []
+    return [
+        MemoryNeed(
+            profile="engine",
+            utilization=backend.vllm_gpu_memory_utilization,
+            sleep=backend.vllm_enable_sleep,
+        )
+    ]

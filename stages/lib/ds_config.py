@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from engine.errors import Diagnostic
-from engine.stage import ResolveContext
+from engine.stage import MemoryNeed, ResolveContext
 
 
 class DeepSpeedSettings(Protocol):
@@ -87,4 +87,35 @@ def check_deepspeed(cfg: DeepSpeedSettings, ctx: ResolveContext, ranks: int) -> 
         out.append(
             ctx.error("adam_offload", "optimizer offload needs ZeRO: set zero_stage 1, 2 or 3")
         )
+    return out
+
+
+def trainer_memory(cfg: Any, model: Any, seq_len: int, role: str = "") -> MemoryNeed:
+    """What a trainer configured by `cfg` needs memory for (engine.memory estimates it)."""
+    return MemoryNeed(
+        role=role,
+        profile="trainer",
+        model=model if isinstance(model, str) else model.model_dump(),
+        zero_stage=cfg.zero_stage,
+        adam_offload=cfg.adam_offload,
+        bf16=cfg.bf16,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        micro_batch=cfg.micro_train_batch_size,
+        seq_len=seq_len,
+        sleep=cfg.deepspeed_enable_sleep,
+    )
+
+
+def trainer_memory_changes(cfg: Any) -> list[tuple[str, Any]]:
+    """Changes that cut a trainer's memory, cheapest first: shard more, recompute
+    activations, smaller micro batches, then optimizer states to the host."""
+    out: list[tuple[str, Any]] = []
+    for stage in range(cfg.zero_stage + 1, 4):
+        out.append(("zero_stage", stage))
+    if not cfg.gradient_checkpointing:
+        out.append(("gradient_checkpointing", True))
+    if cfg.micro_train_batch_size > 1:
+        out.append(("micro_train_batch_size", max(1, cfg.micro_train_batch_size // 2)))
+    if not cfg.adam_offload and cfg.zero_stage > 0:
+        out.append(("adam_offload", True))
     return out

@@ -7,12 +7,13 @@ actor ranks (`stages.rl.actor`) are imported only when a stage runs.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from engine.errors import Diagnostic
-from engine.stage import ResolveContext, StageConfig, stage
+from engine.stage import MemoryNeed, ResolveContext, StageConfig, stage
 from stages.lib.config import (
     Backend,
     LocalBackend,
@@ -20,9 +21,10 @@ from stages.lib.config import (
     TinyModel,
     Verifier,
     VLLMBackend,
+    backend_memory,
     backend_preset_path,
 )
-from stages.lib.ds_config import check_deepspeed
+from stages.lib.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
 
 
 class RLConfig(StageConfig):
@@ -145,6 +147,21 @@ class RLConfig(StageConfig):
     @classmethod
     def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
         return super().preset_path(key, data) or backend_preset_path(key, data)
+
+    def memory_needs(self) -> list[MemoryNeed]:
+        """The engine (a vLLM share, or the local engine's copy of the weights), the actor as a
+        trainer, and the frozen reference when kl_coef > 0."""
+        model = self.model if isinstance(self.model, str) else self.model.model_dump()
+        engines = [replace(n, role="vllm") for n in backend_memory(self.backend)]
+        if not engines:
+            engines = [MemoryNeed(role="vllm", profile="frozen", model=model, bf16=self.bf16)]
+        needs = [*engines, trainer_memory(self, self.model, self.max_length, role="actor")]
+        if self.kl_coef > 0:
+            needs.append(MemoryNeed(role="ref", profile="frozen", model=model, bf16=self.bf16))
+        return needs
+
+    def memory_changes(self) -> list[tuple[str, Any]]:
+        return trainer_memory_changes(self)
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         out = check_deepspeed(self, ctx, self.num_processes)

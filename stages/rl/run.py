@@ -155,9 +155,14 @@ class Controller:
         if sync == "nccl" and device == "cpu":
             sync = "gloo"
         self.sync_kind = sync
+        from stages.lib.devices import torch_device
+
+        engine_device = torch_device(self.ctx, "vllm")
+        if sync == "nccl" and not engine_device.startswith("cuda"):
+            sync = self.sync_kind = "gloo"  # the engine has no GPU: NCCL cannot reach it
         self.channel = StageEnd()
         self.receiver: Any = make_receiver(
-            sync, "local-0", f"{self.dir}/sync.safetensors", cfg.sync_timeout_s
+            sync, "local-0", f"{self.dir}/sync.safetensors", cfg.sync_timeout_s, engine_device
         )
         ds = (
             build_ds_config(cfg, world, pin_memory=device == "cuda")
@@ -199,9 +204,7 @@ class Controller:
         self.actor_thread = threading.Thread(target=actor, name="rl-actor", daemon=True)
         self.actor_thread.start()
         self.channel.accept(self.actor_alive, timeout_s=600)
-        from stages.lib.devices import torch_device
-
-        self.engine: LocalEngine = LocalEngine(model_dir, torch_device(self.ctx, "vllm"))
+        self.engine: LocalEngine = LocalEngine(model_dir, engine_device)
         tok = self.engine.tokenizer
         row = self.data.rows[0]
         self.probe = probe_ids(

@@ -79,12 +79,17 @@ class GroupReceiver:
     """The engine's end of the gloo/nccl group: rank 1, and it hosts the rendezvous store."""
 
     def __init__(
-        self, name: str, timeout_s: float, nccl: bool = False, host: str = "127.0.0.1"
+        self,
+        name: str,
+        timeout_s: float,
+        nccl: bool = False,
+        host: str = "127.0.0.1",
+        device: str = "cpu",
     ) -> None:
         import torch.distributed as dist
 
         self.name = name
-        self.timeout_s, self.nccl = timeout_s, nccl
+        self.timeout_s, self.nccl, self.device = timeout_s, nccl, device
         self.store = dist.TCPStore(  # type: ignore[attr-defined]
             host, 0, 2, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
         )
@@ -93,10 +98,12 @@ class GroupReceiver:
 
     def apply(self, model: torch.nn.Module) -> None:
         if self.pg is None:  # the first sync: the actor joins the group then
+            if self.nccl:
+                torch.cuda.set_device(torch.device(self.device))
             self.pg = _pg(self.store, 1, self.timeout_s, self.nccl)
         with torch.no_grad():
             for _, param in model.named_parameters():
-                buf = torch.empty_like(param, device="cuda" if self.nccl else "cpu")
+                buf = torch.empty_like(param, device=self.device if self.nccl else "cpu")
                 try:
                     self.pg.broadcast(buf, 0).wait()
                 except RuntimeError as exc:
@@ -135,12 +142,14 @@ class DiskReceiver:
                 param.copy_(f.get_tensor(name))
 
 
-def make_receiver(kind: str, name: str, path: str, timeout_s: float) -> Receiver:
-    """The engine's side of `kind` (gloo, nccl or disk); a group receiver's `address` is
-    where the actor's rank 0 joins."""
+def make_receiver(
+    kind: str, name: str, path: str, timeout_s: float, device: str = "cpu"
+) -> Receiver:
+    """The engine's side of `kind` (gloo, nccl or disk) for an engine on `device`; a group
+    receiver's `address` is where the actor's rank 0 joins."""
     if kind == "disk":
         return DiskReceiver(name, path)
-    return GroupReceiver(name, timeout_s, nccl=kind == "nccl")
+    return GroupReceiver(name, timeout_s, nccl=kind == "nccl", device=device)
 
 
 def make_publisher(kind: str, store_address: str, path: str, timeout_s: float) -> Publisher:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from engine.errors import Diagnostic
-from engine.stage import ResolveContext, StageConfig, stage
+from engine.stage import MemoryNeed, ResolveContext, StageConfig, stage
 from stages.lib.config import CountOrAuto, ModelRef, TinyModel, Verifier
+from stages.lib.ds_config import trainer_memory, trainer_memory_changes
 
 
 class TrainConfig(StageConfig):
@@ -130,6 +131,13 @@ class TrainConfig(StageConfig):
                 )
             )
         return out
+
+    def memory_needs(self) -> list[MemoryNeed]:
+        """The trainer's weights, gradients, optimizer states and activations."""
+        return [trainer_memory(self, self.model, self.max_length)]
+
+    def memory_changes(self) -> list[tuple[str, Any]]:
+        return trainer_memory_changes(self)
 
 
 stage("train", config=TrainConfig, run="stages.train.run:run_train")

@@ -123,7 +123,7 @@ def test_a_sync_that_moves_no_weights_fails_within_one_step_naming_the_engine(
             for _, param in model.named_parameters():
                 self.pg.broadcast(torch.empty_like(param), 0).wait()  # received, never applied
 
-    monkeypatch.setattr(rl_sync, "make_receiver", lambda kind, name, path, t: Discards(name, t))
+    monkeypatch.setattr(rl_sync, "make_receiver", lambda kind, name, path, t, *_: Discards(name, t))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     data = DatasetConfig(task="chain_sum", size=32, output=str(tmp_path / "train.jsonl"))

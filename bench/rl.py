@@ -1,0 +1,182 @@
+"""Benchmark: our GRPO (the rl stage) beside TRL's GRPOTrainer, same warm-up and settings.
+
+    .venv/bin/python bench/rl.py [--shapes 8x4,32x4] [--steps 100] [--lr 1e-4]
+    .venv/bin/python bench/rl.py --async [--shapes 32x8] [--steps 60]
+
+Both start from the warm-up of pipelines/grpo_quickstart.yaml (made once in
+bench/out/rl/base: its data and warmup stages), take the same prompts, group size,
+prompts per step, learning rate (with 10% warm-up), step count and answer length, one
+update per step, no KL, temperature 1; one torch thread each. Printed side by side in
+one run: seconds per step of the training loop (start-up excluded), ours / TRL, and
+the held-out greedy accuracy of both final checkpoints on the 500 test prompts, scored
+by the same code. TRL runs in `.venv-trl` (make bench-rl-setup). With --async: our
+synchronous and asynchronous modes side by side instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+OUT = ROOT / "bench" / "out" / "rl"
+PIPE = [sys.executable, "-m", "engine.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def base(seed: int) -> Path:
+    """The warm-up and data, made once."""
+    run = OUT / f"base-{seed}"
+    if not (run / "warmup" / "checkpoint" / "config.json").exists():
+        subprocess.run(
+            [
+                *PIPE,
+                "run",
+                "pipelines/grpo_quickstart.yaml",
+                "--only",
+                "data",
+                "--only",
+                "warmup",
+                "--run-dir",
+                str(run),
+                "--set",
+                f"defaults.seed={seed}",
+            ],
+            cwd=ROOT,
+            env=ENV,
+            check=True,
+        )
+    return run
+
+
+def ours(
+    b: Path, name: str, prompts: int, group: int, steps: int, lr: float, extra: list[str]
+) -> dict[str, Any]:
+    run = OUT / name
+    sets = {
+        "model": b / "warmup/checkpoint",
+        "input": b / "data/train.jsonl",
+        "eval_input": b / "data/test.jsonl",
+        "rollout_batch_size": prompts,
+        "num_repeats": group,
+        "train_batch_size": prompts * group,
+        "micro_train_batch_size": prompts * group,
+        "max_steps": steps,
+        "eval_every": steps,
+        "save_steps": steps,
+        "learning_rate": lr,
+    }
+    args = [
+        *PIPE,
+        "run",
+        "pipelines/grpo_quickstart.yaml",
+        "--only",
+        "grpo",
+        "--force",
+        "--run-dir",
+        str(run),
+    ]
+    for k, v in sets.items():
+        args += ["--set", f"stages.grpo.config.{k}={v}"]
+    for item in extra:
+        args += ["--set", f"stages.grpo.config.{item}"]
+    subprocess.run(args, cwd=ROOT, env=ENV, check=True, capture_output=True)
+    rows = [json.loads(x) for x in (run / "grpo/metrics.jsonl").read_text().splitlines()]
+    return {
+        "s_per_step": sum(r["step_s"] for r in rows) / len(rows),
+        "checkpoint": run / "grpo/checkpoint",
+    }
+
+
+def trl(
+    b: Path, name: str, prompts: int, group: int, steps: int, lr: float, python: str
+) -> dict[str, Any]:
+    out = OUT / name
+    subprocess.run(
+        [
+            python,
+            str(ROOT / "bench/rl_trl.py"),
+            "--model",
+            str(b / "warmup/checkpoint"),
+            "--train",
+            str(b / "data/train.jsonl"),
+            "--out",
+            str(out),
+            "--prompts",
+            str(prompts),
+            "--group",
+            str(group),
+            "--steps",
+            str(steps),
+            "--lr",
+            str(lr),
+            "--max-tokens",
+            "8",
+        ],
+        cwd=ROOT,
+        env={**ENV, "PYTHONPATH": ""},
+        check=True,
+        capture_output=True,
+    )
+    result = json.loads((out / "trl_result.json").read_text())
+    return {"s_per_step": result["seconds_per_step"], "checkpoint": out}
+
+
+def accuracy(checkpoint: Path, b: Path) -> float:
+    """Greedy accuracy on the 500 test prompts, scored like the evaluate stage does."""
+    from stages.evaluate import EvaluateConfig
+    from stages.evaluate.run import Generator
+    from stages.lib.jsonl import read_jsonl
+    from stages.lib.verify import make_verifier
+
+    cfg = EvaluateConfig(max_output_tokens=8)
+    rows = list(read_jsonl(str(b / "data/test.jsonl")))
+    verify = make_verifier(cfg.verifier)
+    gens = Generator(cfg)(str(checkpoint), [r["prompt"] for r in rows], 1)
+    return sum(verify(r, g[0].text) >= 1.0 for r, g in zip(rows, gens, strict=True)) / len(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="8x4,32x4")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async", dest="asynchronous", action="store_true")
+    p.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"))
+    args = p.parse_args()
+    b = base(args.seed)
+    start = accuracy(b / "warmup/checkpoint", b)
+    print(f"warm-up (seed {args.seed}): held-out accuracy {start:.3f}")
+    header = ("shape", "A s/step", "B s/step", "A/B", "A acc", "B acc")
+    names = ("ours async", "ours sync") if args.asynchronous else ("ours", "TRL")
+    print(f"A = {names[0]}, B = {names[1]}; {args.steps} steps, lr {args.lr}")
+    print("  ".join(f"{h:>10}" for h in header))
+    for shape in args.shapes.split(","):
+        prompts, group = (int(x) for x in shape.split("x"))
+        if args.asynchronous:
+            a = ours(b, f"async-{shape}", prompts, group, args.steps, args.lr, ["async_train=true"])
+            o = ours(b, f"sync-{shape}", prompts, group, args.steps, args.lr, [])
+        else:
+            a = ours(b, f"ours-{shape}", prompts, group, args.steps, args.lr, [])
+            o = trl(b, f"trl-{shape}", prompts, group, args.steps, args.lr, args.trl_python)
+        acc_a, acc_b = accuracy(a["checkpoint"], b), accuracy(o["checkpoint"], b)
+        cells = (
+            shape,
+            f"{a['s_per_step']:.3f}",
+            f"{o['s_per_step']:.3f}",
+            f"{a['s_per_step'] / o['s_per_step']:.2f}",
+            f"{acc_a:.3f}",
+            f"{acc_b:.3f}",
+        )
+        print("  ".join(f"{c:>10}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
