@@ -65,7 +65,26 @@ class Cluster:
 
 
 def _placement_env() -> dict[str, str | None]:
-    return {k: os.environ.get(k) for k in ("PIPE_NODE", "CUDA_VISIBLE_DEVICES")}
+    """What placement and the memory check read of a worker: its node name, its devices,
+    and the memory of its smallest GPU (nvidia-smi; none without one)."""
+    env: dict[str, str | None] = {
+        k: os.environ.get(k) for k in ("PIPE_NODE", "CUDA_VISIBLE_DEVICES")
+    }
+    env["GPU_MEMORY_MIB"] = None
+    if shutil.which("nvidia-smi") is not None:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            )
+            sizes = [int(x) for x in out.stdout.split() if x.strip().isdigit()]
+            env["GPU_MEMORY_MIB"] = str(min(sizes)) if sizes else None
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return env
 
 
 def _set_devices(devices: str) -> None:

@@ -309,9 +309,15 @@ def view_from_workers(info: Mapping[str, Mapping[str, Any]], gpus_per_node: int)
     """The live cluster: `{address: {"host", "resources", "env"}}` from the Dask workers.
 
     A worker's node is its `PIPE_NODE` environment variable, else its host; its device ids
-    the first `GPU` integer entries of its `CUDA_VISIBLE_DEVICES`, else 0..GPU-1.
+    the first `GPU` integer entries of its `CUDA_VISIBLE_DEVICES`, else 0..GPU-1; the
+    device memory the smallest `GPU_MEMORY_MIB` the workers report (nvidia-smi).
     """
     workers = []
+    memory = [
+        int(str((w.get("env") or {}).get("GPU_MEMORY_MIB"))) * 2**20
+        for w in info.values()
+        if str((w.get("env") or {}).get("GPU_MEMORY_MIB") or "").isdigit()
+    ]
     for address, w in info.items():
         env = w.get("env") or {}
         count = int((w.get("resources") or {}).get("GPU", 0))
@@ -325,4 +331,4 @@ def view_from_workers(info: Mapping[str, Mapping[str, Any]], gpus_per_node: int)
         node = env.get("PIPE_NODE") or str(w.get("host") or address)
         workers.append(Worker(address, node, ids))
     workers.sort(key=lambda w: (w.node, w.address or ""))
-    return ClusterView(tuple(workers), gpus_per_node)
+    return ClusterView(tuple(workers), gpus_per_node, min(memory) if memory else None)

@@ -221,3 +221,13 @@ def test_a_cluster_file_error_is_located(tmp_path):
     )
     view = load_cluster_spec("6x8x80GB")
     assert (len(view.workers), view.gpus_per_node, view.gpu_memory_bytes) == (6, 8, 80 * 10**9)
+
+
+def test_the_live_view_takes_the_smallest_gpu_memory_the_workers_report():
+    info = {
+        "tcp://a:1": {"host": "a", "resources": {"GPU": 8}, "env": {"GPU_MEMORY_MIB": "81559"}},
+        "tcp://b:1": {"host": "b", "resources": {"GPU": 8}, "env": {"GPU_MEMORY_MIB": "40960"}},
+        "tcp://c:1": {"host": "c", "resources": {}, "env": {"GPU_MEMORY_MIB": None}},
+    }
+    assert view_from_workers(info, 8).gpu_memory_bytes == 40960 * 2**20
+    assert view_from_workers({"tcp://c:1": info["tcp://c:1"]}, 8).gpu_memory_bytes is None
