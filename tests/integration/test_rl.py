@@ -225,3 +225,30 @@ def test_every_resolved_setting_is_applied_or_skipped_with_a_reason(
             "how": "nccl needs GPUs on both ends; this run has none, so gloo carries the weights "
             "(checked by a probe after every sync)",
         }
+
+
+TIMING = {"gen_s", "train_s", "sync_s", "step_s", "tokens_per_s"}
+
+
+def _run_with(tmp_path: Path, name: str, *sets: str) -> list[dict[str, Any]]:
+    run = tmp_path / name
+    run.mkdir()
+    write(run, steps=4)
+    args = [item for s in sets for item in ("--set", f"stages.rl.config.{s}")]
+    result = pipe(run, "run", "p.yaml", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return metrics(run)
+
+
+def test_async_batches_are_never_staler_than_the_queue_and_queue_zero_is_the_sync_run(
+    tmp_path: Path,
+):
+    sync = _run_with(tmp_path, "sync")
+    zero = _run_with(tmp_path, "zero", "async_train=true", "async_queue_size=0")
+    strip = [{k: v for k, v in r.items() if k not in TIMING} for r in sync]
+    assert [{k: v for k, v in r.items() if k not in TIMING} for r in zero] == strip
+    ahead = _run_with(tmp_path, "ahead", "async_train=true", "async_queue_size=1")
+    assert [r["step"] for r in ahead] == [1, 2, 3, 4]
+    assert max(r["staleness"] for r in ahead) <= 1
+    assert max(r["staleness"] for r in sync) == 0
+    assert any(r["staleness"] == 1 for r in ahead if r["updates"])  # it did sample ahead

@@ -1,0 +1,64 @@
+"""PPO's pieces: per-token rewards with a KL penalty, GAE on the critic's values, the
+clipped value loss.
+
+Input: per sample, the completion's per-token values (the critic's), the final reward,
+and optionally the per-token log-probabilities of the behaviour policy and the reference.
+Output: per-token advantages and returns (GAE with `gamma` and `lambd`), advantages
+whitened over the batch, and the critic's clipped value loss.
+
+- The reward of a token is `-kl_coef * (old - ref)` (the KL penalty, when there is a
+  reference), and the last token also gets the verifier's reward.
+- GAE: `delta_t = r_t + gamma * V_{t+1} - V_t` (V after the last token is 0),
+  `A_t = delta_t + gamma * lambd * A_{t+1}`, returns `A_t + V_t`.
+- Value loss: `0.5 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)` per token,
+  summed and divided by the global batch's token count, like the policy loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def token_rewards(
+    final: float, length: int, old: Sequence[float] | None, ref: Sequence[float] | None, kl_coef: float
+) -> list[float]:
+    """Per-token rewards of one completion."""
+    rewards = [0.0] * length
+    if kl_coef > 0 and old is not None and ref is not None:
+        rewards = [-kl_coef * (o - r) for o, r in zip(old, ref, strict=True)]
+    rewards[-1] += final
+    return rewards
+
+
+def gae(
+    rewards: Sequence[float], values: Sequence[float], gamma: float, lambd: float
+) -> tuple[list[float], list[float]]:
+    """Advantages and returns of one completion."""
+    advantages = [0.0] * len(rewards)
+    last = 0.0
+    for t in reversed(range(len(rewards))):
+        following = values[t + 1] if t + 1 < len(values) else 0.0
+        delta = rewards[t] + gamma * following - values[t]
+        last = delta + gamma * lambd * last
+        advantages[t] = last
+    returns = [a + v for a, v in zip(advantages, values, strict=True)]
+    return advantages, returns
+
+
+def whiten(advantages: list[list[float]]) -> list[list[float]]:
+    """Advantages over the whole batch shifted to mean 0 and scaled to std 1."""
+    flat = torch.tensor([a for seq in advantages for a in seq], dtype=torch.float64)
+    if flat.numel() < 2:
+        return advantages
+    mean, std = flat.mean().item(), flat.std(unbiased=False).item()
+    return [[(a - mean) / (std + 1e-8) for a in seq] for seq in advantages]
+
+
+def value_loss(
+    values: torch.Tensor, old: torch.Tensor, returns: torch.Tensor, eps_clip: float
+) -> torch.Tensor:
+    """Per-token clipped value loss."""
+    clipped = old + torch.clamp(values - old, -eps_clip, eps_clip)
+    return 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
