@@ -29,7 +29,7 @@ from engine.cluster import Cluster
 from engine.plan import Plan
 from engine.report import RunReport, StageRecord
 from engine.stage import Slot, kinds
-from engine.task import LOG_TOPIC, StagePayload, run_stage
+from engine.task import LOG_TOPIC, StageAborted, StagePayload, run_stage
 
 log = logging.getLogger("pipe.run")
 
@@ -291,10 +291,16 @@ def _finished(run: _Run, future: Any, result: Any, name: str) -> None:
     attempt.futures.discard(future)
     if future.status == "finished":
         attempt.results.append(result)
-    elif attempt.error is None:
-        attempt.error = result if isinstance(result, BaseException) else future.exception()
-        if attempt.futures:  # the others stop their processes and fail too
-            _abort(run, attempt, f"{type(attempt.error).__name__}: {attempt.error}")
+    else:
+        error = result if isinstance(result, BaseException) else future.exception()
+        # the failure that started it is the stage's error, not the others' stopping
+        if attempt.error is None or (
+            isinstance(attempt.error, StageAborted) and not isinstance(error, StageAborted)
+        ):
+            first = attempt.error is None
+            attempt.error = error
+            if first and attempt.futures:  # the others stop their processes and fail too
+                _abort(run, attempt, f"{type(error).__name__}: {error}")
     if attempt.futures:
         return
     run.release(name)

@@ -30,7 +30,7 @@ from stages.lib.ds_config import check_deepspeed, trainer_memory, trainer_memory
 class RLConfig(StageConfig):
     """Online RL: sample groups from the engine, score them, update the actor, sync weights."""
 
-    SPANS_NODES = False
+    SPANS_NODES = True  # the controller on the engine's worker; other roles where placed
     INPUTS = ("input", "eval_input", "model")
     MODEL_INPUTS = ("model",)
     OUTPUTS = ("output",)
@@ -142,7 +142,9 @@ class RLConfig(StageConfig):
     def roles_used(cls, data: Mapping[str, Any]) -> tuple[str, ...]:
         """The rollout engines and the actor; the reference when kl_coef > 0."""
         kl = data.get("kl_coef", 0.0)
-        return ("vllm", "actor", *(("ref",) if isinstance(kl, int | float) and kl > 0 else ()))
+        ref = ("ref",) if isinstance(kl, int | float) and kl > 0 else ()
+        critic = ("critic",) if data.get("algorithm") == "ppo" else ()
+        return ("vllm", "actor", *ref, *critic)
 
     @classmethod
     def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
@@ -158,6 +160,8 @@ class RLConfig(StageConfig):
         needs = [*engines, trainer_memory(self, self.model, self.max_length, role="actor")]
         if self.kl_coef > 0:
             needs.append(MemoryNeed(role="ref", profile="frozen", model=model, bf16=self.bf16))
+        if self.algorithm == "ppo":
+            needs.append(trainer_memory(self, self.model, self.max_length, role="critic"))
         return needs
 
     def memory_changes(self) -> list[tuple[str, Any]]:
@@ -165,13 +169,6 @@ class RLConfig(StageConfig):
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         out = check_deepspeed(self, ctx, self.num_processes)
-        if self.algorithm == "ppo":
-            out.append(
-                ctx.error(
-                    "algorithm",
-                    "ppo needs a critic, which this version does not train yet; use grpo",
-                )
-            )
         if isinstance(self.backend, VLLMBackend):
             out.append(
                 ctx.error(

@@ -117,12 +117,13 @@ class Actor:
             new_t = torch.cat(new)
             old = torch.tensor([lp for s in micro for lp in s.old_logprobs], device=self.device)
             adv = torch.tensor(
-                [s.advantage for s in micro for _ in range(s.completion_len)], device=self.device
+                [a for s in micro for a in (s.advantages or [s.advantage] * s.completion_len)],
+                device=self.device,
             )
             pg, clipped = clipped_policy_loss(new_t, old, adv, self.cfg.eps_clip)
             loss = pg.sum()
             kl = torch.zeros((), device=self.device)
-            if self.reference is not None:
+            if self.reference is not None and self.cfg.algorithm == "grpo":  # ppo: in the reward
                 with torch.no_grad():
                     ref, _ = completion_logprobs(
                         self.reference, micro, self.device, self.cfg.temperature, self.pad_id
@@ -183,6 +184,29 @@ class Actor:
                 pass
         probe = self.probe(payload["probe"])
         return {"probe": probe, "seconds": time.perf_counter() - start}
+
+    def ref_logprobs(self, payload: dict[str, Any]) -> list[list[float]]:
+        """The frozen reference's log-probabilities of each sample's completion (PPO's KL
+        penalty in the reward)."""
+        import torch
+
+        from stages.rl.logprobs import Sample, completion_logprobs
+
+        assert self.reference is not None
+        samples = [Sample(**s) for s in payload["samples"]]
+        out: list[list[float]] = []
+        size = self.cfg.micro_train_batch_size
+        with torch.no_grad():
+            for lo in range(0, len(samples), size):
+                lp, _ = completion_logprobs(
+                    self.reference,
+                    samples[lo : lo + size],
+                    self.device,
+                    self.cfg.temperature,
+                    self.pad_id,
+                )
+                out += [x.tolist() for x in lp]
+        return out
 
     def probe(self, sample: dict[str, Any]) -> list[float]:
         import torch
@@ -263,21 +287,28 @@ def _move_optimizer(optimizer: Any, device: str) -> int:
 
 
 def serve(actor: Actor, conn: Any) -> None:
-    """Answer the stage's requests until `stop` (rank 0 receives and passes each on)."""
-    import torch.distributed as dist
-
+    """Answer the stage's requests until `stop`."""
     handlers = {
         "train": actor.train,
         "sync": actor.sync,
         "probe": actor.probe,
+        "ref_logprobs": actor.ref_logprobs,
         "save": actor.save,
         "final": actor.final,
         "offload": actor.offload,
         "reload": actor.reload,
     }
+    serve_with(handlers, actor.world, conn)
+
+
+def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:
+    """Answer requests with `handlers` until `stop`: rank 0 receives each and passes it on
+    to the other ranks, every rank runs it, rank 0 replies."""
+    import torch.distributed as dist
+
     while True:
         message: list[Any] = [conn.recv() if conn is not None else None]
-        if actor.world > 1:
+        if world > 1:
             dist.broadcast_object_list(message, src=0)
         kind, payload = message[0]
         if kind == "stop":

@@ -53,6 +53,7 @@ class Controller(Protocol):
     version: int
     sleeps: bool
     channel: StageEnd
+    critic: StageEnd | None
 
     def generate(self, step: int) -> Batch: ...
     def sync(self, version: int) -> dict[str, Any]: ...
@@ -84,10 +85,19 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
             t = time.perf_counter()
             if c.sleeps:  # the hybrid engine: optimizer states back on the GPU to train
                 c.request("reload")
-            c.channel.send("train", {"step": step, "samples": [asdict(s) for s in batch.samples]})
+            if cfg.algorithm == "ppo":
+                from stages.rl.ppo import ppo_samples
+
+                batch.samples = ppo_samples(c, batch.samples)
+            payload = {"step": step, "samples": [asdict(s) for s in batch.samples]}
+            c.channel.send("train", payload)
+            if c.critic is not None:  # actor and critic train at the same time
+                c.critic.send("train", payload)
             while len(queue) < ahead and step + len(queue) < c.total:
                 queue.append(c.generate(step + len(queue) + 1))  # with the weights it has
             stats = c.channel.receive("train", timeout_s=3600, alive=c.actor_alive)
+            if c.critic is not None:
+                stats |= c.critic.receive("train", timeout_s=3600, alive=c.actor_alive)
             train_s = time.perf_counter() - t
             sync = c.sync(c.version + 1)
         if not queue and step < c.total:
@@ -144,6 +154,7 @@ def _row(
         "entropy": stats.get("entropy"),
         "clip_frac": stats.get("clip_frac"),
         "grad_norm": stats.get("grad_norm"),
+        "value_loss": stats.get("value_loss"),
         "updates": stats.get("updates", 0),
         "gen_s": round(batch.gen_s, 4),
         "train_s": round(train_s, 4),

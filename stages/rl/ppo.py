@@ -17,12 +17,17 @@ whitened over the batch, and the critic's clipped value loss.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 
 def token_rewards(
-    final: float, length: int, old: Sequence[float] | None, ref: Sequence[float] | None, kl_coef: float
+    final: float,
+    length: int,
+    old: Sequence[float] | None,
+    ref: Sequence[float] | None,
+    kl_coef: float,
 ) -> list[float]:
     """Per-token rewards of one completion."""
     rewards = [0.0] * length
@@ -62,3 +67,26 @@ def value_loss(
     """Per-token clipped value loss."""
     clipped = old + torch.clamp(values - old, -eps_clip, eps_clip)
     return 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def ppo_samples(c: Any, samples: list[Any]) -> list[Any]:
+    """The batch with PPO's per-token advantages (whitened), returns and old values: the
+    critic's values, the verifier's reward at the last token, the KL to the reference in
+    every token's reward when kl_coef > 0."""
+    from dataclasses import asdict, replace
+
+    cfg = c.cfg
+    payload = {"samples": [asdict(s) for s in samples]}
+    values = c.critic.request("values", payload, timeout_s=3600, alive=c.actor_alive)
+    refs = c.request("ref_logprobs", payload) if cfg.kl_coef > 0 else [None] * len(samples)
+    advantages, returns = [], []
+    for s, v, ref in zip(samples, values, refs, strict=True):
+        rewards = token_rewards(s.reward, s.completion_len, s.old_logprobs, ref, cfg.kl_coef)
+        a, r = gae(rewards, v, cfg.gamma, cfg.lambd)
+        advantages.append(a)
+        returns.append(r)
+    advantages = whiten(advantages)
+    return [
+        replace(s, advantages=tuple(a), returns=tuple(r), old_values=tuple(v))
+        for s, a, r, v in zip(samples, advantages, returns, values, strict=True)
+    ]

@@ -26,12 +26,13 @@ import os
 import shutil
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from stages.lib.jsonl import write_json
 from stages.rl.data import Prompts, Stream, load_prompts, probe_ids
 from stages.rl.loop import Batch, run_steps
 from stages.rl.records import plot, read_metrics, trim_metrics, write_settings
+from stages.rl.roles import Roles, host_of
 from stages.rl.settings import account
 
 if TYPE_CHECKING:
@@ -44,7 +45,12 @@ UNHASHED = ("save_steps", "eval_every", "eval_limit", "num_threads", "sync_timeo
 
 
 def run_rl(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
-    """Run the stage; see the module docstring."""
+    """Run the stage; see the module docstring. Its first task is the controller (with the
+    engine); a task on another worker starts the ranks of the roles placed there."""
+    if ctx.node_rank > 0:
+        from stages.rl.remote import host_roles
+
+        return host_roles(cfg, ctx)
     controller = Controller(cfg, ctx)
     try:
         return controller.run()
@@ -76,8 +82,10 @@ class Controller:
         self.total = cfg.max_steps or cfg.max_epochs * self.stream.steps_per_epoch
         self.how: dict[str, tuple[str, str]] = {}
         self.actor_thread: threading.Thread | None = None
-        self.actor_error: BaseException | None = None
+        self.roles = Roles(cfg, ctx, self.dir)
         self.channel: Any = None
+        self.critic: Any = None  # ppo: the critic's channel
+        self.critic_thread: Any = None
         self.version = 0
 
     # --- preparation ----------------------------------------------------------------
@@ -133,7 +141,6 @@ class Controller:
     def _start(self) -> int:
         """Build the engine, launch the actor, sync the first weights; the step to start at."""
         from stages.lib.ds_config import build_ds_config
-        from stages.lib.launch import Ranks, launch
         from stages.rl.channel import StageEnd
         from stages.rl.engine import LocalEngine
         from stages.rl.spec import ActorSpec
@@ -141,7 +148,7 @@ class Controller:
 
         cfg = self.cfg
         model_dir = self._model_dir()
-        device, world, names = self._actor_devices()
+        device, world, _ = self.roles.devices("actor")
         has_ds = importlib.util.find_spec("deepspeed") is not None
         trainer = (
             "deepspeed"
@@ -160,14 +167,10 @@ class Controller:
         engine_device = torch_device(self.ctx, "vllm")
         if sync == "nccl" and not engine_device.startswith("cuda"):
             sync = self.sync_kind = "gloo"  # the engine has no GPU: NCCL cannot reach it
-        self.channel = StageEnd()
+        self.host = host_of(self.ctx)
+        self.channel = StageEnd(self.host)
         self.receiver: Any = make_receiver(
             sync, "local-0", f"{self.dir}/sync.safetensors", cfg.sync_timeout_s, engine_device
-        )
-        ds = (
-            build_ds_config(cfg, world, pin_memory=device == "cuda")
-            if trainer == "deepspeed"
-            else None
         )
         spec = ActorSpec(
             config=cfg,
@@ -175,7 +178,9 @@ class Controller:
             stage_dir=self.dir,
             device=device,
             trainer=trainer,  # type: ignore[arg-type]
-            ds_config=ds,
+            ds_config=build_ds_config(cfg, world, pin_memory=device == "cuda")
+            if trainer == "deepspeed"
+            else None,
             threads=cfg.num_threads,
             channel=self.channel.address,
             authkey=self.channel.authkey.hex(),
@@ -184,26 +189,20 @@ class Controller:
             resume_tag=tag,
             total_updates=max(1, self.total * cfg.ppo_epochs),
         )
-        spec.write(f"{self.dir}/actor_spec.json")
-        ranks = Ranks(world=world, devices=names)
-
-        def actor() -> None:
-            try:
-                launch(
-                    "stages.rl.actor",
-                    f"{self.dir}/actor_spec.json",
-                    ranks,
-                    device,
-                    cfg.num_threads,
-                    f"{self.dir}/actor_log.txt",
-                    self.ctx.log,
-                )
-            except BaseException as exc:
-                self.actor_error = exc
-
-        self.actor_thread = threading.Thread(target=actor, name="rl-actor", daemon=True)
-        self.actor_thread.start()
-        self.channel.accept(self.actor_alive, timeout_s=600)
+        self.actor_thread = self.roles.start("actor", spec, self.channel)
+        if cfg.algorithm == "ppo":  # the critic: its own ranks, on the critic role's devices
+            self.critic = StageEnd(self.host)
+            c_world = self.roles.devices("critic")[1]
+            critic_spec = spec.model_copy(
+                update={
+                    "channel": self.critic.address,
+                    "authkey": self.critic.authkey.hex(),
+                    "ds_config": build_ds_config(cfg, c_world, pin_memory=device == "cuda")
+                    if trainer == "deepspeed"
+                    else None,
+                }
+            )
+            self.critic_thread = self.roles.start("critic", critic_spec, self.critic)
         self.engine: LocalEngine = LocalEngine(model_dir, engine_device)
         tok = self.engine.tokenizer
         row = self.data.rows[0]
@@ -216,19 +215,10 @@ class Controller:
         self.sync(self.version)  # the engine takes the actor's weights (a checkpoint's too)
         return start
 
-    def _actor_devices(self) -> tuple[Literal["cpu", "cuda"], int, tuple[str, ...]]:
-        """Device kind, actor ranks and their CUDA_VISIBLE_DEVICES names."""
-        devices = self.ctx.devices("actor")
-        if not devices:
-            return "cpu", self.cfg.num_processes, ()
-        import torch
-
-        names = self.ctx.device_env("actor").get("CUDA_VISIBLE_DEVICES", "")
-        device: Literal["cpu", "cuda"] = "cuda" if torch.cuda.is_available() else "cpu"
-        return device, len(devices), tuple(names.split(",")) if names else ()
-
     def actor_alive(self) -> bool:
-        return self.actor_thread is not None and self.actor_thread.is_alive()
+        if self.actor_thread is None:
+            return self.roles.remote_alive()
+        return self.actor_thread.is_alive()
 
     def _account(self, trainer: str, device: str, world: int, sync: str) -> None:
         self.how = account(self.cfg, trainer, device, world, sync)
@@ -238,8 +228,8 @@ class Controller:
         try:
             return self.channel.request(kind, payload, timeout_s=3600, alive=self.actor_alive)
         except Exception:
-            if self.actor_error is not None:
-                raise self.actor_error from None
+            if self.roles.errors:
+                raise self.roles.errors[0] from None
             raise
 
     def generate(self, step: int) -> Batch:
@@ -264,6 +254,8 @@ class Controller:
             for i, gs in zip(indices, gens, strict=True)
         ]
         adv, keep = group_advantages(torch.tensor(rewards, dtype=torch.float64), cfg.std_normalize)
+        if cfg.algorithm == "ppo":  # the critic's values make the advantages: every group counts
+            keep = torch.ones_like(keep)
         samples = []
         for g_idx, gs in enumerate(gens):
             if not keep[g_idx]:
@@ -280,6 +272,7 @@ class Controller:
                         g.logprobs[:n],
                         float(adv[g_idx, s_idx]),
                         self.version,
+                        reward=rewards[g_idx][s_idx],
                     )
                 )
         tokens = sum(g.completion_tokens for gs in gens for g in gs)
@@ -340,12 +333,17 @@ class Controller:
         records = run_steps(self, start, first_eval)
         self.request("final")
         self.request("stop")
+        if self.critic is not None:
+            self.critic.request("stop", timeout_s=600, alive=self.actor_alive)
+            if self.critic_thread is not None:
+                self.critic_thread.join(timeout=120)
         if self.actor_thread is not None:
             self.actor_thread.join(timeout=120)
-        if self.actor_error is not None:
-            raise self.actor_error
+        if self.roles.errors:
+            raise self.roles.errors[0]
         every = read_metrics(f"{self.dir}/metrics.jsonl")
-        plot(every, f"{self.dir}/rl.png", f"{self.ctx.name}: GRPO reward and held-out accuracy")
+        title = f"{self.ctx.name}: {self.cfg.algorithm.upper()} reward and held-out accuracy"
+        plot(every, f"{self.dir}/rl.png", title)
         evals = [r["eval_accuracy"] for r in every if r.get("eval_accuracy") is not None]
         out = {
             "steps": len(every),
@@ -365,8 +363,12 @@ class Controller:
 
     def save(self, step: int) -> None:
         state = {"step": step, "fingerprint": self.fingerprint, "version": self.version}
-        self.request("save", {"tag": f"step_{step:08d}", "state": state})
+        tag = f"step_{step:08d}"
+        if self.critic is not None:  # first: the actor's `latest` marks a complete checkpoint
+            self.critic.request("save", {"tag": tag}, timeout_s=3600, alive=self.actor_alive)
+        self.request("save", {"tag": tag, "state": state})
 
     def close(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
+        for end in (self.channel, self.critic):
+            if end is not None:
+                end.close()

@@ -23,7 +23,9 @@ def account(
     ds = trainer == "deepspeed"
     no_ds = (S, "plain torch trains the actor (deepspeed is not installed or trainer: torch)")
     how: dict[str, tuple[str, str]] = {
-        "algorithm": (A, "GRPO: group-normalised advantages, clipped ratio, no critic"),
+        "algorithm": (A, "GRPO: group-normalised advantages, clipped ratio, no critic")
+        if cfg.algorithm == "grpo"
+        else (A, "PPO: a critic (value head on the policy's decoder) in its own ranks, GAE"),
         "input": (A, "the prompts sampled each step"),
         "eval_input": (A, "scored greedily every eval_every steps")
         if cfg.eval_input
@@ -49,19 +51,23 @@ def account(
         "temperature": (A, "sampling temperature, and the policy the ratio is taken under"),
         "max_output_tokens": (A, "most tokens per answer"),
         "max_length": (A, "prompt + answer cut to this for the update"),
-        "kl_coef": (A, "k3 KL to a frozen reference in the actor")
-        if cfg.kl_coef > 0
-        else (A, "0: no reference model loaded"),
+        "kl_coef": _kl(cfg.kl_coef, cfg.algorithm),
         "eps_clip": (A, "ratio clip of the policy loss"),
         "ppo_epochs": (A, "updates over each rollout batch"),
-        "std_normalize": (
+        "std_normalize": (S, "PPO whitens its GAE advantages over the batch instead")
+        if cfg.algorithm == "ppo"
+        else (
             A,
             "advantages divided by the group's std"
             if cfg.std_normalize
             else "advantages not divided by the std (Dr. GRPO)",
         ),
-        "gamma": (S, "GRPO has no value function: gamma acts with algorithm ppo"),
-        "lambd": (S, "GRPO has no value function: lambd acts with algorithm ppo"),
+        "gamma": (A, "GAE discount")
+        if cfg.algorithm == "ppo"
+        else (S, "GRPO has no value function: gamma acts with algorithm ppo"),
+        "lambd": (A, "GAE lambda")
+        if cfg.algorithm == "ppo"
+        else (S, "GRPO has no value function: lambd acts with algorithm ppo"),
         "async_train": (
             A,
             "the engine samples ahead while the actor trains"
@@ -140,3 +146,11 @@ def _sync(wanted: str, used: str) -> tuple[str, str]:
         f"{wanted} needs GPUs on both ends; this run has none, so {used} carries the weights "
         "(checked by a probe after every sync)"
     )
+
+
+def _kl(coef: float, algorithm: str) -> tuple[str, str]:
+    if coef <= 0:
+        return A, "0: no reference model loaded"
+    if algorithm == "ppo":
+        return A, "KL to a frozen reference in every token's reward"
+    return A, "k3 KL to a frozen reference in the actor's loss"

@@ -189,3 +189,53 @@ def test_declared_cluster_plan_places_the_gpu_example_per_node():
         for i in (2, 3, 4, 5)
     ]
     assert os.path.exists(ROOT / "pipelines/rft_gpu_cluster.yaml")
+
+
+PPO = """\
+    name: ppo
+    cluster: {gpus: 6, gpus_per_node: 2}
+    resources: {ratio: {vllm: 1, actor: 1, critic: 1}}
+    stages:
+      rl:
+        kind: rl
+        config:
+          algorithm: ppo
+          input: data.jsonl
+          model: {hidden_size: 32, num_layers: 1, num_heads: 2, vocab_size: 300}
+          verifier: {kind: regex, pattern: "^[0-9]+$"}
+          num_repeats: 4
+          rollout_batch_size: 16
+          train_batch_size: 64
+          micro_train_batch_size: 32
+          learning_rate: 0.003
+          max_steps: 12
+          max_output_tokens: 3
+          save_steps: 12
+"""
+
+
+@pytest.mark.slow
+def test_ppo_runs_its_engine_actor_and_critic_on_the_workers_the_plan_gives(tmp_path: Path):
+    rows = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "p.yaml").write_text(textwrap.dedent(PPO))
+    planned = run(PIPE, tmp_path, "plan", "p.yaml", "--cluster", "3x2", "--format", "json")
+    assert planned.returncode == 0, planned.stderr
+    plan = {p["role"]: p["node"] for p in json.loads(planned.stdout)["placement"]["rl"]}
+    assert plan == {"vllm": "node0", "actor": "node1", "critic": "node2"}
+    workers = [SimWorker(2, f"node{i}", "0,1") for i in range(3)]
+    with dask_cluster(workers, tmp_path) as address:
+        result = run(PIPE, tmp_path, "run", "p.yaml", "--scheduler", address)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = report(tmp_path / "runs/ppo")["stages"]["rl"]
+    placed = {p["role"]: (p["node"], p["worker"], p["devices"]) for p in record["placement"]}
+    assert {r: n for r, (n, _, _) in placed.items()} == plan
+    assert len({w for _, w, _ in placed.values()}) == 3  # three workers, one role each
+    assert sorted(record["workers"]) == sorted(w for _, w, _ in placed.values())
+    rows = [
+        json.loads(x) for x in (tmp_path / "runs/ppo/rl/metrics.jsonl").read_text().splitlines()
+    ]
+    assert len(rows) == 12
+    first, last = rows[:5], rows[-5:]
+    assert sum(r["reward_mean"] for r in last) > sum(r["reward_mean"] for r in first)
+    assert all(r["value_loss"] is not None for r in rows if r["updates"])

@@ -1,0 +1,149 @@
+"""One critic rank (PPO), run as its own process: `python -m stages.rl.critic SPEC.json`.
+
+Input: the same `ActorSpec` the actor reads (the critic starts from the policy's
+checkpoint: its decoder, and a value head initialised to zero) and the rank in the
+environment; the critic's ranks form their own torch.distributed job, on the critic
+role's devices. Output: answers to the stage's requests: `values` (the value of the state
+before each completion token), `train` (the clipped value loss over the batch,
+`ppo_epochs` passes, one optimizer step per `train_batch_size` samples, per-token losses
+over the step's token count), `save`, `stop`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+from typing import Any
+
+from stages.lib.rank import die_with_parent, exit_now, init_distributed, make_trainer, setup
+
+log = logging.getLogger("pipe.rl.critic")
+
+
+def build_critic(model_dir: str) -> Any:
+    """The policy's decoder with a scalar value head (zero-initialised: values start at 0)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    class Critic(torch.nn.Module):
+        def __init__(self, lm: Any) -> None:
+            super().__init__()
+            self.decoder = lm.get_decoder()
+            self.config = lm.config
+            self.value_head = torch.nn.Linear(lm.config.hidden_size, 1)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+
+        def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+            self.decoder.gradient_checkpointing_enable(**kwargs)
+
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lm.config.use_cache = False
+    return Critic(lm)
+
+
+class CriticRank:
+    """The critic, its trainer, and what each request does."""
+
+    def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
+        self.spec, self.cfg = spec, spec.config
+        self.rank, self.world, self.device = rank, world, device
+        model = build_critic(spec.model_dir)
+        self.pad_id = int(model.config.pad_token_id or model.config.eos_token_id or 0)
+        self.trainer = make_trainer(
+            spec.trainer, spec.ds_config, self.cfg, model, spec.total_updates, device
+        )
+        if spec.resume_tag:
+            self.trainer.load(f"{spec.stage_dir}/critic_checkpoints", spec.resume_tag)
+
+    def values(self, payload: dict[str, Any]) -> list[list[float]]:
+        import torch
+
+        from stages.rl.logprobs import Sample, completion_values
+
+        samples = [Sample(**s) for s in payload["samples"]]
+        out: list[list[float]] = []
+        size = self.cfg.micro_train_batch_size
+        with torch.no_grad():
+            for lo in range(0, len(samples), size):
+                chunk = samples[lo : lo + size]
+                out += [
+                    v.tolist()
+                    for v in completion_values(self.trainer.module, chunk, self.device, self.pad_id)
+                ]
+        return out
+
+    def train(self, payload: dict[str, Any]) -> dict[str, float]:
+        import torch
+
+        from stages.rl.logprobs import Sample, completion_values
+        from stages.rl.ppo import value_loss
+
+        samples = [Sample(**s) for s in payload["samples"]]
+        rng = random.Random(self.cfg.seed * 7_919 + payload["step"])
+        total, tokens = 0.0, 0
+        for _ in range(self.cfg.ppo_epochs):
+            order = list(range(len(samples)))
+            rng.shuffle(order)
+            for lo in range(0, len(order), self.cfg.train_batch_size):
+                chunk = [samples[i] for i in order[lo : lo + self.cfg.train_batch_size]]
+                norm = sum(s.completion_len for s in chunk)
+                mine = chunk[self.rank :: self.world]
+                micros = [
+                    mine[i : i + self.cfg.micro_train_batch_size]
+                    for i in range(0, len(mine), self.cfg.micro_train_batch_size)
+                ] or [chunk[:1]]
+                weight = self.world / norm if mine else 0.0
+                for i, micro in enumerate(micros):
+                    self.trainer.begin_micro(i == len(micros) - 1)
+                    values = torch.cat(
+                        completion_values(self.trainer.module, micro, self.device, self.pad_id)
+                    )
+                    old = torch.tensor([v for s in micro for v in s.old_values], device=self.device)
+                    ret = torch.tensor([v for s in micro for v in s.returns], device=self.device)
+                    loss = value_loss(values, old, ret, self.cfg.eps_clip).sum()
+                    self.trainer.backward(loss * weight)
+                    total += loss.item() if mine else 0.0
+                self.trainer.step()
+                tokens += norm
+        return {"value_loss": total / max(tokens, 1)}
+
+    def save(self, payload: dict[str, Any]) -> str:
+        root = f"{self.spec.stage_dir}/critic_checkpoints"
+        self.trainer.save(root, payload["tag"])
+        return f"{root}/{payload['tag']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from stages.rl.actor import serve_with
+    from stages.rl.channel import connect
+    from stages.rl.spec import ActorSpec
+
+    args = sys.argv[1:] if argv is None else argv
+    die_with_parent()
+    spec = ActorSpec.read(args[0])
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    setup(log, rank, spec.threads)
+    device = f"cuda:{local}" if spec.device == "cuda" else "cpu"
+    if device != "cpu":
+        torch.cuda.set_device(local)
+    init_distributed(spec.trainer, device, world)
+    torch.manual_seed(spec.config.seed + 1)
+    critic = CriticRank(spec, rank, world, device)
+    conn = connect(spec.channel, spec.authkey) if rank == 0 else None
+    handlers = {"values": critic.values, "train": critic.train, "save": critic.save}
+    serve_with(handlers, world, conn)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_now(main())
