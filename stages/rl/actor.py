@@ -286,21 +286,6 @@ def _move_optimizer(optimizer: Any, device: str) -> int:
     return moved
 
 
-def serve(actor: Actor, conn: Any) -> None:
-    """Answer the stage's requests until `stop`."""
-    handlers = {
-        "train": actor.train,
-        "sync": actor.sync,
-        "probe": actor.probe,
-        "ref_logprobs": actor.ref_logprobs,
-        "save": actor.save,
-        "final": actor.final,
-        "offload": actor.offload,
-        "reload": actor.reload,
-    }
-    serve_with(handlers, actor.world, conn)
-
-
 def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:
     """Answer requests with `handlers` until `stop`: rank 0 receives each and passes it on
     to the other ranks, every rank runs it, rank 0 replies."""
@@ -325,7 +310,12 @@ def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:
             conn.send(("ok", reply))
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_role(
+    argv: list[str] | None, logger: logging.Logger, build: Any, handlers: Any, seed_offset: int = 0
+) -> int:
+    """The body of an rl rank process (actor or critic): read the spec, set up the rank and
+    its process group, `build(spec, rank, world, device)` the role, answer requests with
+    `handlers(role)` until `stop`."""
     import torch
 
     from stages.rl.channel import connect
@@ -336,17 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     spec = ActorSpec.read(args[0])
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    setup(log, rank, spec.threads)
+    setup(logger, rank, spec.threads)
     device = f"cuda:{local}" if spec.device == "cuda" else "cpu"
     if device != "cpu":
         torch.cuda.set_device(local)
     init_distributed(spec.trainer, device, world)
-    random.seed(spec.config.seed)
-    torch.manual_seed(spec.config.seed)
-    actor = Actor(spec, rank, world, device)
+    random.seed(spec.config.seed + seed_offset)
+    torch.manual_seed(spec.config.seed + seed_offset)
+    role = build(spec, rank, world, device)
     conn = connect(spec.channel, spec.authkey) if rank == 0 else None
-    log.info("actor ready: %d rank(s), %s, %s", world, actor.trainer.name, device)
-    serve(actor, conn)
+    logger.info("ready: %d rank(s), %s, %s", world, role.trainer.name, device)
+    serve_with(handlers(role), world, conn)
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -354,5 +344,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def handlers_of(actor: Actor) -> dict[str, Any]:
+    return {
+        "train": actor.train,
+        "sync": actor.sync,
+        "probe": actor.probe,
+        "ref_logprobs": actor.ref_logprobs,
+        "save": actor.save,
+        "final": actor.final,
+        "offload": actor.offload,
+        "reload": actor.reload,
+    }
+
+
 if __name__ == "__main__":
-    exit_now(main())
+    exit_now(run_role(None, log, Actor, handlers_of))

@@ -12,12 +12,10 @@ over the step's token count), `save`, `stop`.
 from __future__ import annotations
 
 import logging
-import os
 import random
-import sys
 from typing import Any
 
-from stages.lib.rank import die_with_parent, exit_now, init_distributed, make_trainer, setup
+from stages.lib.rank import exit_now, make_trainer
 
 log = logging.getLogger("pipe.rl.critic")
 
@@ -116,34 +114,15 @@ class CriticRank:
         return f"{root}/{payload['tag']}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from stages.rl.actor import serve_with
-    from stages.rl.channel import connect
-    from stages.rl.spec import ActorSpec
-
-    args = sys.argv[1:] if argv is None else argv
-    die_with_parent()
-    spec = ActorSpec.read(args[0])
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    setup(log, rank, spec.threads)
-    device = f"cuda:{local}" if spec.device == "cuda" else "cpu"
-    if device != "cpu":
-        torch.cuda.set_device(local)
-    init_distributed(spec.trainer, device, world)
-    torch.manual_seed(spec.config.seed + 1)
-    critic = CriticRank(spec, rank, world, device)
-    conn = connect(spec.channel, spec.authkey) if rank == 0 else None
-    handlers = {"values": critic.values, "train": critic.train, "save": critic.save}
-    serve_with(handlers, world, conn)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    exit_now(main())
+    from stages.rl.actor import run_role
+
+    exit_now(
+        run_role(
+            None,
+            log,
+            CriticRank,
+            lambda c: {"values": c.values, "train": c.train, "save": c.save},
+            seed_offset=1,
+        )
+    )

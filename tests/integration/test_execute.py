@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.cluster import SimWorker, dask_cluster
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
@@ -49,54 +50,8 @@ def free_port() -> int:
 @pytest.fixture
 def gpu_cluster(tmp_path: Path):
     """A real `dask scheduler` and two `dask worker --resources GPU=1` processes on 127.0.0.1."""
-    port = free_port()
-    dask = str(Path(sys.executable).parent / "dask")
-    procs = [
-        subprocess.Popen(
-            [dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
-            env=ENV,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    ]
-    address = f"tcp://127.0.0.1:{port}"
-    for i in range(2):
-        procs.append(
-            subprocess.Popen(
-                [
-                    dask,
-                    "worker",
-                    address,
-                    "--nthreads",
-                    "1",
-                    "--resources",
-                    "GPU=1",
-                    "--host",
-                    "127.0.0.1",
-                    "--name",
-                    f"gpu{i}",
-                    "--no-dashboard",
-                ],
-                env=ENV,
-                cwd=tmp_path,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-    try:
-        from distributed import Client
-
-        with Client(address, timeout=60) as client:
-            client.wait_for_workers(2, timeout=60)
+    with dask_cluster([SimWorker(gpus=1), SimWorker(gpus=1)], tmp_path) as address:
         yield address
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def test_external_scheduler_places_gpu_stages_on_both_workers(tmp_path: Path, gpu_cluster: str):
