@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -39,12 +38,6 @@ def write(tmp_path: Path, text: str) -> str:
 
 def report(tmp_path: Path, name: str = "p") -> dict[str, Any]:
     return json.loads((tmp_path / "runs" / name / "report.json").read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
