@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -29,7 +30,7 @@ from engine.cluster import Cluster
 from engine.plan import Plan
 from engine.report import RunReport, StageRecord
 from engine.stage import Slot, kinds
-from engine.task import LOG_TOPIC, StageAborted, StagePayload, run_stage
+from engine.task import LOG_TOPIC, StageAborted, StagePayload, run_packed_stage
 
 log = logging.getLogger("pipe.run")
 
@@ -141,8 +142,8 @@ class _Run:
         for rank, (_, worker) in enumerate(tasks):
             held = sum(len(s.devices) for s in slots if s.worker == worker)
             future = self.cluster.client.submit(
-                run_stage,
-                replace(base, node_rank=rank),
+                run_packed_stage,
+                pickle.dumps(replace(base, node_rank=rank)),
                 key=f"{name}-{self.report.run_id}-{rec.attempts}-{rank}",
                 resources={"GPU": held} if held else None,
                 workers=[worker] if worker else None,

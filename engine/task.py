@@ -167,6 +167,23 @@ def _stage_logger(
     return logger, handlers
 
 
+def run_packed_stage(packed: bytes) -> TaskResult:
+    """`run_stage` on a pickled payload, unpickled here, inside the task: a kind the worker
+    cannot import (a plugin missing there) fails the stage with a message instead of
+    breaking the worker's connection to the scheduler (which would leave the run waiting)."""
+    import pickle
+
+    try:
+        payload = pickle.loads(packed)
+    except Exception as exc:
+        where = _address(_worker())
+        raise RuntimeError(
+            f"the stage cannot be loaded on {where}: {type(exc).__name__}: {exc} "
+            "(is the stage kind installed there, at the same version?)"
+        ) from None
+    return run_stage(payload)
+
+
 def run_stage(payload: StagePayload) -> TaskResult:
     """Run one stage (or one task of a stage placed on several workers): clear its stamp,
     call its function, write metrics and the stamp."""

@@ -156,3 +156,20 @@ def test_a_plugin_kind_is_listed_checked_derived_and_run(site: Path, tmp_path: P
     assert (tmp_path / "runs/p/e/echo.txt").read_text() == "HI\n" * 3
     report = json.loads((tmp_path / "runs/p/report.json").read_text())
     assert report["stages"]["e"]["metrics"] == {"lines": 3}
+
+
+def test_a_kind_missing_on_the_worker_fails_its_stage_instead_of_hanging(
+    site: Path, tmp_path: Path
+):
+    from tests.cluster import SimWorker, dask_cluster
+
+    write(tmp_path, 1)
+    with dask_cluster([SimWorker()], tmp_path) as address:  # the worker lacks pipe_echo
+        ran = pipe(site, tmp_path, "run", "p.yaml", "--scheduler", address)
+    assert ran.returncode == 1, ran.stderr[-2000:]
+    record = json.loads((tmp_path / "runs/p/report.json").read_text())["stages"]["e"]
+    assert record["status"] == "failed"
+    assert record["error"].startswith(
+        "RuntimeError: the stage cannot be loaded on tcp://127.0.0.1:"
+    )
+    assert "ModuleNotFoundError: No module named 'pipe_echo'" in record["error"]
