@@ -43,7 +43,9 @@ def stage_memory(
         item = per_role.get(s.role or st.role or st.kind)
         for d in s.devices if item is not None else ():
             by_device.setdefault((s.worker or s.node, d), []).append(item)  # type: ignore[arg-type]
-    peak = max((colocated(items).gpu_bytes for items in by_device.values()), default=0)
+    # devices holding the same roles have the same total: sum each combination once
+    combos = {tuple(id(item) for item in items): items for items in by_device.values()}
+    peak = max((colocated(items).gpu_bytes for items in combos.values()), default=0)
     return {role: est for role, (_, est) in per_role.items()}, peak
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from engine.memory import fmt
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from engine.resolved import ResolvedStage
 
 
-def _flat(data: dict[str, Any], blocks: set[str]) -> list[tuple[str, Any]]:
+def _flat(data: dict[str, Any], blocks: AbstractSet[str]) -> list[tuple[str, Any]]:
     """Dotted leaves: the values of nested blocks one by one, the rest whole."""
     out: list[tuple[str, Any]] = []
     for key, value in data.items():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import posixpath
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from pydantic import ValidationError
@@ -384,7 +385,7 @@ class _State:
         return 0
 
 
-def _leaves(data: dict[str, Any], blocks: set[str]) -> list[tuple[PathT, Any]]:
+def _leaves(data: dict[str, Any], blocks: AbstractSet[str]) -> list[tuple[PathT, Any]]:
     """Leaf values of a config: the values of its nested blocks one by one, the rest whole
     (lists and free-form mappings are one value each)."""
     out: list[tuple[PathT, Any]] = []

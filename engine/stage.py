@@ -27,6 +27,7 @@ names no kind and no kind's field:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -168,13 +169,14 @@ class StageConfig(BaseModel):
         return []
 
 
-def nested_blocks(model: type[BaseModel]) -> set[str]:
+@functools.cache
+def nested_blocks(model: type[BaseModel]) -> frozenset[str]:
     """Fields of `model` holding a nested config block (a pydantic model, maybe in a union)."""
     out = set()
     for name, info in model.model_fields.items():
         if any(_is_model(t) for t in _leaf_types(info.annotation)):
             out.add(name)
-    return out
+    return frozenset(out)
 
 
 def _leaf_types(annotation: Any) -> Iterator[Any]:

@@ -75,10 +75,12 @@ def test_validate_imports_no_heavy_library():
     code = (
         "import sys\n"
         "from engine.cli import main\n"
-        "try:\n"
-        "    main(['validate', 'pipelines/quickstart.yaml'])\n"
-        "except SystemExit as e:\n"
-        "    assert e.code in (0, None), e.code\n"
+        "for args in (['pipelines/quickstart.yaml'],\n"
+        "             ['pipelines/grpo_quickstart.yaml', '--cluster', '1x8x80GB']):\n"
+        "    try:\n"
+        "        main(['validate', *args])\n"  # --cluster: placement and the memory model too
+        "    except SystemExit as e:\n"
+        "        assert e.code in (0, None), e.code\n"
         "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'vllm') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
