@@ -115,13 +115,21 @@ def server_command(
 
 
 def server_env(
-    backend: VLLMBackend, *, devices: Sequence[str], base: Mapping[str, str] | None = None
+    backend: VLLMBackend,
+    *,
+    devices: Sequence[str],
+    base: Mapping[str, str] | None = None,
+    dev_mode: bool = False,
 ) -> dict[str, str]:
     """The server's environment: `base` (default: ours) plus what the device needs.
 
-    `devices` are the GPU ids the engine may use; empty means a CPU run.
+    `devices` are the GPU ids the engine may use; empty means a CPU run. `dev_mode` opens
+    vLLM's development endpoints (`/collective_rpc`, `/reset_prefix_cache`, `/sleep`):
+    what an rl stage's weight sync drives.
     """
     env = dict(os.environ if base is None else base)
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         if backend.vllm_enable_sleep:
@@ -327,6 +335,7 @@ def vllm_servers(
     log_file: str | Path | None = None,
     extra_args: Sequence[str] = (),
     devices: Sequence[str] | None = None,
+    dev_mode: bool = False,
 ) -> Iterator[list[str]]:
     """Serve `backend` with `vllm_num_engines` servers (one per tensor-parallel group of
     `devices` when given); yield their base URLs.
@@ -344,7 +353,7 @@ def vllm_servers(
             cmd = server_command(
                 backend, python=python, port=port, gpus=len(devices), extra_args=extra_args
             )
-            env = server_env(backend, devices=devices)
+            env = server_env(backend, devices=devices, dev_mode=dev_mode)
             server = start_server(
                 cmd, env, port=port, log_path=_log_path(log_file, i, port), log=log
             )

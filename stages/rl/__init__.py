@@ -54,7 +54,7 @@ class RLConfig(StageConfig):
     verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
     backend: Backend = Field(
         default_factory=lambda: LocalBackend(kind="local", batch_size=256),
-        description="The rollout engine: local (in the stage's process, weights synced from the actor).",
+        description="The rollout engine: local (in the stage's process) or vllm (servers on the vllm role's devices); weights synced from the actor.",
     )
     num_repeats: int = Field(8, ge=2, description="Samples per prompt: the group size.")
     rollout_batch_size: int = Field(32, gt=0, description="Prompts per step.")
@@ -169,14 +169,15 @@ class RLConfig(StageConfig):
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         out = check_deepspeed(self, ctx, self.num_processes)
-        if isinstance(self.backend, VLLMBackend):
+        if not isinstance(self.backend, LocalBackend | VLLMBackend):
             out.append(
                 ctx.error(
                     "backend.kind",
-                    "the rl stage's engine is the in-process local generator for now; use backend kind 'local'",
+                    f"an rl engine takes the actor's weights after every update, which "
+                    f"'{self.backend.kind}' cannot; use 'local' or 'vllm'",
                 )
             )
-        if isinstance(self.backend, LocalBackend) and self.backend.model is not None:
+        elif self.backend.model is not None:
             out.append(
                 ctx.error(
                     "backend.model",

@@ -166,7 +166,7 @@ class Actor:
 
     def sync(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Publish the weights (rank 0 sends, every rank gathers), then score the probe."""
-        from stages.rl.sync import make_publisher
+        from stages.rl.sync import make_publisher, sync_file
 
         start = time.perf_counter()
         if self.rank == 0 and self.publisher is None:
@@ -174,9 +174,16 @@ class Actor:
             self.publisher = make_publisher(
                 spec.sync_backend,
                 spec.sync_store,
-                f"{spec.stage_dir}/sync.safetensors",
+                sync_file(spec.stage_dir),
                 spec.config.sync_timeout_s,
             )
+            module = self.trainer.module
+            once = {id(p): n for n, p in module.named_parameters()}
+            self.publisher.aliases = {  # tied weights (lm_head = embeddings) under both names
+                n: once[id(p)]
+                for n, p in module.named_parameters(remove_duplicate=False)
+                if once.get(id(p), n) != n
+            }
         if self.rank == 0:
             self.publisher.publish(self.params())
         else:
@@ -218,7 +225,7 @@ class Actor:
                 self.trainer.module,
                 [Sample(**sample)],
                 self.device,
-                self.cfg.temperature,
+                1.0,  # the probe checks weights: the model's own distribution on both sides
                 self.pad_id,
             )
         return [float(x) for x in lp[0]]

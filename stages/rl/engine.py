@@ -82,6 +82,10 @@ class LocalEngine:
             lp, _ = completion_logprobs(self.model, [sample], self.device, temperature, self.pad_id)
         return [float(x) for x in lp[0]]
 
+    def scores(self, sample: Sample) -> dict[str, list[float]]:
+        """The probe's log-probabilities per engine (one here), at temperature 1."""
+        return {self.name: self.score(sample, 1.0)}
+
     def sleep(self) -> int:
         """Free the weights; returns the bytes freed."""
         freed = 0

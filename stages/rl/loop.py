@@ -60,6 +60,7 @@ class Controller(Protocol):
     def evaluate(self) -> float | None: ...
     def request(self, kind: str, payload: Any = None) -> Any: ...
     def actor_alive(self) -> bool: ...
+    def rest_engine(self) -> None: ...
     def save(self, step: int) -> None: ...
 
 
@@ -83,7 +84,8 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
         train_s = 0.0
         if batch.samples:
             t = time.perf_counter()
-            if c.sleeps:  # the hybrid engine: optimizer states back on the GPU to train
+            c.rest_engine()  # the hybrid engine: vLLM sleeps while the actor trains
+            if c.sleeps:  # and the actor's optimizer states come back to the GPU
                 c.request("reload")
             if cfg.algorithm == "ppo":
                 from stages.rl.ppo import ppo_samples

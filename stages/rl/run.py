@@ -28,6 +28,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from stages.lib.config import VLLMBackend
 from stages.lib.jsonl import write_json
 from stages.rl.data import Prompts, Stream, load_prompts, probe_ids
 from stages.rl.loop import Batch, run_steps
@@ -38,7 +39,6 @@ from stages.rl.settings import account
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.rl import RLConfig
-    from stages.rl.engine import LocalEngine
 
 log = logging.getLogger("pipe.rl")
 UNHASHED = ("save_steps", "eval_every", "eval_limit", "num_threads", "sync_timeout_s")
@@ -86,6 +86,8 @@ class Controller:
         self.channel: Any = None
         self.critic: Any = None  # ppo: the critic's channel
         self.critic_thread: Any = None
+        self.engine: Any = None
+        self.engine_sleeps = self.engine_asleep = False
         self.version = 0
 
     # --- preparation ----------------------------------------------------------------
@@ -144,7 +146,7 @@ class Controller:
         from stages.rl.channel import StageEnd
         from stages.rl.engine import LocalEngine
         from stages.rl.spec import ActorSpec
-        from stages.rl.sync import make_receiver
+        from stages.rl.sync import make_receiver, sync_file
 
         cfg = self.cfg
         model_dir = self._model_dir()
@@ -161,16 +163,23 @@ class Controller:
         sync = cfg.vllm_sync_backend
         if sync == "nccl" and device == "cpu":
             sync = "gloo"
-        self.sync_kind = sync
         from stages.lib.devices import torch_device
 
         engine_device = torch_device(self.ctx, "vllm")
         if sync == "nccl" and not engine_device.startswith("cuda"):
-            sync = self.sync_kind = "gloo"  # the engine has no GPU: NCCL cannot reach it
+            sync = "gloo"  # the engine has no GPU: NCCL cannot reach it
+        vllm = isinstance(cfg.backend, VLLMBackend)
+        if vllm:
+            sync = "disk"  # vLLM servers reload what the actor writes (stages.rl.vllm_engine)
+        self.sync_kind = sync
         self.host = host_of(self.ctx)
         self.channel = StageEnd(self.host)
-        self.receiver: Any = make_receiver(
-            sync, "local-0", f"{self.dir}/sync.safetensors", cfg.sync_timeout_s, engine_device
+        sync_path = sync_file(self.dir)
+        os.makedirs(os.path.dirname(sync_path), exist_ok=True)
+        self.receiver: Any = (
+            None
+            if vllm
+            else make_receiver(sync, "local-0", sync_path, cfg.sync_timeout_s, engine_device)
         )
         spec = ActorSpec(
             config=cfg,
@@ -203,7 +212,11 @@ class Controller:
                 }
             )
             self.critic_thread = self.roles.start("critic", critic_spec, self.critic)
-        self.engine: LocalEngine = LocalEngine(model_dir, engine_device)
+        self.engine = (
+            self._vllm_engine(model_dir, sync_path)
+            if vllm
+            else LocalEngine(model_dir, engine_device)
+        )
         tok = self.engine.tokenizer
         row = self.data.rows[0]
         self.probe = probe_ids(
@@ -214,6 +227,29 @@ class Controller:
         self.sleeps = cfg.deepspeed_enable_sleep and device == "cuda" and not cfg.async_train
         self.sync(self.version)  # the engine takes the actor's weights (a checkpoint's too)
         return start
+
+    def _vllm_engine(self, model_dir: str, sync_path: str) -> Any:
+        from stages.rl.vllm_engine import VLLMDiskReceiver, VLLMEngine
+
+        assert isinstance(self.cfg.backend, VLLMBackend)
+        engine = VLLMEngine(
+            model_dir,
+            self.cfg.backend,
+            [str(d) for d in self.ctx.devices("vllm")],
+            bf16=self.cfg.bf16,
+            log_file=f"{self.dir}/vllm.log",
+            timeout_s=self.cfg.sync_timeout_s,
+        )
+        self.receiver = VLLMDiskReceiver(engine, sync_path)
+        # the hybrid engine: vLLM's weights and KV cache leave the GPU while the actor trains
+        self.engine_sleeps = engine.sleeping_allowed and not self.cfg.async_train
+        return engine
+
+    def rest_engine(self) -> None:
+        """Before the actor trains: a sleeping-mode engine gives its GPU memory back."""
+        if self.engine_sleeps and not self.engine_asleep:
+            self.engine.sleep()
+            self.engine_asleep = True
 
     def actor_alive(self) -> bool:
         if self.actor_thread is None:
@@ -233,59 +269,9 @@ class Controller:
             raise
 
     def generate(self, step: int) -> Batch:
-        import torch
+        from stages.rl.rollout import rollout
 
-        from stages.rl.logprobs import Sample
-        from stages.rl.loss import group_advantages
-
-        cfg = self.cfg
-        indices = self.stream.indices(step)
-        start = time.perf_counter()
-        gens = self.engine.generate(
-            [self.data.prompts[i] for i in indices],
-            num_samples=cfg.num_repeats,
-            temperature=cfg.temperature,
-            max_new_tokens=cfg.max_output_tokens,
-            seed=cfg.seed * 1_000_003 + step,
-            batch_size=cfg.backend.batch_size if hasattr(cfg.backend, "batch_size") else 256,
-        )
-        rewards = [
-            [float(self.verify(self.data.rows[i], g.text)) for g in gs]
-            for i, gs in zip(indices, gens, strict=True)
-        ]
-        adv, keep = group_advantages(torch.tensor(rewards, dtype=torch.float64), cfg.std_normalize)
-        if cfg.algorithm == "ppo":  # the critic's values make the advantages: every group counts
-            keep = torch.ones_like(keep)
-        samples = []
-        for g_idx, gs in enumerate(gens):
-            if not keep[g_idx]:
-                continue
-            for s_idx, g in enumerate(gs):
-                ids = (g.prompt_ids + g.token_ids)[: cfg.max_length]
-                n = len(ids) - len(g.prompt_ids)
-                if n <= 0:
-                    continue
-                samples.append(
-                    Sample(
-                        ids,
-                        len(g.prompt_ids),
-                        g.logprobs[:n],
-                        float(adv[g_idx, s_idx]),
-                        self.version,
-                        reward=rewards[g_idx][s_idx],
-                    )
-                )
-        tokens = sum(g.completion_tokens for gs in gens for g in gs)
-        return Batch(
-            step,
-            indices,
-            samples,
-            rewards,
-            int(keep.sum()),
-            time.perf_counter() - start,
-            self.version,
-            tokens,
-        )
+        return rollout(self, step)
 
     def sync(self, version: int) -> dict[str, Any]:
         from stages.rl.logprobs import Sample
@@ -294,14 +280,23 @@ class Controller:
         start = time.perf_counter()
         probe = {"ids": self.probe[0], "prompt_len": self.probe[1]}
         self.channel.send("sync", {"probe": probe})
-        self.receiver.apply(self.engine.model)
+        if self.engine_asleep:
+            self.engine.wake("weights")
+        pulls = getattr(self.receiver, "pulls", False)  # disk: read once the actor has written
+        if not pulls:  # a process group receives while the actor sends
+            self.receiver.apply(self.engine.model)
         reply = self.channel.receive(
             "sync", timeout_s=self.cfg.sync_timeout_s, alive=self.actor_alive
         )
-        mine = self.engine.score(Sample(*self.probe), self.cfg.temperature)
-        diff = verify(
-            self.engine.name, mine, reply["probe"], "bf16" if self.cfg.bf16 else "fp32", version
-        )
+        if pulls:
+            self.receiver.apply(self.engine.model)
+        if self.engine_asleep:
+            self.engine.wake("kv_cache")
+            self.engine_asleep = False
+        precision = "bf16" if self.cfg.bf16 else "fp32"
+        diff, mine = 0.0, []
+        for name, mine in self.engine.scores(Sample(*self.probe)).items():  # every engine
+            diff = max(diff, verify(name, mine, reply["probe"], precision, version))
         self.version = version
         return {
             "sync_s": time.perf_counter() - start,
@@ -369,6 +364,8 @@ class Controller:
         self.request("save", {"tag": tag, "state": state})
 
     def close(self) -> None:
+        if hasattr(self.engine, "close"):
+            self.engine.close()  # vLLM servers stop with the stage, also when it fails
         for end in (self.channel, self.critic):
             if end is not None:
                 end.close()

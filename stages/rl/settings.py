@@ -33,7 +33,7 @@ def account(
         "output": (A, "the final checkpoint"),
         "model": (A, "the actor's and the engine's starting weights"),
         "verifier": (A, f"scores every sample ({cfg.verifier.kind})"),
-        "backend": (A, f"{cfg.backend.kind} engine in the stage's process, weights from the actor"),
+        "backend": _backend(cfg, device),
         "num_repeats": (A, "samples per prompt (the group)"),
         "rollout_batch_size": (A, "prompts per step"),
         "train_batch_size": (A, "samples per optimizer step"),
@@ -118,7 +118,7 @@ def account(
         "bf16": (A, "the actor trains in bfloat16" if cfg.bf16 else "fp32")
         if ds or not cfg.bf16
         else (A, "torch autocast to bfloat16"),
-        "vllm_sync_backend": _sync(cfg.vllm_sync_backend, sync),
+        "vllm_sync_backend": _sync(cfg.vllm_sync_backend, sync, cfg.backend.kind == "vllm"),
         "sync_timeout_s": (A, "a weight sync past it fails the step"),
         "num_processes": (A, f"{world} actor rank(s) on the CPU")
         if device == "cpu"
@@ -139,9 +139,38 @@ def _sleep(wanted: bool, device: str, overlapped: bool) -> tuple[str, str]:
     return A, "the actor's optimizer states leave the GPU while the engine generates"
 
 
-def _sync(wanted: str, used: str) -> tuple[str, str]:
+def _backend(cfg: RLConfig, device: str) -> tuple[str, str]:
+    b = cfg.backend
+    if b.kind != "vllm":
+        return A, "local engine in the stage's process, weights from the actor"
+    gpu = device != "cpu"
+    parts = [
+        f"{getattr(b, 'vllm_num_engines', 1)} vLLM server(s), tensor-parallel "
+        f"{getattr(b, 'vllm_tensor_parallel_size', 1)}",
+        "prefix caching on" if getattr(b, "enable_prefix_caching", False) else "no prefix cache",
+        f"gpu_memory_utilization {getattr(b, 'vllm_gpu_memory_utilization', 0)}"
+        if gpu
+        else "gpu_memory_utilization not used on the CPU (VLLM_CPU_KVCACHE_SPACE sizes the cache)",
+    ]
+    if getattr(b, "vllm_enable_sleep", False):
+        parts.append(
+            "sleep while the actor trains"
+            if gpu and not cfg.async_train
+            else "sleep not used: "
+            + ("async_train" if gpu else "vLLM's CPU build has no sleep mode")
+        )
+    return A, "; ".join(parts)
+
+
+def _sync(wanted: str, used: str, vllm: bool = False) -> tuple[str, str]:
     if wanted == used:
         return A, f"weights reach the engine over {used}, checked by a probe after every sync"
+    if vllm:
+        return S, (
+            f"vLLM's {wanted} transfer needs its trainer-side engine in the actor's interpreter, "
+            "where vLLM is not installed; the servers reload the weights from disk (checked by "
+            "a probe on every server after every sync)"
+        )
     return S, (
         f"{wanted} needs GPUs on both ends; this run has none, so {used} carries the weights "
         "(checked by a probe after every sync)"

@@ -34,6 +34,8 @@ class SyncFailed(RuntimeError):
 class Publisher(Protocol):
     """The actor's side."""
 
+    aliases: dict[str, str]
+
     def publish(self, params: Iterator[tuple[str, torch.Tensor]]) -> None: ...
 
 
@@ -69,6 +71,7 @@ class GroupPublisher:
         )
         self.pg = _pg(store, 0, timeout_s, nccl)
         self.device = "cuda" if nccl else "cpu"
+        self.aliases: dict[str, str] = {}  # unused: the engine's own model ties its weights
 
     def publish(self, params: Iterator[tuple[str, torch.Tensor]]) -> None:
         for _, tensor in params:
@@ -114,22 +117,31 @@ class GroupReceiver:
 
 
 class DiskPublisher:
-    """Rank 0 writes every parameter to one safetensors file, atomically."""
+    """Rank 0 writes every parameter to one safetensors file, atomically. A tied weight is
+    written under each of its names (`aliases`: name -> the name it is stored under): vLLM's
+    CPU build keeps its own copy of a tied output head, which reloads only by its name."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.aliases: dict[str, str] = {}
 
     def publish(self, params: Iterator[tuple[str, torch.Tensor]]) -> None:
         from safetensors.torch import save_file
 
         tensors = {name: t.detach().cpu().contiguous().clone() for name, t in params}
+        for alias, name in self.aliases.items():
+            if name in tensors:
+                tensors[alias] = tensors[name].clone()
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = f"{self.path}.tmp-{os.getpid()}"
         save_file(tensors, tmp)
         os.replace(tmp, self.path)
 
 
 class DiskReceiver:
-    """The engine reloads the file parameter by parameter."""
+    """The engine reloads the file parameter by parameter, once the actor has written it."""
+
+    pulls = True
 
     def __init__(self, name: str, path: str) -> None:
         self.name, self.path = name, path
@@ -140,6 +152,11 @@ class DiskReceiver:
         with torch.no_grad(), safe_open(self.path, framework="pt") as f:  # type: ignore[no-untyped-call]
             for name, param in model.named_parameters():
                 param.copy_(f.get_tensor(name))
+
+
+def sync_file(stage_dir: str) -> str:
+    """Where the disk sync writes: a folder of its own, which a vLLM server reloads whole."""
+    return f"{stage_dir.rstrip('/')}/sync/model.safetensors"
 
 
 def make_receiver(

@@ -68,3 +68,40 @@ def test_grpo_on_gpus(tmp_path: Path, colocate: str, sync: str):
         assert set(roles["vllm"]).isdisjoint(roles["actor"])
     else:
         assert roles["vllm"] == roles["actor"]
+
+
+VLLM_PIPELINE = PIPELINE.replace(
+    "          vllm_sync_backend: {sync}\n",
+    "          vllm_sync_backend: nccl\n          backend: {{kind: vllm, vllm_enable_sleep: {sleep}}}\n",
+).replace("num_heads: 2", "num_heads: 4")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("colocate", "sleep"), [("none", "false"), ("all", "true")])
+def test_grpo_with_vllm_engines_on_gpus_hybrid_and_not(tmp_path: Path, colocate: str, sleep: str):
+    """vLLM servers on the engine's GPU (shared with the actor and asleep while it trains in
+    the hybrid case); weights reloaded from disk and checked by the probe on every sync."""
+    from stages.lib import vllm_server
+
+    try:
+        vllm_server.find_vllm_python()
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    text = VLLM_PIPELINE.format(colocate=colocate, sleep=sleep)
+    (tmp_path / "p.yaml").write_text(textwrap.dedent(text))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "run", "p.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stage = tmp_path / "runs/rl_gpu/rl"
+    rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["probe_diff"] <= 1e-4 for r in rows if r["updates"])
+    how = json.loads((stage / "settings.json").read_text())["backend"]["how"]
+    assert ("sleep while the actor trains" in how) == (sleep == "true")

@@ -52,8 +52,21 @@ def test_async_with_sleeping_engines_is_refused_naming_both_settings_and_sources
         "vllm_enable_sleep (profile high-performance: hybrid engine: vLLM frees its memory while "
         "training runs): the engines must stay awake to generate while the actor trains; turn "
         "one of them off",
-        "p.yaml:9:23: stages.rl.config.backend.kind: the rl stage's engine is the in-process "
-        "local generator for now; use backend kind 'local'",
+    ]
+
+
+def test_an_engine_that_cannot_take_weights_or_serves_its_own_model_is_refused(tmp_path: Path):
+    text = """\
+        name: p
+        stages:
+          a: {kind: rl, config: {input: p.jsonl, backend: {kind: openai, model: m, base_url: "http://h:1/v1"}}}
+          b: {kind: rl, config: {input: p.jsonl, backend: {kind: vllm, model: other}}}
+    """
+    assert errors(tmp_path, text) == [
+        "p.yaml:3:58: stages.a.config.backend.kind: an rl engine takes the actor's weights after "
+        "every update, which 'openai' cannot; use 'local' or 'vllm'",
+        "p.yaml:4:71: stages.b.config.backend.model: the engine generates with the actor's "
+        "weights; leave backend.model empty",
     ]
 
 
