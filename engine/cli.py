@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from engine.errors import PipeError
+from engine.errors import PipeError, RunFailed
 
 if TYPE_CHECKING:
     from engine.plan import Plan
@@ -37,6 +37,9 @@ def _guard(fn: F) -> F:
         except PipeError as exc:
             click.echo(exc.render(), err=True)
             sys.exit(EXIT_INVALID)
+        except RunFailed as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_FAILED)
         except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
             raise
         except Exception as exc:
