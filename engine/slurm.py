@@ -23,6 +23,7 @@ GPUs per job, the sbatch options), its job script (`pipe plan --format json`), a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -75,13 +76,25 @@ class SlurmRequest:
 
     def job_script(self, scheduler: str = "tcp://SCHEDULER:PORT") -> str:
         """The script each job runs (the scheduler's address is known once the run starts)."""
-        from dask_jobqueue.slurm import SLURMJob
-
-        job = SLURMJob(scheduler=scheduler, name="pipe-worker", **self.options())  # type: ignore[no-untyped-call]
+        job = _jobqueue().SLURMJob(scheduler=scheduler, name="pipe-worker", **self.options())  # type: ignore[no-untyped-call]
         return str(job.job_script())  # type: ignore[no-untyped-call]
 
     def as_dict(self) -> dict[str, Any]:
         return {"jobs": self.jobs, "gpus_per_job": self.gpus, "job_script": self.job_script()}
+
+
+def _jobqueue() -> Any:
+    """`dask_jobqueue.slurm`, leaving Ctrl-C alone: importing dask_jobqueue (its runner module)
+    makes SIGINT a silent `sys.exit()`, so an interrupted run would exit 0 without its report."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGINT)
+    import dask_jobqueue.slurm
+
+    if signal.getsignal(signal.SIGINT) is not previous:
+        with contextlib.suppress(ValueError):  # not the main thread: nothing was changed there
+            signal.signal(signal.SIGINT, previous)
+    return dask_jobqueue.slurm
 
 
 def request(planned: Plan) -> SlurmRequest:
@@ -133,8 +146,9 @@ def preflight(req: SlurmRequest) -> None:
 def start(req: SlurmRequest) -> tuple[Any, Any]:
     """Submit `req.jobs` jobs; return `(client, SLURMCluster)` once all their workers connected.
     `RunFailed` (jobs cancelled) when Slurm refuses them or they do not start in time."""
-    from dask_jobqueue.slurm import SLURMCluster
     from distributed import Client
+
+    SLURMCluster = _jobqueue().SLURMCluster
 
     preflight(req)
     t0 = time.perf_counter()
