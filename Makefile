@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: install install-vllm quickstart test test-fast test-vllm lint fmt schemas bench bench-rl bench-rl-setup clean
+.PHONY: install install-slurm stop-slurm install-vllm quickstart test test-fast test-vllm lint fmt schemas bench bench-rl bench-rl-setup clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,14 @@ $(VENV)/.installed: pyproject.toml
 # and the engine starts its OpenAI server as a separate process (stages/collect/vllm_server.py)
 install-vllm:
 	bash scripts/install_vllm.sh
+
+# a one-node Slurm on this machine (Debian's slurm-wlm + munge, fake GPU gres gpu:2, daemons
+# started without systemd, PIDs in /run/pipe-slurm/) for `scheduler: slurm` and the `slurm` tests
+install-slurm:
+	bash scripts/slurm.sh install
+
+stop-slurm:
+	bash scripts/slurm.sh stop
 
 test-vllm: install install-vllm
 	$(PY) -m pytest -m vllm

@@ -6,6 +6,7 @@ mistake prints compiler-style errors and no traceback; `-v` shows one for a bug.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from engine.errors import PipeError
+from engine.errors import PipeError, RunFailed
 
 if TYPE_CHECKING:
     from engine.plan import Plan
@@ -37,6 +38,9 @@ def _guard(fn: F) -> F:
         except PipeError as exc:
             click.echo(exc.render(), err=True)
             sys.exit(EXIT_INVALID)
+        except RunFailed as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_FAILED)
         except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
             raise
         except Exception as exc:
@@ -189,7 +193,12 @@ def plan_cmd(
     quiet = explain and fmt == "text"
     result = build_plan(pipeline, overrides, run_dir, notes=not quiet, cluster=cluster)
     if fmt == "json":
-        click.echo(result.to_json(), nl=False)
+        data = result.as_dict()
+        if result.resolved.loaded.spec.cluster.scheduler == "slurm":
+            from engine.slurm import request
+
+            data["slurm"] = request(result).as_dict()  # builds the job script, submits nothing
+        click.echo(json.dumps(data, indent=2))
     elif fmt == "yaml" or not explain:
         click.echo(result.to_yaml(), nl=False)
         if fmt == "text" and result.placement is not None and result.cluster is not None:

@@ -1,7 +1,8 @@
-"""Where stages run: an embedded `LocalCluster`, or an existing Dask scheduler.
+"""Where stages run: an embedded `LocalCluster`, Slurm batch jobs, or an existing Dask scheduler.
 
 `connect(address, workers)` returns a `Cluster` holding a `distributed.Client`
-(and the `LocalCluster` it started, if any). The address comes from, in order,
+(and the `LocalCluster` or `SLURMCluster` it started, if any; `slurm` starts the
+jobs of a `engine.slurm.SlurmRequest`). The address comes from, in order,
 `--scheduler`, `DASK_SCHEDULER_ADDRESS`, then the pipeline's `cluster.scheduler`
 (`local` starts a cluster sized by `cluster.workers`, one thread and one torch
 thread per worker process, GPUs declared as a worker resource when CUDA is
@@ -15,7 +16,10 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.slurm import SlurmRequest
 
 log = logging.getLogger("pipe.cluster")
 
@@ -33,11 +37,13 @@ class Cluster:
 
     client: Any
     local: Any = None
+    slurm: Any = None  # the dask_jobqueue.SLURMCluster whose jobs run the workers
 
     @property
     def dashboard(self) -> str | None:
         link = getattr(self.client, "dashboard_link", None)
-        return str(link) if link and self.local is not None and _has_bokeh() else None
+        mine = self.local is not None or self.slurm is not None
+        return str(link) if link and mine and _has_bokeh() else None
 
     def workers(self) -> dict[str, dict[str, float]]:
         """Each worker's address and declared resources."""
@@ -58,10 +64,35 @@ class Cluster:
             for addr, w in info.items()
         }
 
+    def jobs(self) -> dict[str, str]:
+        """Each worker's Slurm job id (`SLURM_JOB_ID` in its environment), for the records."""
+        if self.slurm is None:
+            return {}
+        env = self.client.run(_job_id)
+        return {addr: str(job) for addr, job in env.items() if job}
+
+    def release(self, keep: set[str], need_one: bool) -> list[str]:
+        """Give back the Slurm jobs of idle workers not in `keep` (keeping one when `need_one`);
+        nothing to do on other clusters."""
+        if self.slurm is None:
+            return []
+        from engine.slurm import release
+
+        return release(self.slurm, self.client, keep, need_one)
+
     def close(self) -> None:
+        if self.slurm is not None:
+            from engine.slurm import close
+
+            close(self.client, self.slurm)
+            return
         self.client.close()
         if self.local is not None:
             self.local.close()
+
+
+def _job_id() -> str | None:
+    return os.environ.get("SLURM_JOB_ID")
 
 
 def _placement_env() -> dict[str, str | None]:
@@ -119,9 +150,20 @@ def scheduler_address(cli: str | None, pipeline: str) -> str:
     return cli or os.environ.get("DASK_SCHEDULER_ADDRESS") or pipeline
 
 
-def connect(address: str, workers: int, timeout_s: float = 60.0) -> Cluster:
-    """Start the embedded cluster (`local`) or connect to the scheduler at `address`."""
+def connect(
+    address: str, workers: int, timeout_s: float = 60.0, slurm: SlurmRequest | None = None
+) -> Cluster:
+    """Start the embedded cluster (`local`), submit the Slurm jobs of `slurm` (`slurm`), or
+    connect to the scheduler at `address`."""
     from distributed import Client
+
+    if address == "slurm":
+        from engine.slurm import start
+
+        if slurm is None:
+            raise ValueError("scheduler 'slurm' needs the jobs to submit (engine.slurm.request)")
+        client, jobs = start(slurm)
+        return Cluster(client, slurm=jobs)
 
     if address == "local":
         from distributed import LocalCluster

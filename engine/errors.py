@@ -73,6 +73,11 @@ class PipeError(Exception):
         return "\n".join(d.render() for d in self.diagnostics)
 
 
+class RunFailed(Exception):
+    """The run could not go on (no cluster to run on, jobs that never started): the CLI prints
+    the message and exits 1, as for a failed stage; no traceback."""
+
+
 def found(value: object, *, whole: bool = False) -> str:
     """How a value the user wrote reads in a message: 'text', 3, true, null, a list, a mapping
     (with `whole`, lists and mappings are shown as written: [['actor', 'ref']])."""

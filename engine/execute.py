@@ -79,6 +79,7 @@ class _Attempt:
     link: str  # prefix of the attempt's Dask variables (engine.task.DaskLink)
     results: list[Any] = field(default_factory=list)
     error: BaseException | None = None
+    workers: set[str] = field(default_factory=set)  # where failed tasks ran
 
 
 @dataclass
@@ -284,6 +285,17 @@ def _loop(run: _Run, pending: list[str]) -> None:
             batch += run.completed.next_batch(block=False)
         for future, result in batch:
             _finished(run, future, result, run.futures.pop(future))
+        _release(run, pending)
+
+
+def _release(run: _Run, pending: list[str]) -> None:
+    """Give back the workers (Slurm jobs) nothing left to run needs: not placed for a stage
+    still to run, idle, and not the last one while a stage without GPUs remains."""
+    left = [*pending, *run.futures.values(), *run.retrying]
+    if not left:
+        return
+    keep = {s.worker for name in left for s in run.placement.get(name, ()) if s.worker}
+    run.cluster.release(keep, need_one=any(not run.placement.get(name) for name in left))
 
 
 def _finished(run: _Run, future: Any, result: Any, name: str) -> None:
@@ -294,6 +306,8 @@ def _finished(run: _Run, future: Any, result: Any, name: str) -> None:
         attempt.results.append(result)
     else:
         error = result if isinstance(result, BaseException) else future.exception()
+        if getattr(error, "pipe_worker", None):
+            attempt.workers.add(str(error.pipe_worker))  # type: ignore[union-attr]
         # the failure that started it is the stage's error, not the others' stopping
         if attempt.error is None or (
             isinstance(attempt.error, StageAborted) and not isinstance(error, StageAborted)
@@ -325,6 +339,7 @@ def _finished(run: _Run, future: Any, result: Any, name: str) -> None:
         return
     rec.status = "failed"
     rec.end = time.time()
+    rec.workers = sorted(attempt.workers | {r.worker for r in attempt.results})
     dependents = sorted(descendants(run.plan, name) - {name})
     log.error(
         "%s: failed after %d attempt(s): %s (log: %s/log.txt)%s",

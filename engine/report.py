@@ -1,7 +1,7 @@
 """Run records: `report.json` per run, with one record per stage.
 
 Per stage: status (succeeded, cached, failed, skipped, not-run, not-selected,
-cancelled), the worker it ran on, start, end, duration, attempts, cache hit,
+cancelled), the worker it ran on (and its Slurm job id under `scheduler: slurm`), start, end, duration, attempts, cache hit,
 the error, its folder and metrics. Written to `<run-dir>/history/<run-id>/`
 and, for the latest run, `<run-dir>/report.json`.
 """
@@ -35,6 +35,7 @@ class StageRecord:
     worker: str | None = None
     workers: list[str] = field(default_factory=list)
     placement: list[dict[str, Any]] = field(default_factory=list)
+    slurm_jobs: list[str] = field(default_factory=list)  # the Slurm jobs of its workers
     start: float | None = None
     end: float | None = None
     error: str | None = None

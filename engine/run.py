@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.cluster import Cluster
 from engine.errors import Diagnostic, Location, PipeError, did_you_mean
@@ -21,6 +22,9 @@ from engine.placement import view_from_workers
 from engine.plan import Plan, plan
 from engine.report import RunReport, new_run_id
 from engine.resolve import resolve
+
+if TYPE_CHECKING:
+    from engine.slurm import SlurmRequest
 
 log = logging.getLogger("pipe.run")
 
@@ -57,7 +61,8 @@ def run_pipeline(req: RunRequest) -> RunReport:
 
     A pipeline without GPU stages is planned before any cluster starts. One with GPU
     stages (or `cluster.gpus: auto`) is placed on the live workers once connected, and
-    refused (`PipeError`, nothing started) when it does not fit them.
+    refused (`PipeError`, nothing started) when it does not fit them. `scheduler: slurm`
+    first counts the jobs the plan needs (`engine.slurm.request`), then submits them.
     """
     from engine.cluster import scheduler_address
 
@@ -65,11 +70,12 @@ def run_pipeline(req: RunRequest) -> RunReport:
     _check_names(loaded, req.options)
     address = scheduler_address(req.scheduler, loaded.spec.cluster.scheduler)
     planned = plan(resolve(loaded, run_dir=req.run_dir, gpus=_declared(loaded)))
+    connection = _Connection(address, loaded.spec.cluster.workers, _slurm(address, planned))
     if loaded.spec.cluster.gpus != "auto" and not any(
         s.resolved.gpus for s in planned.stages.values()
     ):
-        return _execute(planned, req, address, None)
-    with _Connection(address, loaded.spec.cluster.workers) as cluster:
+        return _execute(planned, req, connection, None)
+    with connection as cluster:
         view = view_from_workers(cluster.worker_info(), loaded.spec.cluster.gpus_per_node)
         gpus = None
         if loaded.spec.cluster.gpus == "auto":
@@ -78,7 +84,20 @@ def run_pipeline(req: RunRequest) -> RunReport:
         placed = plan(resolve(loaded, run_dir=req.run_dir, gpus=gpus), view)
         if placed.placement is not None and placed.placement.stages:
             log.info("placement:\n%s", placed.placement.render_text(view).rstrip())
-        return _execute(placed, req, address, cluster)
+        return _execute(placed, req, connection, cluster)
+
+
+def _slurm(address: str, planned: Plan) -> SlurmRequest | None:
+    """The Slurm jobs to submit for `scheduler: slurm` (none otherwise)."""
+    if address != "slurm":
+        return None
+    from engine.slurm import request
+
+    slurm = request(planned)
+    log.info(
+        "slurm: %d job(s) of %d GPU(s) each, logs in %s", slurm.jobs, slurm.gpus, slurm.log_dir
+    )
+    return slurm
 
 
 def _declared(loaded: LoadedPipeline) -> int | None:
@@ -89,15 +108,15 @@ def _declared(loaded: LoadedPipeline) -> int | None:
 class _Connection:
     """Connect (or start the embedded cluster) on entry, close on exit."""
 
-    def __init__(self, address: str, workers: int) -> None:
-        self.address, self.workers = address, workers
+    def __init__(self, address: str, workers: int, slurm: SlurmRequest | None = None) -> None:
+        self.address, self.workers, self.slurm = address, workers, slurm
         self.cluster: Cluster | None = None
 
     def __enter__(self) -> Cluster:
         from engine.cluster import connect
 
         t0 = time.perf_counter()
-        self.cluster = connect(self.address, self.workers)
+        self.cluster = connect(self.address, self.workers, slurm=self.slurm)
         n = len(self.cluster.workers())
         log.info(
             "cluster: %s (%d workers) ready in %.1f s", self.address, n, time.perf_counter() - t0
@@ -111,11 +130,13 @@ class _Connection:
             self.cluster.close()
 
 
-def _execute(planned: Plan, req: RunRequest, address: str, cluster: Cluster | None) -> RunReport:
+def _execute(
+    planned: Plan, req: RunRequest, connection: _Connection, cluster: Cluster | None
+) -> RunReport:
     for note in planned.resolved.notes:
         log.warning("%s", note.render())
     run_dir = planned.resolved.run_dir
-    report = RunReport(new_run_id(), req.pipeline, planned.name, address)
+    report = RunReport(new_run_id(), req.pipeline, planned.name, connection.address)
     history = f"{run_dir.rstrip('/')}/history/{report.run_id}"
     makedirs(history)
     atomic_write_text(f"{history}/plan.lock.yaml", planned.to_yaml())
@@ -127,14 +148,11 @@ def _execute(planned: Plan, req: RunRequest, address: str, cluster: Cluster | No
     try:
         log.info("run %s: %d stages, records in %s", report.run_id, len(planned.order), history)
         keys, pending = prepare(planned, req.options, report)
-        slots = planned.placement.stages if planned.placement is not None else {}
         if pending and cluster is None:
-            with _Connection(address, planned.resolved.loaded.spec.cluster.workers) as started:
-                report.dashboard = started.dashboard
-                execute(planned, started, report, req.options, keys, pending, slots)
+            with connection as started:
+                _run_on(started, planned, req, report, keys, pending)
         elif pending and cluster is not None:
-            report.dashboard = cluster.dashboard
-            execute(planned, cluster, report, req.options, keys, pending, slots)
+            _run_on(cluster, planned, req, report, keys, pending)
         report.finish()
         path = report.write(run_dir)
         _summary(report, path)
@@ -143,6 +161,25 @@ def _execute(planned: Plan, req: RunRequest, address: str, cluster: Cluster | No
             root.removeHandler(handler)
             handler.close()
     return report
+
+
+def _run_on(
+    cluster: Cluster,
+    planned: Plan,
+    req: RunRequest,
+    report: RunReport,
+    keys: dict[str, str],
+    pending: list[str],
+) -> None:
+    report.dashboard = cluster.dashboard
+    jobs = cluster.jobs()  # before execute: workers are only released from here on
+    slots = planned.placement.stages if planned.placement is not None else {}
+    try:
+        execute(planned, cluster, report, req.options, keys, pending, slots)
+    finally:
+        for rec in report.stages.values():
+            where = rec.workers or [p["worker"] for p in rec.placement if p.get("worker")]
+            rec.slurm_jobs = sorted({jobs[w] for w in where if w in jobs}, key=int)
 
 
 def _summary(report: RunReport, path: str) -> None:

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from engine.errors import Diagnostic, did_you_mean, found, one_of
+from engine.slurm_spec import SlurmSpec
 from engine.source import Document, PathT, render_path
 
 SCHEMES = ("tcp", "tls", "ucx", "inproc")
@@ -47,7 +48,8 @@ class ClusterSpec(Model):
 
     scheduler: str = Field(
         "local",
-        description="local (an embedded LocalCluster) or a Dask scheduler address: tcp://host:8786, tls://...",
+        description="local (an embedded LocalCluster), slurm (workers as Slurm batch jobs, see "
+        "'slurm') or a Dask scheduler address: tcp://host:8786, tls://...",
     )
     workers: int = Field(
         2, gt=0, description="Worker processes of the embedded LocalCluster (local only)."
@@ -58,16 +60,20 @@ class ClusterSpec(Model):
     gpus_per_node: int = Field(
         8, gt=0, description="GPUs on one node; a tensor-parallel group never spans nodes."
     )
+    slurm: SlurmSpec = Field(
+        default_factory=SlurmSpec,
+        description="Slurm jobs for scheduler: slurm (one per node the plan needs).",
+    )
 
     @field_validator("scheduler")
     @classmethod
     def _address(cls, value: str) -> str:
-        if value == "local":
+        if value in ("local", "slurm"):
             return value
         match = _ADDRESS.match(value)
         if match is None or match["scheme"] not in SCHEMES:
             raise ValueError(
-                f"expected 'local' or a Dask address ({', '.join(s + '://' for s in SCHEMES)}), found '{value}'"
+                f"expected 'local', 'slurm' or a Dask address ({', '.join(s + '://' for s in SCHEMES)}), found '{value}'"
             )
         return value
 

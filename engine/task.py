@@ -241,8 +241,10 @@ def run_stage(payload: StagePayload) -> TaskResult:
         record = {"key": payload.key, "outputs": payload.outputs, "finished": end}
         atomic_write_text(stamp, json.dumps(record, indent=2) + "\n")
         logger.info("stage %s done in %.2f s", payload.name, end - start)
-    except BaseException:
+    except BaseException as exc:
         logger.exception("stage %s failed", payload.name)
+        with contextlib.suppress(Exception):  # travels with the pickled error: where it ran
+            exc.pipe_worker = _address(worker)  # type: ignore[attr-defined]
         raise
     finally:
         for h in handlers:

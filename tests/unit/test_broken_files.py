@@ -40,7 +40,10 @@ EXPECTED = {
     "ratio_role_typo.yaml": "ratio_role_typo.yaml:3:11: resources.ratio.vlm: expected 'vllm', 'actor', 'critic', 'ref' or 'reward', found 'vlm'; did you mean 'vllm'?",
     "start_after_end.yaml": "start_after_end.yaml:5:39: stages.c.config.end_idx: end_idx must be greater than start_idx (100), found 50",
     "same_output.yaml": "same_output.yaml:8:22: stages.b.config.output: '/tmp/shared/rollouts.jsonl' is also written by stage 'a' (output)",
-    "bad_scheduler.yaml": "bad_scheduler.yaml:2:22: cluster.scheduler: expected 'local' or a Dask address (tcp://, tls://, ucx://, inproc://), found 'http://127.0.0.1:8786'",
+    "bad_scheduler.yaml": "bad_scheduler.yaml:2:22: cluster.scheduler: expected 'local', 'slurm' or a Dask address (tcp://, tls://, ucx://, inproc://), found 'http://127.0.0.1:8786'",
+    "slurm_key_typo.yaml": "slurm_key_typo.yaml:4:11: cluster.slurm.partiton: unknown field 'partiton'; did you mean 'partition'?",
+    "slurm_bad_walltime.yaml": "slurm_bad_walltime.yaml:4:21: cluster.slurm.walltime: expected a Slurm time such as '04:00:00' or '1-00:00:00', found '8h'",
+    "slurm_bad_directive.yaml": "slurm_bad_directive.yaml:5:27: cluster.slurm.job_extra_directives: expected sbatch options such as '--qos=high' (no '#SBATCH'), found '#SBATCH --qos=high'",
     "backend_kind_typo.yaml": "backend_kind_typo.yaml:6:23: stages.c.config.backend.kind: expected 'openai', 'vllm' or 'local', found 'vlm'; did you mean 'vllm'?",
     "defaults_typo.yaml": "defaults_typo.yaml:3:3: defaults.sed: no stage kind has a setting 'sed'; did you mean 'seed'?",
 }
