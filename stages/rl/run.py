@@ -178,7 +178,7 @@ class Controller:
             stage_dir=self.dir,
             device=device,
             trainer=trainer,  # type: ignore[arg-type]
-            ds_config=build_ds_config(cfg, world, pin_memory=device == "cuda")
+            ds_config=build_ds_config(cfg, world, pin_memory=device == "cuda", model_dir=model_dir)
             if trainer == "deepspeed"
             else None,
             threads=cfg.num_threads,
@@ -197,7 +197,9 @@ class Controller:
                 update={
                     "channel": self.critic.address,
                     "authkey": self.critic.authkey.hex(),
-                    "ds_config": build_ds_config(cfg, c_world, pin_memory=device == "cuda")
+                    "ds_config": build_ds_config(
+                        cfg, c_world, pin_memory=device == "cuda", model_dir=model_dir
+                    )
                     if trainer == "deepspeed"
                     else None,
                 }
