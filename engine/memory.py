@@ -33,10 +33,10 @@ Buffers (DeepSpeed's working memory beside the model states, not in its estimato
 gradient communication buffers while backward runs, or the optimizer step's temporaries,
 whichever is larger (they are not alive at the same time). Communication: ZeRO-0 flattens
 the gradients into all-reduce buckets of up to 5e8 elements (`MEMORY_OPT_ALLREDUCE_SIZE`),
-ZeRO-1/2 keep one reduce bucket (two with `overlap_comm`), ZeRO-3 its reduce and prefetch
-buckets plus the gathered weights it keeps alive (up to `stage3_max_live_parameters`, 1e9:
-the whole of a small model). The buckets are sized from the hidden size (`ds_buckets`, the
-rule of Hugging Face's DeepSpeed integration). Step: torch's AdamW makes an fp32 copy of
+ZeRO-1/2 keep one reduce bucket of hidden^2 elements (two with `overlap_comm`; the size is
+ours, `ds_buckets`, Hugging Face's rule), ZeRO-3 its reduce bucket (DeepSpeed's 5e8
+elements) plus the gathered weights it keeps alive (up to `stage3_max_live_parameters`,
+1e9: the whole of a small model). Step: torch's AdamW makes an fp32 copy of
 v for the denominator: of all the tensors it steps at once on a GPU (foreach, then in
 place), of one tensor at a time on the CPU (two: the square root, then the quotient), the
 largest the peak; under ZeRO 1-3 the tensor stepped is the rank's flat partition; with `adam_offload` DeepSpeed's CPU Adam steps in place on the host.
@@ -66,6 +66,7 @@ GB = 10**9
 PARTS = ("weights", "gradients", "optimizer", "activations", "buffers", "vllm")
 ALLREDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's ZeRO-0 all-reduce bucket
 MAX_LIVE_PARAMETERS = 1_000_000_000  # elements: ZeRO-3's default stage3_max_live_parameters
+REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size (ZeRO-3)
 
 
 @dataclass(frozen=True)
@@ -199,14 +200,12 @@ def model_states(
     return parts, host
 
 
-def ds_buckets(hidden: int) -> dict[str, int]:
-    """DeepSpeed's bucket sizes for a model of this hidden size (Hugging Face's `auto` rule):
-    its defaults (5e8 elements) would hold a small model's gradients several times over."""
-    return {
-        "reduce_bucket_size": hidden * hidden,
-        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-        "stage3_param_persistence_threshold": 10 * hidden,
-    }
+def ds_buckets(hidden: int, zero: int) -> dict[str, int]:
+    """The ds_config bucket sizes for a model of this hidden size: ZeRO-1/2's reduce bucket
+    is hidden^2 elements (Hugging Face's `auto` rule) instead of DeepSpeed's 5e8, which
+    would hold a small model's gradients several times over. ZeRO-3 keeps DeepSpeed's
+    defaults: with small buckets its gloo reduce-scatter hung in our 2-rank CPU runs."""
+    return {"reduce_bucket_size": hidden * hidden} if zero in (1, 2) else {}
 
 
 def buffers(
@@ -214,14 +213,13 @@ def buffers(
 ) -> int:
     """Communication buffers or step temporaries, the larger (module docstring)."""
     w, p, n = (2 if bf16 else 4), shape.params, max(dp, 1)
-    b = ds_buckets(shape.hidden)
     if zero == 0:
         comm = w * min(p, ALLREDUCE_BUCKET)
     elif zero < 3:
-        comm = w * b["reduce_bucket_size"] * (2 if overlap else 1)
-    else:
-        live = min(p, MAX_LIVE_PARAMETERS)
-        comm = w * (live + b["reduce_bucket_size"] + b["stage3_prefetch_bucket_size"])
+        comm = w * ds_buckets(shape.hidden, zero)["reduce_bucket_size"] * (2 if overlap else 1)
+    else:  # allocated whole on a GPU; on the CPU only the pages the gradients reach count
+        bucket = min(p, REDUCE_BUCKET) if cpu else REDUCE_BUCKET
+        comm = w * (min(p, MAX_LIVE_PARAMETERS) + bucket)
     stepped = p // n if zero > 0 else (shape.largest_layer_params if cpu else p)
     step = 0 if offload and zero > 0 and not cpu else (2 if cpu else 1) * 4 * stepped
     return max(comm, step)

@@ -54,11 +54,8 @@ def build_ds_config(
         "contiguous_gradients": True,
     }
     shape = read_shape(model_dir) if model_dir else None
-    if shape is not None and cfg.zero_stage > 0:
-        buckets = ds_buckets(shape.hidden)
-        zero["reduce_bucket_size"] = buckets["reduce_bucket_size"]
-        if cfg.zero_stage == 3:
-            zero.update(buckets)
+    if shape is not None:
+        zero.update(ds_buckets(shape.hidden, cfg.zero_stage))
     if cfg.adam_offload and cfg.zero_stage > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
     if cfg.zero_stage == 3:

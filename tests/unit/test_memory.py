@@ -141,7 +141,7 @@ def test_a_70b_full_fine_tune_is_refused_with_the_changes_that_fit(tmp_path: Pat
     assert refused.stderr == (
         "p.yaml:6:16: stages.sft: needs 1389.3 GB per GPU (actor: weights 138.0 GB, gradients "
         "138.0 GB, optimizer 827.7 GB, activations 9.7 GB, buffers 275.9 GB), the GPUs have "
-        "80.0 GB; changes that fit, cheapest first: `memory: memory_constrained` -> 24.0 GB\n"
+        "80.0 GB; changes that fit, cheapest first: `memory: memory_constrained` -> 24.8 GB\n"
     )
     accepted = run_cli(
         "validate", "p.yaml", "--cluster", "2x8x80GB", "--set", "memory=memory_constrained"
