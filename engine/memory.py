@@ -3,7 +3,8 @@
 Input: `MemoryNeed`s (a kind's `memory_needs` hook: the model's shape or checkpoint, and
 the resolved settings that decide memory), the devices each role holds, the device's
 memory. Output: an `Estimate` per role (`gpu_bytes`, `host_bytes`, and the parts:
-weights, gradients, optimizer, activations, vllm), per GPU. Pure and fast: no torch; a
+weights, gradients, optimizer, activations, buffers, vllm), per GPU; and the peak RSS of
+a rank that trains on the CPU. Pure and fast: no torch; a
 model's parameters are counted from its `config.json` (or the tiny-model spec).
 
 Model states (mixed precision, the accounting of DeepSpeed's own estimators, per GPU of
@@ -14,15 +15,37 @@ N data-parallel ranks, P parameters):
 | 0 | 2P | 2P | 12P |
 | 1 | 2P | 2P | 12P/N |
 | 2 | 2P | 6P/N (16-bit + fp32) | 12P/N |
-| 3 | 2P/N + 4 x largest layer (the gather buffer) | 6P/N | 12P/N |
+| 3 | 2P/N + 4 x largest layer (the gather buffer) | 4P/N (fp32) | 12P/N |
 
 `adam_offload` moves the optimizer states (and, from ZeRO-2, the fp32 gradients) to the
 host; DeepSpeed's host figure (pinned buffers included, its `additional_buffer_factor`
-1.5) is used as it is. In fp32 (no bf16) weights and gradients take 4 bytes and there is
-no separate master copy (optimizer 8P). Activations per micro batch follow Korthikanti
-et al. (2022): `s*b*h*(34 + 5*a*s/h)` bytes per layer without recomputation, the layer
+1.5) is used as it is. In fp32 (no bf16) weights and gradients take 4 bytes. Activations
+per micro batch follow Korthikanti et al. (2022): `s*b*h*(34 + 5*a*s/h)` bytes per layer without recomputation, the layer
 inputs `2*s*b*h` per layer plus one layer's worth with full checkpointing, and the
-fp32 logits `4*s*b*V`; twice that in fp32. A vLLM engine takes
+fp32 logits `4*s*b*V`; twice that in fp32.
+
+In fp32 (no bf16) ZeRO 1-3 still keep their own fp32 copy of the partition beside the
+model's weights (`single_partition_of_fp32_groups`, `fp32_partitioned_groups_flat`, cloned
+whatever the model's dtype), so the optimizer there is 12P/N as in mixed precision; only
+ZeRO-0 steps the model's own fp32 weights (8P).
+
+Buffers (DeepSpeed's working memory beside the model states, not in its estimators): the
+gradient communication buffers while backward runs, or the optimizer step's temporaries,
+whichever is larger (they are not alive at the same time). Communication: ZeRO-0 flattens
+the gradients into all-reduce buckets of up to 5e8 elements (`MEMORY_OPT_ALLREDUCE_SIZE`),
+ZeRO-1/2 keep one reduce bucket of hidden^2 elements (two with `overlap_comm`; the size is
+ours, `ds_buckets`, Hugging Face's rule), ZeRO-3 its reduce bucket (DeepSpeed's 5e8
+elements) plus the gathered weights it keeps alive (up to `stage3_max_live_parameters`,
+1e9: the whole of a small model). Step: torch's AdamW makes an fp32 copy of
+v for the denominator: of all the tensors it steps at once on a GPU (foreach, then in
+place), of one tensor at a time on the CPU (two: the square root, then the quotient), the
+largest the peak; under ZeRO 1-3 the tensor stepped is the rank's flat partition; with `adam_offload` DeepSpeed's CPU Adam steps in place on the host.
+
+A rank that trains on the CPU (`cpu_rank_bytes`) holds all of it in its RSS: the per-GPU
+parts, DeepSpeed's host figure under offload (its 1.5 margin is real there: the offloaded
+optimizer keeps its own gradient and staging copies on the host), and the process's own
+runtime (the interpreter and libraries: the RSS of a rank with no model, which the caller
+measures). A vLLM engine takes
 `vllm_gpu_memory_utilization` x device memory (weights and KV cache inside it).
 Colocated roles are summed; with `vllm_enable_sleep` the engine's share is free while
 the trainer runs, and with `deepspeed_enable_sleep` the trainer's gradients and optimizer
@@ -40,7 +63,10 @@ from typing import Any
 from engine.stage import MemoryNeed
 
 GB = 10**9
-PARTS = ("weights", "gradients", "optimizer", "activations", "vllm")
+PARTS = ("weights", "gradients", "optimizer", "activations", "buffers", "vllm")
+ALLREDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's ZeRO-0 all-reduce bucket
+MAX_LIVE_PARAMETERS = 1_000_000_000  # elements: ZeRO-3's default stage3_max_live_parameters
+REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size (ZeRO-3)
 
 
 @dataclass(frozen=True)
@@ -142,7 +168,7 @@ def model_states(
     """Per-GPU weights/gradients/optimizer and per-GPU host bytes (the module's table)."""
     w = 2 if bf16 else 4  # a weight, and a gradient, in the training precision
     grads = w + 4 if bf16 else w  # mixed precision keeps an fp32 copy of the gradients too
-    opt = 12 if bf16 else 8  # fp32 master (mixed precision only) + Adam's m and v
+    opt = 12 if bf16 or zero > 0 else 8  # fp32 master (ZeRO's own copy) + Adam's m and v
     p, n = params, max(dp, 1)
     local = min(max(per_node, 1), n)  # ranks of a node: DeepSpeed's host figures are per node
     nodes = -(-n // local)
@@ -150,7 +176,7 @@ def model_states(
     if zero == 3:
         parts = {
             "weights": w * p // n + 4 * largest,
-            "gradients": (grads - w) * p // n,
+            "gradients": 4 * p // n,  # the fp32 gradient partition
             "optimizer": opt * p // n,
         }
         host = int(largest * 4 * local * 1.5) // local
@@ -174,6 +200,31 @@ def model_states(
     return parts, host
 
 
+def ds_buckets(hidden: int, zero: int) -> dict[str, int]:
+    """The ds_config bucket sizes for a model of this hidden size: ZeRO-1/2's reduce bucket
+    is hidden^2 elements (Hugging Face's `auto` rule) instead of DeepSpeed's 5e8, which
+    would hold a small model's gradients several times over. ZeRO-3 keeps DeepSpeed's
+    defaults: with small buckets its gloo reduce-scatter hung in our 2-rank CPU runs."""
+    return {"reduce_bucket_size": hidden * hidden} if zero in (1, 2) else {}
+
+
+def buffers(
+    shape: ModelShape, zero: int, dp: int, offload: bool, bf16: bool, overlap: bool, cpu: bool
+) -> int:
+    """Communication buffers or step temporaries, the larger (module docstring)."""
+    w, p, n = (2 if bf16 else 4), shape.params, max(dp, 1)
+    if zero == 0:
+        comm = w * min(p, ALLREDUCE_BUCKET)
+    elif zero < 3:
+        comm = w * ds_buckets(shape.hidden, zero)["reduce_bucket_size"] * (2 if overlap else 1)
+    else:  # allocated whole on a GPU; on the CPU only the pages the gradients reach count
+        bucket = min(p, REDUCE_BUCKET) if cpu else REDUCE_BUCKET
+        comm = w * (min(p, MAX_LIVE_PARAMETERS) + bucket)
+    stepped = p // n if zero > 0 else (shape.largest_layer_params if cpu else p)
+    step = 0 if offload and zero > 0 and not cpu else (2 if cpu else 1) * 4 * stepped
+    return max(comm, step)
+
+
 def activations(shape: ModelShape, micro: int, seq: int, checkpointing: bool, bf16: bool) -> int:
     s, b, h, a, v = seq, micro, shape.hidden, shape.heads, shape.vocab
     layer = s * b * h * (34 + 5 * a * s / h)
@@ -191,6 +242,13 @@ def estimate(need: MemoryNeed, dp: int, per_node: int, device_bytes: int | None)
     if need.profile == "frozen":
         w = 2 if need.bf16 else 4
         return _estimate({"weights": w * shape.params}, 0)
+    parts, host = _trainer_parts(need, shape, dp, per_node, cpu=False)
+    return _estimate(parts, host)
+
+
+def _trainer_parts(
+    need: MemoryNeed, shape: ModelShape, dp: int, per_node: int, cpu: bool
+) -> tuple[dict[str, int], int]:
     parts, host = model_states(
         shape.params,
         shape.largest_layer_params,
@@ -203,7 +261,22 @@ def estimate(need: MemoryNeed, dp: int, per_node: int, device_bytes: int | None)
     parts["activations"] = activations(
         shape, need.micro_batch, need.seq_len, need.gradient_checkpointing, need.bf16
     )
-    return _estimate(parts, host)
+    parts["buffers"] = buffers(
+        shape, need.zero_stage, dp, need.adam_offload, need.bf16, need.overlap_comm, cpu
+    )
+    return parts, host
+
+
+def cpu_rank_bytes(need: MemoryNeed, dp: int, per_node: int, runtime: int) -> int | None:
+    """The peak RSS of a trainer rank on the CPU (gloo), `runtime` the RSS of a rank with no
+    model: its per-GPU parts, what offload moves to the host, and the runtime (module
+    docstring). Without offload the host figure is the weights the rank loads, which on the
+    CPU are the same memory as its parts; None when the model's shape is unknown."""
+    shape = read_shape(need.model)
+    if shape is None:
+        return None
+    parts, host = _trainer_parts(need, shape, dp, per_node, cpu=True)
+    return sum(parts.values()) + (host if need.adam_offload else 0) + runtime
 
 
 def colocated(items: Sequence[tuple[MemoryNeed, Estimate]]) -> Estimate:
@@ -219,7 +292,7 @@ def colocated(items: Sequence[tuple[MemoryNeed, Estimate]]) -> Estimate:
                 train_phase[part] += 0 if need.sleep else value
             else:
                 train_phase[part] += value
-                freed = need.sleep and part in ("gradients", "optimizer", "activations")
+                freed = need.sleep and part in ("gradients", "optimizer", "activations", "buffers")
                 gen_phase[part] += 0 if freed else value
     peak = train_phase if sum(train_phase.values()) >= sum(gen_phase.values()) else gen_phase
     return _estimate(peak, host)

@@ -81,6 +81,7 @@ class MemoryNeed:
     seq_len: int = 512
     utilization: float = 0.9  # engine: vllm_gpu_memory_utilization
     sleep: bool = False  # trainer: deepspeed_enable_sleep; engine: vllm_enable_sleep
+    overlap_comm: bool = False  # trainer: two reduce buckets instead of one
 
 
 @dataclass(frozen=True)

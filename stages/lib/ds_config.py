@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from engine.errors import Diagnostic
+from engine.memory import ds_buckets, read_shape
 from engine.stage import MemoryNeed, ResolveContext
 
 
@@ -39,14 +40,22 @@ def grad_accumulation(cfg: DeepSpeedSettings, world_size: int) -> int:
 
 
 def build_ds_config(
-    cfg: DeepSpeedSettings, world_size: int, *, pin_memory: bool = False
+    cfg: DeepSpeedSettings,
+    world_size: int,
+    *,
+    pin_memory: bool = False,
+    model_dir: str | None = None,
 ) -> dict[str, Any]:
-    """The ds_config dict for `cfg` trained on `world_size` ranks."""
+    """The ds_config dict for `cfg` trained on `world_size` ranks; with the model's
+    directory, buckets sized from its hidden size (`engine.memory.ds_buckets`)."""
     zero: dict[str, Any] = {
         "stage": cfg.zero_stage,
         "overlap_comm": cfg.overlap_comm,
         "contiguous_gradients": True,
     }
+    shape = read_shape(model_dir) if model_dir else None
+    if shape is not None:
+        zero.update(ds_buckets(shape.hidden, cfg.zero_stage))
     if cfg.adam_offload and cfg.zero_stage > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
     if cfg.zero_stage == 3:
@@ -103,6 +112,7 @@ def trainer_memory(cfg: Any, model: Any, seq_len: int, role: str = "") -> Memory
         micro_batch=cfg.micro_train_batch_size,
         seq_len=seq_len,
         sleep=cfg.deepspeed_enable_sleep,
+        overlap_comm=cfg.overlap_comm,
     )
 
 

@@ -68,6 +68,9 @@ class Ranks:
         return self.world if self.local is None else self.local
 
 
+MALLOC_TRIM_THRESHOLD = 65536
+
+
 def rank_env(
     rank: int, ranks: Ranks, port: int, threads: int, device: str, local: int = 0
 ) -> dict[str, str]:
@@ -92,6 +95,10 @@ def rank_env(
         PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p),
         **{PARENT_ENV: str(os.getpid())},  # a rank exits when this process dies
     )
+    # glibc keeps freed tensors in its heaps and grows them step after step under ZeRO-3's
+    # gather/release pattern; setting a trim threshold also fixes the mmap threshold (no
+    # dynamic raise), so large tensors go back to the OS when freed (Dask's workers do the same)
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(MALLOC_TRIM_THRESHOLD))
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     return env

@@ -60,6 +60,60 @@ def init_distributed(trainer: str, device: str, world: int) -> None:
         dist.init_process_group(backend)
 
 
+def load_model(model_dir: str, ds_config: dict[str, Any] | None) -> Any:
+    """The causal LM of `model_dir` in fp32, to train. Under ZeRO-3 it is built inside
+    DeepSpeed's `zero.Init`, so each parameter is partitioned as soon as it is made, and the
+    checkpoint's tensors are read one at a time on rank 0 and scattered (what Hugging
+    Face's DeepSpeed integration does): no rank ever holds the whole model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not ds_config or ds_config.get("zero_optimization", {}).get("stage") != 3:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        import deepspeed
+        from transformers.initialization import no_init_weights
+
+        config = AutoConfig.from_pretrained(model_dir)
+        # no random init (the checkpoint overwrites it, and it cannot index a partition)
+        with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        model.tie_weights()  # init_weights, skipped, ties them otherwise
+        _load_partitioned(model, model_dir)
+    model.config.use_cache = False
+    return model
+
+
+def _load_partitioned(model: Any, model_dir: str) -> None:
+    """Fill a ZeRO-3 model from the checkpoint's safetensors, one module's weights at a time."""
+    import json
+
+    import deepspeed
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            where = {k: os.path.join(model_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    else:
+        single = os.path.join(model_dir, "model.safetensors")
+        with safe_open(single, "pt") as f:
+            where = dict.fromkeys(f.keys(), single)
+    rank0 = dist.get_rank() == 0
+    for prefix, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if not params:
+            continue
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+            if rank0:
+                for name, param in params.items():
+                    key = f"{prefix}.{name}" if prefix else name
+                    if key in where:  # absent: tied to a weight loaded under another name
+                        with safe_open(where[key], "pt") as f:
+                            param.data.copy_(f.get_tensor(key))
+
+
 def make_trainer(
     trainer: str, ds_config: dict[str, Any] | None, cfg: Any, model: Any, total: int, device: str
 ) -> Any:

@@ -69,7 +69,8 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     plain: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (plain if p.ndim < 2 or "norm" in name else decay).append(p)
+            ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partition is flat
+            (plain if ndim < 2 or "norm" in name else decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": plain, "weight_decay": 0.0},

@@ -24,7 +24,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from stages.lib.rank import die_with_parent, exit_now, init_distributed, make_trainer, setup
+from stages.lib.rank import (
+    die_with_parent,
+    exit_now,
+    init_distributed,
+    load_model,
+    make_trainer,
+    setup,
+)
 
 log = logging.getLogger("pipe.rl")
 
@@ -38,8 +45,7 @@ class Actor:
 
         self.spec, self.cfg = spec, spec.config
         self.rank, self.world, self.device = rank, world, device
-        model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
-        model.config.use_cache = False
+        model = load_model(spec.model_dir, spec.ds_config)
         self.pad_id = int(model.config.pad_token_id or model.config.eos_token_id or 0)
         self.trainer = make_trainer(
             spec.trainer, spec.ds_config, self.cfg, model, spec.total_updates, device

@@ -187,7 +187,7 @@ class Controller:
             stage_dir=self.dir,
             device=device,
             trainer=trainer,  # type: ignore[arg-type]
-            ds_config=build_ds_config(cfg, world, pin_memory=device == "cuda")
+            ds_config=build_ds_config(cfg, world, pin_memory=device == "cuda", model_dir=model_dir)
             if trainer == "deepspeed"
             else None,
             threads=cfg.num_threads,
@@ -206,7 +206,9 @@ class Controller:
                 update={
                     "channel": self.critic.address,
                     "authkey": self.critic.authkey.hex(),
-                    "ds_config": build_ds_config(cfg, c_world, pin_memory=device == "cuda")
+                    "ds_config": build_ds_config(
+                        cfg, c_world, pin_memory=device == "cuda", model_dir=model_dir
+                    )
                     if trainer == "deepspeed"
                     else None,
                 }

@@ -219,14 +219,15 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
     trainer = trainer_kind(cfg)
     fingerprint = _fingerprint(cfg, world, trainer, device)
     resumed = _resume_point(stage_dir, fingerprint, ctx)
+    model_dir = _model_dir(cfg, rows, stage_dir)
     ds_config = None
     if trainer == "deepspeed":
-        ds_config = build_ds_config(cfg, world, pin_memory=device == "cuda")
+        ds_config = build_ds_config(cfg, world, pin_memory=device == "cuda", model_dir=model_dir)
         write_json(f"{stage_dir}/ds_config.json", ds_config, indent=2)
     threads = threads_per_rank(cfg, ranks.count)
     spec = WorkerSpec(
         config=cfg,
-        model_dir=_model_dir(cfg, rows, stage_dir),
+        model_dir=model_dir,
         stage_dir=stage_dir,
         device=device,
         trainer=trainer,

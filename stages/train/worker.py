@@ -31,19 +31,22 @@ if TYPE_CHECKING:
     from stages.train.loop import Loop
     from stages.train.spec import WorkerSpec
 
-from stages.lib.rank import die_with_parent, exit_now, init_distributed, make_trainer, setup
+from stages.lib.rank import (
+    die_with_parent,
+    exit_now,
+    init_distributed,
+    load_model,
+    make_trainer,
+    setup,
+)
 
 log = logging.getLogger("pipe.train")
 
 
-def _load(model_dir: str, device: str) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load(model_dir: str, ds_config: dict[str, Any] | None) -> tuple[Any, Any]:
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.config.use_cache = False
-    return tokenizer, model
+    return AutoTokenizer.from_pretrained(model_dir), load_model(model_dir, ds_config)
 
 
 def _save_final(trainer: Any, tokenizer: Any, output: str, rank: int) -> None:
@@ -132,7 +135,7 @@ def _build_loop(
     from stages.train.loop import Loop
     from stages.train.threads import ThreadTuner
 
-    tokenizer, model = _load(spec.model_dir, device)
+    tokenizer, model = _load(spec.model_dir, spec.ds_config)
     rows = read_rows(str(cfg.input))
     data = training_set(
         rows, tokenizer, algorithm=cfg.algorithm, target=cfg.target, max_length=cfg.max_length
@@ -140,7 +143,7 @@ def _build_loop(
     plan = plan_for(cfg, data, world)
     reference = None
     if cfg.algorithm == "dpo":
-        reference = _load(spec.model_dir, device)[1].to(device).eval().requires_grad_(False)
+        reference = load_model(spec.model_dir, None).to(device).eval().requires_grad_(False)
     pad_id = tokenizer.pad_token_id
     loop = Loop(
         cfg=cfg,

@@ -139,9 +139,9 @@ def test_a_70b_full_fine_tune_is_refused_with_the_changes_that_fit(tmp_path: Pat
     refused = run_cli("validate", "p.yaml", "--cluster", "2x8x80GB")
     assert refused.exit_code == 2
     assert refused.stderr == (
-        "p.yaml:6:16: stages.sft: needs 1113.3 GB per GPU (actor: weights 138.0 GB, gradients "
-        "138.0 GB, optimizer 827.7 GB, activations 9.7 GB), the GPUs have 80.0 GB; changes that "
-        "fit, cheapest first: `memory: memory_constrained` -> 21.8 GB\n"
+        "p.yaml:6:16: stages.sft: needs 1389.3 GB per GPU (actor: weights 138.0 GB, gradients "
+        "138.0 GB, optimizer 827.7 GB, activations 9.7 GB, buffers 275.9 GB), the GPUs have "
+        "80.0 GB; changes that fit, cheapest first: `memory: memory_constrained` -> 24.8 GB\n"
     )
     accepted = run_cli(
         "validate", "p.yaml", "--cluster", "2x8x80GB", "--set", "memory=memory_constrained"
@@ -161,5 +161,12 @@ def test_a_70b_full_fine_tune_is_refused_with_the_changes_that_fit(tmp_path: Pat
     )
     sft = plan["memory"]["sft"]["actor"]
     assert set(sft) == {"gpu_bytes", "host_bytes", "parts"}
-    assert set(sft["parts"]) == {"weights", "gradients", "optimizer", "activations", "vllm"}
+    assert set(sft["parts"]) == {
+        "weights",
+        "gradients",
+        "optimizer",
+        "activations",
+        "buffers",
+        "vllm",
+    }
     assert sft["gpu_bytes"] < 80 * 10**9
