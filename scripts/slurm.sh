@@ -23,7 +23,7 @@ log() { echo "slurm.sh: $*" >&2; }
 
 write_config() {
     local cpus mem_mb
-    cpus=$(nproc)
+    cpus=$(getconf _NPROCESSORS_ONLN)  # not nproc: it obeys OMP_NUM_THREADS, which make exports as 1
     mem_mb=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
     mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d" "$RUN"
     for i in $(seq 0 $((GPUS - 1))); do

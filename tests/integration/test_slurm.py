@@ -55,6 +55,19 @@ def slurm() -> Iterator[None]:
         subprocess.run(["bash", str(ROOT / "scripts" / "slurm.sh"), "stop"], timeout=120)
 
 
+@pytest.fixture(autouse=True)
+def idle_node() -> None:
+    """Each test starts on an empty queue: a job an earlier test cancelled may still be
+    completing (its worker being killed) and hold a core the next test's jobs need."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and not out.stdout.strip():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"Slurm's queue did not empty in 90 s: {out.stdout.strip()[:300]}")
+
+
 def queued() -> list[str]:
     """Our worker jobs still in squeue (pending, running or completing)."""
     out = subprocess.run(
