@@ -224,19 +224,26 @@ def squeue(ids: list[str]) -> dict[str, str]:
 
 def release(cluster: Any, client: Any, keep: set[str], need_one: bool) -> list[str]:
     """Cancel the jobs whose worker is idle and not in `keep`; leave one when `need_one` and no
-    other would remain. Returns the job ids cancelled."""
+    other would remain. Returns the job ids cancelled.
+
+    Workers released before count as gone even while their job is still closing (otherwise a
+    second call sees two idle workers, keeps the closing one and cancels the last), and the
+    scheduler retires a worker before its job is cancelled, so no task is handed to it."""
     info = client.scheduler_info(n_workers=-1)["workers"]
+    live = {a: w for a, w in info.items() if w.get("name") in cluster.worker_spec}
     busy = {a for a, keys in client.processing().items() if keys}
-    idle = sorted(a for a in info if a not in keep and a not in busy)
-    if need_one and len(idle) == len(info) and idle:
+    idle = sorted(a for a in live if a not in keep and a not in busy)
+    if need_one and len(idle) == len(live) and idle:
         idle = idle[1:]
-    names = [info[a].get("name") for a in idle]
+    if not idle:
+        return []
+    client.retire_workers(workers=idle, close_workers=False)
+    names = [live[a].get("name") for a in idle]
     ids = [str(cluster.workers[n].job_id) for n in names if n in cluster.workers]
     for name in names:
         cluster.worker_spec.pop(name, None)
-    if names:
-        cluster.scale(jobs=len(cluster.worker_spec))  # closes the jobs no longer in the spec
-        log.info("slurm: released job(s) %s (nothing left for them)", ", ".join(ids))
+    cluster.scale(jobs=len(cluster.worker_spec))  # closes the jobs no longer in the spec
+    log.info("slurm: released job(s) %s (nothing left for them)", ", ".join(ids))
     return ids
 
 

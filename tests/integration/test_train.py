@@ -129,10 +129,14 @@ def test_memory_constrained_trains_through_zero3_on_cpu(tmp_path: Path):
 def worker_pids() -> list[int]:
     import psutil
 
-    me = psutil.Process()
-    return [
-        p.pid for p in me.children(recursive=True) if "stages.train.worker" in " ".join(p.cmdline())
-    ]
+    pids = []
+    for child in psutil.Process().children(recursive=True):
+        try:  # a child that has just exited (a zombie not yet reaped) has no command line
+            if "stages.train.worker" in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:
+            continue
+    return pids
 
 
 def kill_after_first_checkpoint(stage: Path, errors: list[BaseException], cfg: TrainConfig) -> int:
