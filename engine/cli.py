@@ -6,11 +6,13 @@ mistake prints compiler-style errors and no traceback; `-v` shows one for a bug.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -121,6 +123,20 @@ def main(verbose: bool) -> None:
             logging.getLogger(noisy).setLevel(logging.CRITICAL)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Load, resolve and plan make some 10^5 small objects with no cycles among them; the
+    cyclic collector rescanning them took about half of a 1,000-stage `pipe validate`
+    (BENCHMARKS.md). Paused for that bounded work, on again after it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def build_plan(
     path: str,
     overrides: tuple[str, ...] = (),
@@ -139,9 +155,10 @@ def build_plan(
         from engine.cluster_spec import load_cluster_spec
 
         view = load_cluster_spec(cluster)
-    loaded = load_pipeline(path, overrides)
-    gpus = view_gpus(loaded.spec.cluster.gpus, view)
-    result = plan(resolve(loaded, run_dir=run_dir, gpus=gpus), view)
+    with _gc_paused():
+        loaded = load_pipeline(path, overrides)
+        gpus = view_gpus(loaded.spec.cluster.gpus, view)
+        result = plan(resolve(loaded, run_dir=run_dir, gpus=gpus), view)
     for note in result.resolved.notes if notes else ():
         click.echo(note.render(), err=True)
     return result

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from graphlib import TopologicalSorter
 from typing import Any
 
 from engine.stage import Slot
@@ -140,13 +141,28 @@ def _ranges(ids: Iterable[int]) -> str:
     return ",".join(parts)
 
 
+Place = tuple[str, str | None]
+
+
+def _group(devices: Iterable[Device]) -> dict[Place, list[Device]]:
+    """`devices` by the worker that holds them, in node order."""
+    by_place: dict[Place, list[Device]] = {}
+    for d in devices:
+        by_place.setdefault((d[0], d[1]), []).append(d)
+    return by_place
+
+
 def _take(free: Sequence[Device], n: int, unit: int, per_node: int) -> list[Device] | None:
     """`n` devices of `free` in units of `unit` on one worker each: whole nodes first (in
     order), then the worker that fits the rest best, then the largest; None when they do
     not fit."""
-    by_place: dict[tuple[str, str | None], list[Device]] = {}
-    for d in free:
-        by_place.setdefault((d[0], d[1]), []).append(d)
+    return _take_grouped(_group(free), n, unit, per_node)
+
+
+def _take_grouped(
+    by_place: Mapping[Place, list[Device]], n: int, unit: int, per_node: int
+) -> list[Device] | None:
+    """`_take` on devices already grouped by worker (`_group`)."""
     cap = {p: len(v) - len(v) % unit for p, v in by_place.items()}
     if sum(cap.values()) < n:
         return None
@@ -177,24 +193,21 @@ def _capacity(devices: Sequence[Device], unit: int) -> int:
 
 
 def _slots(devices: Iterable[Device], role: str | None) -> tuple[Slot, ...]:
-    groups: dict[tuple[str, str | None], list[int]] = {}
+    groups: dict[Place, list[int]] = {}
     for node, worker, d in devices:
         groups.setdefault((node, worker), []).append(d)
-    return tuple(Slot(n, w, tuple(sorted(ids)), role) for (n, w), ids in groups.items())
+    return tuple([Slot(n, w, tuple(sorted(ids)), role) for (n, w), ids in groups.items()])
 
 
-def _ancestors(needs: Mapping[str, Sequence[str]]) -> dict[str, set[str]]:
-    memo: dict[str, set[str]] = {}
-
-    def up(name: str) -> set[str]:
-        if name not in memo:
-            memo[name] = set()
-            for n in needs.get(name, ()):
-                memo[name] |= {n} | up(n)
-        return memo[name]
-
-    for name in needs:
-        up(name)
+def _ancestors(needs: Mapping[str, Sequence[str]], bit: Mapping[str, int]) -> dict[str, int]:
+    """Every stage's ancestors (what it needs, directly or not) as a bit set over `bit`
+    (the placed stages; others add no bit); iterative, so a chain of any length is fine."""
+    memo: dict[str, int] = {}
+    for name in TopologicalSorter(needs).static_order():
+        up = 0
+        for n in needs.get(name, ()):
+            up |= memo[n] | bit.get(n, 0)
+        memo[name] = up
     return memo
 
 
@@ -241,23 +254,31 @@ def solve(
         free = [d for d in free if d not in got]
         for role in pool.roles:
             pool_devices[role] = got
-    ancestors = _ancestors(needs)
+    bit = {st.name: 1 << i for i, st in enumerate(stages)}
+    ancestors = _ancestors(needs, bit)
     placed: dict[str, set[Device]] = {}
+    placed_bits = 0
     out: dict[str, tuple[Slot, ...]] = {}
     waits: dict[str, tuple[str, ...]] = {}
+    grouped: dict[int, dict[Place, list[Device]]] = {}
+    held_memo: dict[int, tuple[list[str], set[Device]]] = {}
+    free_memo: dict[tuple[int, int], dict[Place, list[Device]]] = {}
+    slot_memo: dict[tuple[str | None, tuple[Device, ...]], tuple[Slot, ...]] = {}
     for st in stages:
-        concurrent = [
-            o
-            for o in placed
-            if o not in ancestors.get(st.name, set()) and st.name not in ancestors.get(o, set())
-        ]
-        held = {d for o in concurrent for d in placed[o]}
+        # `stages` are in topological order: no stage placed before this one needs it, so
+        # those that may run beside it are the placed ones it does not need (a bit set;
+        # in a chain it is the same set stage after stage, so what it holds is kept).
+        beside = placed_bits & ~ancestors.get(st.name, 0)
+        if beside not in held_memo:
+            concurrent = [o for o in placed if bit[o] & beside]
+            held_memo[beside] = (concurrent, set().union(*(placed[o] for o in concurrent)))
+        concurrent, held = held_memo[beside]
         slots: list[Slot] = []
         mine: set[Device] = set()
-        done_pools: dict[tuple[Device, ...], list[Device]] = {}
+        done_pools: dict[int, list[Device]] = {}
         for req in st.roles:
             where = pool_devices.get(req.role, devices) if req.role else devices
-            key = tuple(where)
+            key = id(where)  # colocated roles share one device list
             if key in done_pools and req.role:  # a colocated role: the same devices
                 slots.extend(_slots(done_pools[key], req.role))
                 continue
@@ -268,9 +289,18 @@ def solve(
             if problem is not None:
                 problems.append((st.name, problem))
                 continue
-            got = _take([d for d in where if d not in held], req.gpus, req.unit, per_node)
+            if key not in grouped:
+                grouped[key] = _group(where)
+            free_here = grouped[key]
+            if held:
+                if (key, beside) not in free_memo:
+                    free_memo[(key, beside)] = {
+                        p: [d for d in v if d not in held] for p, v in free_here.items()
+                    }
+                free_here = free_memo[(key, beside)]
+            got = _take_grouped(free_here, req.gpus, req.unit, per_node)
             if got is None:
-                got = _take(where, req.gpus, req.unit, per_node)
+                got = _take_grouped(grouped[key], req.gpus, req.unit, per_node)
                 if got is None:
                     problems.append(
                         (
@@ -281,11 +311,16 @@ def solve(
                         )
                     )
                     continue
-                waits[st.name] = tuple(o for o in concurrent if placed[o] & set(got))
+                taken = set(got)
+                waits[st.name] = tuple(o for o in concurrent if not placed[o].isdisjoint(taken))
             done_pools[key] = got
-            mine |= set(got)
-            slots.extend(_slots(got, req.role))
+            mine.update(got)
+            memo_key = (req.role, tuple(got))  # stages in a chain often get the same devices
+            if memo_key not in slot_memo:
+                slot_memo[memo_key] = _slots(got, req.role)
+            slots.extend(slot_memo[memo_key])
         placed[st.name] = mine
+        placed_bits |= bit[st.name]
         out[st.name] = tuple(slots)
     if problems:
         raise PlacementError(problems)

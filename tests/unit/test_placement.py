@@ -231,3 +231,22 @@ def test_the_live_view_takes_the_smallest_gpu_memory_the_workers_report():
     }
     assert view_from_workers(info, 8).gpu_memory_bytes == 40960 * 2**20
     assert view_from_workers({"tcp://c:1": info["tcp://c:1"]}, 8).gpu_memory_bytes is None
+
+
+def test_a_chain_of_3000_stages_listed_last_first_places_without_waits():
+    # each stage needs the one before it: none runs beside another, so all may share
+    # node0; the needs are given last stage first (a recursive walk would go 3000 deep)
+    names = [f"s{i}" for i in range(3000)]
+    needs = {names[i]: [names[i - 1]] for i in reversed(range(1, 3000))}
+    p = solve([stage(n, 8) for n in names], needs, [], nodes(2))
+    assert {where(p, n)[0][0] for n in names} == {"node0"}
+    assert p.waits == {}
+
+
+def test_a_stage_beside_a_chain_takes_the_other_node_and_the_chain_keeps_its_own():
+    names = ["a", "b", "c"]
+    needs = {"b": ["a"], "c": ["b"], "x": []}
+    p = solve([stage("x", 8), *(stage(n, 8) for n in names)], needs, [], nodes(2))
+    assert where(p, "x") == [("node0", tuple(range(8)), None)]
+    assert {where(p, n)[0][0] for n in names} == {"node1"}
+    assert p.waits == {}
