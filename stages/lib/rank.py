@@ -19,16 +19,18 @@ PARENT_ENV = "PIPE_TRAIN_PARENT_PID"
 MARK = "@pipe "  # lines the launcher passes on to the stage's log; the rest go to the log file only
 
 
-def setup(log: logging.Logger, rank: int, threads: int) -> None:
-    """Quiet libraries, mark this rank's own log lines (rank 0 logs INFO), set torch threads."""
+def setup(rank: int, threads: int) -> None:
+    """Quiet libraries, mark our own log lines (every `pipe.*` logger: the role's and the
+    shared trainer's and loader's; rank 0 logs INFO), set torch threads."""
     logging.basicConfig(
         level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True
     )
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(f"{MARK}%(levelname)s %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    log.propagate = False
+    ours = logging.getLogger("pipe")
+    ours.handlers = [handler]
+    ours.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    ours.propagate = False
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     from transformers.utils import logging as hf_logging
 
@@ -101,6 +103,7 @@ def _load_partitioned(model: Any, model_dir: str) -> None:
         with safe_open(single, "pt") as f:
             where = dict.fromkeys(f.keys(), single)
     rank0 = dist.get_rank() == 0
+    read = 0
     for prefix, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
         if not params:
@@ -112,6 +115,11 @@ def _load_partitioned(model: Any, model_dir: str) -> None:
                     if key in where:  # absent: tied to a weight loaded under another name
                         with safe_open(where[key], "pt") as f:
                             param.data.copy_(f.get_tensor(key))
+                        read += 1
+    if rank0:
+        logging.getLogger("pipe.rank").info(
+            "zero 3: %d checkpoint tensors read one module at a time into the partitions", read
+        )
 
 
 def make_trainer(

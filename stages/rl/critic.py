@@ -15,15 +15,17 @@ import logging
 import random
 from typing import Any
 
-from stages.lib.rank import exit_now, make_trainer
+from stages.lib.rank import exit_now, load_model, make_trainer
 
 log = logging.getLogger("pipe.rl.critic")
 
 
-def build_critic(model_dir: str) -> Any:
-    """The policy's decoder with a scalar value head (zero-initialised: values start at 0)."""
+def build_critic(model_dir: str, ds_config: dict[str, Any] | None) -> Any:
+    """The policy's decoder with a scalar value head (zero-initialised: values start at 0).
+    The decoder loads as the actor's model does (`load_model`: under ZeRO-3 partitioned as it
+    is built, no rank holding the whole model); DeepSpeed partitions the small value head,
+    made outside `zero.Init`, when it wraps the module."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     class Critic(torch.nn.Module):
         def __init__(self, lm: Any) -> None:
@@ -37,9 +39,7 @@ def build_critic(model_dir: str) -> Any:
         def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
             self.decoder.gradient_checkpointing_enable(**kwargs)
 
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    lm.config.use_cache = False
-    return Critic(lm)
+    return Critic(load_model(model_dir, ds_config))
 
 
 class CriticRank:
@@ -48,7 +48,7 @@ class CriticRank:
     def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
         self.spec, self.cfg = spec, spec.config
         self.rank, self.world, self.device = rank, world, device
-        model = build_critic(spec.model_dir)
+        model = build_critic(spec.model_dir, spec.ds_config)
         self.pad_id = int(model.config.pad_token_id or model.config.eos_token_id or 0)
         self.trainer = make_trainer(
             spec.trainer, spec.ds_config, self.cfg, model, spec.total_updates, device

@@ -171,7 +171,7 @@ def run(spec: WorkerSpec) -> None:
     cfg = spec.config
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    setup(log, rank, spec.threads)
+    setup(rank, spec.threads)
     device = f"cuda:{local}" if spec.device == "cuda" else "cpu"
     if device != "cpu":
         torch.cuda.set_device(local)
