@@ -158,7 +158,14 @@ def test_ctrl_c_cancels_the_jobs(tmp_path: Path):
         """,
     )
     proc = subprocess.Popen(
-        [*TOYS, "run", "p.yaml"], cwd=tmp_path, env=ENV, stderr=subprocess.PIPE, text=True
+        [*TOYS, "run", "p.yaml"],
+        cwd=tmp_path,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+        # as from a terminal: a runner that started us in the background of a non-interactive
+        # shell hands SIGINT down ignored, and Python then installs no KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
