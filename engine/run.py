@@ -8,9 +8,14 @@ and `report.json` (the latest also at `<run-dir>/report.json`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from engine.cluster import Cluster
@@ -64,6 +69,36 @@ def run_pipeline(req: RunRequest) -> RunReport:
     refused (`PipeError`, nothing started) when it does not fit them. `scheduler: slurm`
     first counts the jobs the plan needs (`engine.slurm.request`), then submits them.
     """
+    with _sigterm_interrupts():
+        return _run_pipeline(req)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a batch system's or CI's time limit, `kill`) ends a run as Ctrl-C does: the
+    running stages cancelled, the Slurm jobs cancelled, the report written, exit 1; a
+    second SIGTERM ends the process at once. Left alone off the main thread, or where
+    SIGTERM is ignored or someone else handles it."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        log.warning("SIGTERM: stopping the run as for Ctrl-C")
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _run_pipeline(req: RunRequest) -> RunReport:
     from engine.cluster import scheduler_address
 
     loaded = load_pipeline(req.pipeline, req.overrides)

@@ -159,31 +159,65 @@ def test_retries_failures_and_keep_going(tmp_path: Path):
 
 
 def test_killed_worker_reschedules_the_stage(tmp_path: Path):
-    pid_file = tmp_path / "pids.txt"
-    write(
-        tmp_path,
-        f"""\
-        name: p
-        cluster: {{workers: 2}}
-        stages:
-          long: {{kind: toy, config: {{value: done, sleep_s: 4, pid_file: {pid_file}}}}}
-        """,
+    proc, victim = _run_until_pid(
+        tmp_path, 2, "long: {kind: toy, config: {value: done, sleep_s: 4, pid_file: PIDS}}"
     )
-    proc = subprocess.Popen(
-        [*PIPE, "run", "p.yaml"], cwd=tmp_path, env=ENV, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and not (pid_file.exists() and pid_file.read_text().strip()):
-        time.sleep(0.1)
-    victim = int(pid_file.read_text().split()[0])
     os.kill(victim, signal.SIGKILL)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
-    pids = pid_file.read_text().split()
+    pids = (tmp_path / "pids.txt").read_text().split()
     assert len(pids) == 2 and pids[0] != pids[1]
     stages = report(tmp_path)["stages"]
     assert stages["long"]["status"] == "succeeded"
     assert (tmp_path / "runs" / "p" / "long" / "out.txt").read_text() == "done\n"
+
+
+def test_sigterm_stops_the_run_as_ctrl_c_does(tmp_path: Path):
+    proc, worker = _run_until_pid(
+        tmp_path,
+        1,
+        "quick: {kind: toy, config: {value: a}}\n"
+        "long: {kind: toy, needs: [quick], config: {sleep_s: 120, pid_file: PIDS}}",
+    )
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)  # not the stage's 120 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "SIGTERM: stopping the run as for Ctrl-C" in err
+    assert "interrupted: cancelling 1 running stage(s)" in err
+    stages = report(tmp_path)["stages"]
+    assert (stages["quick"]["status"], stages["long"]["status"]) == ("succeeded", "cancelled")
+    deadline = time.monotonic() + 30  # the worker that ran the stage went with the cluster
+    while time.monotonic() < deadline and _alive(worker):
+        time.sleep(0.2)
+    assert not _alive(worker)
+
+
+def _run_until_pid(tmp_path: Path, workers: int, stages: str) -> tuple[subprocess.Popen[str], int]:
+    """`pipe run` of pipeline p with `workers` local workers and `stages` (PIDS: the file the
+    toy stage writes its worker's PID to) started, and that PID once written."""
+    pid_file = tmp_path / "pids.txt"
+    body = textwrap.indent(stages.replace("PIDS", str(pid_file)), "  ")
+    (tmp_path / "p.yaml").write_text(f"name: p\ncluster: {{workers: {workers}}}\nstages:\n{body}\n")
+    proc = subprocess.Popen(
+        [*PIPE, "run", "p.yaml"], cwd=tmp_path, env=ENV, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (pid_file.exists() and pid_file.read_text().strip()):
+        time.sleep(0.1)
+    return proc, int(pid_file.read_text().split()[0])
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_more_gpus_than_the_workers_offer_is_refused_at_start(tmp_path: Path):

@@ -1,7 +1,8 @@
 """`scheduler: slurm` against a real one-node Slurm (`make install-slurm`: Debian's slurm-wlm,
 munge, fake GPU gres gpu:2): workers are dask-jobqueue batch jobs, the GPU stage lands on a
 job's worker with GPU=2 and the job's CUDA_VISIBLE_DEVICES, report.json names the jobs, and
-nothing stays queued: after success, a failed stage, Ctrl-C, or jobs Slurm will not start."""
+nothing stays queued: after success, a failed stage, Ctrl-C or SIGTERM, or jobs Slurm will not
+start."""
 
 from __future__ import annotations
 
@@ -149,7 +150,8 @@ def test_a_failed_stage_names_its_job_and_leaves_nothing_queued(tmp_path: Path):
     assert stages["gpu"]["slurm_jobs"] == stages["prep"]["slurm_jobs"] != []
 
 
-def test_ctrl_c_cancels_the_jobs(tmp_path: Path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_ctrl_c_or_sigterm_cancels_the_jobs(tmp_path: Path, sig: signal.Signals):
     pid_file = tmp_path / "pid"
     write(
         tmp_path,
@@ -173,7 +175,7 @@ def test_ctrl_c_cancels_the_jobs(tmp_path: Path):
             time.sleep(0.2)
         assert pid_file.exists(), "the stage never started"
         assert len(queued()) == 1
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
