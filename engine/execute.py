@@ -27,6 +27,7 @@ from typing import Any
 
 from engine.cache import HashCache, stage_keys, up_to_date
 from engine.cluster import Cluster
+from engine.fsio import exists, move
 from engine.plan import Plan
 from engine.report import RunReport, StageRecord
 from engine.stage import Slot, kinds
@@ -177,14 +178,30 @@ def prepare(plan: Plan, options: RunOptions, report: RunReport) -> tuple[dict[st
     for name in plan.order:
         stage_dir = _abs(f"{run_dir.rstrip('/')}/{name}")
         rec = report.add(name, plan.stages[name].resolved.kind, keys[name], stage_dir)
-        if name not in forced and up_to_date(stage_dir, keys[name], plan.stages[name].outputs):
+        done = up_to_date(stage_dir, keys[name], plan.stages[name].outputs)
+        if name not in forced and done:
             rec.status, rec.cache_hit = "cached", True
             log.info("%s: up to date, skipped (cache hit)", name)
         elif name not in chosen:
             rec.status = "not-selected"
         else:
+            if done:  # forced: run again from scratch, not resumed from its own last checkpoint
+                _set_aside(plan, name, stage_dir, f"{run_dir.rstrip('/')}/history/{report.run_id}")
             pending.append(name)
     return keys, pending
+
+
+def _set_aside(plan: Plan, name: str, stage_dir: str, history: str) -> None:
+    """Move a completed stage's folder, and its outputs outside it, into the run's history
+    (`replaced/<stage>/`): a forced stage starts from nothing (a train or rl stage would
+    otherwise resume from its final checkpoint and do nothing), and the completed run is
+    kept, not lost."""
+    kept = f"{history}/replaced/{name}"
+    for i, path in enumerate(sorted(plan.stages[name].outputs.values())):
+        if not path.startswith(stage_dir.rstrip("/") + "/") and exists(path):
+            move(path, f"{kept}/outputs/{i}-{path.rstrip('/').rsplit('/', 1)[-1]}")
+    move(stage_dir, f"{kept}/{name}")
+    log.info("%s: forced; its completed run is kept in %s", name, kept)
 
 
 def execute(

@@ -50,6 +50,17 @@ def remove(path: str) -> None:
         fs.rm(real)
 
 
+def move(src: str, dst: str) -> None:
+    """Move a file or folder to `dst` (its parent made first); same filesystem."""
+    parent = dst.rstrip("/").rsplit("/", 1)[0]
+    makedirs(parent)
+    if is_local(src):
+        os.replace(local_path(src), local_path(dst))
+    else:
+        fs, real = _fs(src)
+        fs.mv(real, _fs(dst)[1], recursive=True)
+
+
 def read_text(path: str) -> str:
     if is_local(path):
         with open(local_path(path), encoding="utf-8") as f:

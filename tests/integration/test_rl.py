@@ -198,6 +198,22 @@ def test_a_killed_run_resumes_from_its_checkpoint(tmp_path: Path):
     assert [r["prompts"] for r in rows] == [stream.indices(s) for s in range(1, steps + 1)]
 
 
+def test_a_forced_rerun_of_a_completed_stage_starts_over_and_keeps_the_old_run(tmp_path: Path):
+    write(tmp_path, steps=2)
+    assert pipe(tmp_path, "run", "p.yaml").returncode == 0
+    first = (tmp_path / "runs/rl/rl/metrics.jsonl").read_text()
+    result = pipe(tmp_path, "run", "p.yaml", "--only", "rl", "--force")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" not in result.stderr  # not from its own final checkpoint
+    report = json.loads((tmp_path / "runs/rl/report.json").read_text())
+    rl = report["stages"]["rl"]
+    assert rl["status"] == "succeeded" and rl["metrics"]["resumed_from_step"] is None
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]  # both steps trained again
+    kept = f"runs/rl/history/{report['run_id']}/replaced/rl"
+    assert f"rl: forced; its completed run is kept in {kept}" in result.stderr
+    assert (tmp_path / kept / "rl/metrics.jsonl").read_text() == first
+
+
 PRESETS = [
     (p, m)
     for p in ("default", "high-performance", "max-throughput")
