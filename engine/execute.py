@@ -186,7 +186,7 @@ def prepare(plan: Plan, options: RunOptions, report: RunReport) -> tuple[dict[st
             rec.status = "not-selected"
         else:
             if done:  # forced: run again from scratch, not resumed from its own last checkpoint
-                _set_aside(plan, name, stage_dir, f"{run_dir.rstrip('/')}/history/{report.run_id}")
+                _set_aside(plan, name, stage_dir, report.history(run_dir))
             pending.append(name)
     return keys, pending
 

@@ -100,10 +100,14 @@ class RunReport:
             "stages": {n: r.as_dict() for n, r in self.stages.items()},
         }
 
+    def history(self, run_dir: str) -> str:
+        """This run's records folder: `<run-dir>/history/<run-id>`."""
+        return f"{run_dir.rstrip('/')}/history/{self.run_id}"
+
     def write(self, run_dir: str) -> str:
         """Write the report to the run's history folder and as the latest; return the history path."""
         text = json.dumps(self.as_dict(), indent=2, default=str) + "\n"
-        history = f"{run_dir.rstrip('/')}/history/{self.run_id}"
+        history = self.history(run_dir)
         makedirs(history)
         atomic_write_text(f"{history}/report.json", text)
         atomic_write_text(f"{run_dir.rstrip('/')}/report.json", text)

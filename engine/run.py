@@ -172,7 +172,7 @@ def _execute(
         log.warning("%s", note.render())
     run_dir = planned.resolved.run_dir
     report = RunReport(new_run_id(), req.pipeline, planned.name, connection.address)
-    history = f"{run_dir.rstrip('/')}/history/{report.run_id}"
+    history = report.history(run_dir)
     makedirs(history)
     atomic_write_text(f"{history}/plan.lock.yaml", planned.to_yaml())
     handler = logging.FileHandler(f"{history}/driver.log") if "://" not in history else None

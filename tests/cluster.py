@@ -29,6 +29,16 @@ class SimWorker:
     nthreads: int = 1
 
 
+def alive(pid: int) -> bool:
+    """The process runs (a zombie, ended but not yet reaped, does not)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import SimWorker, dask_cluster
+from tests.cluster import SimWorker, alive, dask_cluster
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
@@ -191,9 +191,9 @@ def test_sigterm_stops_the_run_as_ctrl_c_does(tmp_path: Path):
     stages = report(tmp_path)["stages"]
     assert (stages["quick"]["status"], stages["long"]["status"]) == ("succeeded", "cancelled")
     deadline = time.monotonic() + 30  # the worker that ran the stage went with the cluster
-    while time.monotonic() < deadline and _alive(worker):
+    while time.monotonic() < deadline and alive(worker):
         time.sleep(0.2)
-    assert not _alive(worker)
+    assert not alive(worker)
 
 
 def _run_until_pid(tmp_path: Path, workers: int, stages: str) -> tuple[subprocess.Popen[str], int]:
@@ -209,15 +209,6 @@ def _run_until_pid(tmp_path: Path, workers: int, stages: str) -> tuple[subproces
     while time.monotonic() < deadline and not (pid_file.exists() and pid_file.read_text().strip()):
         time.sleep(0.1)
     return proc, int(pid_file.read_text().split()[0])
-
-
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_more_gpus_than_the_workers_offer_is_refused_at_start(tmp_path: Path):

@@ -29,6 +29,7 @@ import pytest
 
 from stages.lib import vllm_server as vs
 from stages.lib.config import VLLMBackend
+from tests.cluster import alive
 
 LOG = logging.getLogger("test.vllm")
 STARTUP_TIMEOUT_S = 420.0
@@ -151,13 +152,6 @@ def server_pids(port: int) -> list[int]:
     """The API server serving on `port` and all its descendants (engine core, workers)."""
     server = next(p for p in psutil.process_iter(["cmdline"]) if _serves(p, port))
     return [server.pid, *(c.pid for c in server.children(recursive=True))]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.fixture(scope="module")
