@@ -1,6 +1,6 @@
 """Benchmark: our GRPO (the rl stage) beside TRL's GRPOTrainer, same warm-up and settings.
 
-    .venv/bin/python bench/rl.py [--shapes 8x4,32x4] [--steps 100] [--lr 1e-4]
+    .venv/bin/python bench/rl.py [--shapes 8x4,32x4] [--steps 100] [--lr 1e-4] [--repeats 3]
     .venv/bin/python bench/rl.py --async [--shapes 32x8] [--steps 60]
 
 Both start from the warm-up of pipelines/grpo_quickstart.yaml (made once in
@@ -11,7 +11,9 @@ one run: seconds per step of the training loop (start-up and the final held-out
 evaluation excluded), ours / TRL (with --async: sync / async, the speed-up), and
 the held-out greedy accuracy of both final checkpoints on the 500 test prompts, scored
 by the same code. TRL runs in `.venv-trl` (make bench-rl-setup). With --async: our
-synchronous and asynchronous modes side by side instead.
+synchronous and asynchronous modes side by side instead. `--repeats N` runs each side N
+times per shape with sampling seeds 0..N-1 (same warm-up) and prints their means too: one
+run's held-out accuracy moves by a few points with the seed alone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +75,7 @@ def ours(
         "eval_every": steps,
         "save_steps": steps,
         "learning_rate": lr,
+        "lr_scheduler": "constant",  # TRL's constant_with_warmup, whatever the pipeline says
     }
     args = [
         *PIPE,
@@ -98,7 +102,7 @@ def ours(
 
 
 def trl(
-    b: Path, name: str, prompts: int, group: int, steps: int, lr: float, python: str
+    b: Path, name: str, prompts: int, group: int, steps: int, lr: float, python: str, seed: int
 ) -> dict[str, Any]:
     out = OUT / name
     subprocess.run(
@@ -121,6 +125,8 @@ def trl(
             str(lr),
             "--max-tokens",
             "8",
+            "--seed",
+            str(seed),
         ],
         cwd=ROOT,
         env={**ENV, "PYTHONPATH": ""},
@@ -150,7 +156,10 @@ def main() -> None:
     p.add_argument("--shapes", default="8x4,32x4")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the warm-up's seed")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of each side per shape, sampling seeds 0..N-1"
+    )
     p.add_argument("--async", dest="asynchronous", action="store_true")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"))
     args = p.parse_args()
@@ -158,28 +167,57 @@ def main() -> None:
     start = accuracy(b / "warmup/checkpoint", b)
     print(f"warm-up (seed {args.seed}): held-out accuracy {start:.3f}")
     ratio = "B/A" if args.asynchronous else "A/B"  # async: the speed-up of async over sync
-    header = ("shape", "A s/step", "B s/step", ratio, "A acc", "B acc")
+    header = ("shape", "run seed", "A s/step", "B s/step", ratio, "A acc", "B acc")
     names = ("ours async", "ours sync") if args.asynchronous else ("ours", "TRL")
     print(f"A = {names[0]}, B = {names[1]}; {args.steps} steps, lr {args.lr}")
     print("  ".join(f"{h:>10}" for h in header))
     for shape in args.shapes.split(","):
         prompts, group = (int(x) for x in shape.split("x"))
-        if args.asynchronous:
-            a = ours(b, f"async-{shape}", prompts, group, args.steps, args.lr, ["async_train=true"])
-            o = ours(b, f"sync-{shape}", prompts, group, args.steps, args.lr, [])
-        else:
-            a = ours(b, f"ours-{shape}", prompts, group, args.steps, args.lr, [])
-            o = trl(b, f"trl-{shape}", prompts, group, args.steps, args.lr, args.trl_python)
-        acc_a, acc_b = accuracy(a["checkpoint"], b), accuracy(o["checkpoint"], b)
-        cells = (
-            shape,
-            f"{a['s_per_step']:.3f}",
-            f"{o['s_per_step']:.3f}",
-            f"{(o['s_per_step'] / a['s_per_step'] if args.asynchronous else a['s_per_step'] / o['s_per_step']):.2f}",
-            f"{acc_a:.3f}",
-            f"{acc_b:.3f}",
-        )
-        print("  ".join(f"{c:>10}" for c in cells), flush=True)
+        runs = []
+        for r in range(args.repeats):
+            tag = shape if args.repeats == 1 else f"{shape}-s{r}"
+            seed = [f"seed={r}"]
+            if args.asynchronous:
+                a = ours(
+                    b,
+                    f"async-{tag}",
+                    prompts,
+                    group,
+                    args.steps,
+                    args.lr,
+                    ["async_train=true", *seed],
+                )
+                o = ours(b, f"sync-{tag}", prompts, group, args.steps, args.lr, seed)
+            else:
+                a = ours(b, f"ours-{tag}", prompts, group, args.steps, args.lr, seed)
+                o = trl(b, f"trl-{tag}", prompts, group, args.steps, args.lr, args.trl_python, r)
+            runs.append(
+                (
+                    a["s_per_step"],
+                    o["s_per_step"],
+                    accuracy(a["checkpoint"], b),
+                    accuracy(o["checkpoint"], b),
+                )
+            )
+            print(_row(shape, str(r), runs[-1], args.asynchronous), flush=True)
+        if args.repeats > 1:
+            means = [sum(col) / len(col) for col in zip(*runs, strict=True)]
+            print(_row(shape, "mean", means, args.asynchronous), flush=True)
+
+
+def _row(shape: str, seed: str, vals: Sequence[float], asynchronous: bool) -> str:
+    """One printed line: both sides' s/step, their ratio, both held-out accuracies."""
+    a_s, b_s, acc_a, acc_b = vals
+    cells = (
+        shape,
+        seed,
+        f"{a_s:.3f}",
+        f"{b_s:.3f}",
+        f"{(b_s / a_s if asynchronous else a_s / b_s):.2f}",
+        f"{acc_a:.3f}",
+        f"{acc_b:.3f}",
+    )
+    return "  ".join(f"{c:>10}" for c in cells)
 
 
 if __name__ == "__main__":
