@@ -204,8 +204,15 @@ class DeepSpeedTrainer:
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> float | None:
+        """Update; returns the gradient norm before clipping. DeepSpeed's engine records it
+        only through a ZeRO or bf16 optimizer: with a plain optimizer (ZeRO 0, fp32) it is
+        measured here, on the gradients DeepSpeed has already averaged over the ranks."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        ours = torch.nn.utils.get_total_norm(grads) if grads and not self.zero3 else None
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
+        if norm is None and ours is not None:
+            norm = ours
         return None if norm is None else float(norm)
 
     def lr(self) -> float:

@@ -89,6 +89,8 @@ def test_grpo_runs_and_the_engine_scores_like_the_actor_after_every_update(tmp_p
     assert updated, "no step had a group with a signal"
     # after every update the engine's probe log-probabilities equal the actor's (fp32)
     assert all(r["probe_diff"] <= 1e-4 for r in updated)
+    # the gradient norm is recorded (DeepSpeed keeps none at ZeRO 0 in fp32: measured)
+    assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in updated)
     # and the weights did move: the engine scores the probe differently step by step
     assert len({round(r["probe_logprob"], 6) for r in updated}) == len(updated)
     stage = tmp_path / "runs/rl/rl"
