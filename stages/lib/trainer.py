@@ -178,6 +178,10 @@ class DeepSpeedTrainer:
         )
         self.module = self.engine.module
         self.zero3 = cfg.zero_stage == 3
+        # DeepSpeed keeps the gradient norm only through a ZeRO, fp16 or bf16 optimizer (the
+        # same test as its own clipping of plain fp32 gradients): otherwise step() measures it
+        e = self.engine
+        self.own_norm = not (e.fp16_enabled() or e.bfloat16_enabled() or e.zero_optimization())
         if self.zero3:
             self._log_partitioning()
 
@@ -204,16 +208,16 @@ class DeepSpeedTrainer:
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> float | None:
-        """Update; returns the gradient norm before clipping. DeepSpeed's engine records it
-        only through a ZeRO or bf16 optimizer: with a plain optimizer (ZeRO 0, fp32) it is
-        measured here, on the gradients DeepSpeed has already averaged over the ranks."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        ours = torch.nn.utils.get_total_norm(grads) if grads and not self.zero3 else None
+        """Update; returns the gradient norm before clipping (with a plain fp32 optimizer
+        measured here, on the gradients DeepSpeed has already averaged over the ranks)."""
+        if self.own_norm:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None
+            self.engine.step()
+            return norm
         self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        if norm is None and ours is not None:
-            norm = ours
-        return None if norm is None else float(norm)
+        found = self.engine.get_global_grad_norm()
+        return None if found is None else float(found)
 
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
