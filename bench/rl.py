@@ -1,6 +1,7 @@
 """Benchmark: our GRPO (the rl stage) beside TRL's GRPOTrainer, same warm-up and settings.
 
     .venv/bin/python bench/rl.py [--shapes 8x4,32x4] [--steps 100] [--lr 1e-4] [--repeats 3]
+        [--schedule cosine]
     .venv/bin/python bench/rl.py --async [--shapes 32x8] [--steps 60]
 
 Both start from the warm-up of pipelines/grpo_quickstart.yaml (made once in
@@ -60,7 +61,14 @@ def base(seed: int) -> Path:
 
 
 def ours(
-    b: Path, name: str, prompts: int, group: int, steps: int, lr: float, extra: list[str]
+    b: Path,
+    name: str,
+    prompts: int,
+    group: int,
+    steps: int,
+    lr: float,
+    extra: list[str],
+    schedule: str = "constant",
 ) -> dict[str, Any]:
     run = OUT / name
     sets = {
@@ -75,7 +83,7 @@ def ours(
         "eval_every": steps,
         "save_steps": steps,
         "learning_rate": lr,
-        "lr_scheduler": "constant",  # TRL's constant_with_warmup, whatever the pipeline says
+        "lr_scheduler": schedule,  # as TRL's side, whatever the pipeline says
     }
     args = [
         *PIPE,
@@ -102,7 +110,15 @@ def ours(
 
 
 def trl(
-    b: Path, name: str, prompts: int, group: int, steps: int, lr: float, python: str, seed: int
+    b: Path,
+    name: str,
+    prompts: int,
+    group: int,
+    steps: int,
+    lr: float,
+    python: str,
+    seed: int,
+    schedule: str = "constant",
 ) -> dict[str, Any]:
     out = OUT / name
     subprocess.run(
@@ -127,6 +143,8 @@ def trl(
             "8",
             "--seed",
             str(seed),
+            "--schedule",
+            schedule,
         ],
         cwd=ROOT,
         env={**ENV, "PYTHONPATH": ""},
@@ -158,6 +176,12 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0, help="the warm-up's seed")
     p.add_argument(
+        "--schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="both sides' schedule after the 10%% warm-up: constant, or cosine to a tenth",
+    )
+    p.add_argument(
         "--repeats", type=int, default=1, help="runs of each side per shape, sampling seeds 0..N-1"
     )
     p.add_argument("--async", dest="asynchronous", action="store_true")
@@ -169,13 +193,14 @@ def main() -> None:
     ratio = "B/A" if args.asynchronous else "A/B"  # async: the speed-up of async over sync
     header = ("shape", "run seed", "A s/step", "B s/step", ratio, "A acc", "B acc")
     names = ("ours async", "ours sync") if args.asynchronous else ("ours", "TRL")
-    print(f"A = {names[0]}, B = {names[1]}; {args.steps} steps, lr {args.lr}")
+    print(f"A = {names[0]}, B = {names[1]}; {args.steps} steps, lr {args.lr} {args.schedule}")
     print("  ".join(f"{h:>10}" for h in header))
     for shape in args.shapes.split(","):
         prompts, group = (int(x) for x in shape.split("x"))
         runs = []
         for r in range(args.repeats):
             tag = shape if args.repeats == 1 else f"{shape}-s{r}"
+            tag += "" if args.schedule == "constant" else f"-{args.schedule}"
             seed = [f"seed={r}"]
             if args.asynchronous:
                 a = ours(
@@ -186,11 +211,15 @@ def main() -> None:
                     args.steps,
                     args.lr,
                     ["async_train=true", *seed],
+                    args.schedule,
                 )
-                o = ours(b, f"sync-{tag}", prompts, group, args.steps, args.lr, seed)
+                o = ours(b, f"sync-{tag}", prompts, group, args.steps, args.lr, seed, args.schedule)
             else:
-                a = ours(b, f"ours-{tag}", prompts, group, args.steps, args.lr, seed)
-                o = trl(b, f"trl-{tag}", prompts, group, args.steps, args.lr, args.trl_python, r)
+                sched = args.schedule
+                a = ours(b, f"ours-{tag}", prompts, group, args.steps, args.lr, seed, sched)
+                o = trl(
+                    b, f"trl-{tag}", prompts, group, args.steps, args.lr, args.trl_python, r, sched
+                )
             runs.append(
                 (
                     a["s_per_step"],

@@ -2,7 +2,7 @@
 bench/rl.py in .venv-trl, an interpreter with the `trl` package; no vLLM, CPU).
 
     .venv-trl/bin/python bench/rl_trl.py --model DIR --train F --out DIR --prompts 8 --group 4 \
-        --steps 100 --lr 1e-4 --max-tokens 8 --seed 0
+        --steps 100 --lr 1e-4 --max-tokens 8 --seed 0 [--schedule cosine]
 
 Writes the trained checkpoint to --out and `trl_result.json` there (steps, seconds, seconds
 per step of the training loop). Reward: exact match of the answer (the chain_sum scorer's
@@ -26,6 +26,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup-ratio", type=float, default=0.1)
+    p.add_argument(
+        "--schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="after the warm-up: constant, or cosine down to a tenth of the peak (as ours)",
+    )
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -59,7 +65,10 @@ def main() -> None:
         max_completion_length=args.max_tokens,
         learning_rate=args.lr,
         warmup_steps=max(1, round(args.warmup_ratio * args.steps)),
-        lr_scheduler_type="constant_with_warmup",
+        lr_scheduler_type=(
+            "constant_with_warmup" if args.schedule == "constant" else "cosine_with_min_lr"
+        ),
+        lr_scheduler_kwargs={} if args.schedule == "constant" else {"min_lr_rate": 0.1},
         max_steps=args.steps,
         beta=0.0,
         temperature=1.0,
