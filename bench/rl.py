@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +61,21 @@ def base(seed: int) -> Path:
     return run
 
 
-def ours(
-    b: Path,
-    name: str,
-    prompts: int,
-    group: int,
-    steps: int,
-    lr: float,
-    extra: list[str],
-    schedule: str = "constant",
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Arm:
+    """What both sides of one comparison share: the shape, the rate and the sampling seed."""
+
+    prompts: int
+    group: int
+    steps: int
+    lr: float
+    schedule: str
+    seed: int
+
+
+def ours(b: Path, name: str, arm: Arm, extra: Sequence[str] = ()) -> dict[str, Any]:
     run = OUT / name
+    prompts, group, steps = arm.prompts, arm.group, arm.steps
     sets = {
         "model": b / "warmup/checkpoint",
         "input": b / "data/train.jsonl",
@@ -82,8 +87,9 @@ def ours(
         "max_steps": steps,
         "eval_every": steps,
         "save_steps": steps,
-        "learning_rate": lr,
-        "lr_scheduler": schedule,  # as TRL's side, whatever the pipeline says
+        "learning_rate": arm.lr,
+        "lr_scheduler": arm.schedule,  # as TRL's side, whatever the pipeline says
+        "seed": arm.seed,
     }
     args = [
         *PIPE,
@@ -109,17 +115,7 @@ def ours(
     }
 
 
-def trl(
-    b: Path,
-    name: str,
-    prompts: int,
-    group: int,
-    steps: int,
-    lr: float,
-    python: str,
-    seed: int,
-    schedule: str = "constant",
-) -> dict[str, Any]:
+def trl(b: Path, name: str, arm: Arm, python: str) -> dict[str, Any]:
     out = OUT / name
     subprocess.run(
         [
@@ -132,19 +128,19 @@ def trl(
             "--out",
             str(out),
             "--prompts",
-            str(prompts),
+            str(arm.prompts),
             "--group",
-            str(group),
+            str(arm.group),
             "--steps",
-            str(steps),
+            str(arm.steps),
             "--lr",
-            str(lr),
+            str(arm.lr),
             "--max-tokens",
             "8",
             "--seed",
-            str(seed),
+            str(arm.seed),
             "--schedule",
-            schedule,
+            arm.schedule,
         ],
         cwd=ROOT,
         env={**ENV, "PYTHONPATH": ""},
@@ -201,25 +197,13 @@ def main() -> None:
         for r in range(args.repeats):
             tag = shape if args.repeats == 1 else f"{shape}-s{r}"
             tag += "" if args.schedule == "constant" else f"-{args.schedule}"
-            seed = [f"seed={r}"]
+            arm = Arm(prompts, group, args.steps, args.lr, args.schedule, r)
             if args.asynchronous:
-                a = ours(
-                    b,
-                    f"async-{tag}",
-                    prompts,
-                    group,
-                    args.steps,
-                    args.lr,
-                    ["async_train=true", *seed],
-                    args.schedule,
-                )
-                o = ours(b, f"sync-{tag}", prompts, group, args.steps, args.lr, seed, args.schedule)
+                a = ours(b, f"async-{tag}", arm, ["async_train=true"])
+                o = ours(b, f"sync-{tag}", arm)
             else:
-                sched = args.schedule
-                a = ours(b, f"ours-{tag}", prompts, group, args.steps, args.lr, seed, sched)
-                o = trl(
-                    b, f"trl-{tag}", prompts, group, args.steps, args.lr, args.trl_python, r, sched
-                )
+                a = ours(b, f"ours-{tag}", arm)
+                o = trl(b, f"trl-{tag}", arm, args.trl_python)
             runs.append(
                 (
                     a["s_per_step"],
