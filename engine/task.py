@@ -73,11 +73,16 @@ class DaskLink:
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
+        self.client: Any = None
+        with contextlib.suppress(ValueError):  # made in the task's thread: its worker's client,
+            from distributed import get_client  # so threads the stage starts can use the link
+
+            self.client = get_client()
 
     def _var(self, key: str) -> Any:
         from distributed import Variable
 
-        return Variable(self.prefix + key)  # type: ignore[no-untyped-call]
+        return Variable(self.prefix + key, client=self.client)  # type: ignore[no-untyped-call]
 
     def publish(self, key: str, value: str) -> None:
         self._var(key).set(value)

@@ -62,6 +62,7 @@ class Ranks:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free port of this machine
     devices: tuple[str, ...] = ()  # this node's CUDA_VISIBLE_DEVICES names (empty: unchanged)
+    env: tuple[tuple[str, str], ...] = ()  # more variables for every rank (e.g. its node's name)
 
     @property
     def count(self) -> int:
@@ -80,6 +81,7 @@ def rank_env(
     env = dict(os.environ)
     if ranks.devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ranks.devices)
+    env.update(ranks.env)
     env.update(
         MASTER_ADDR=ranks.master_addr,
         MASTER_PORT=str(port),

@@ -182,6 +182,7 @@ class Actor:
                 spec.sync_store,
                 sync_file(spec.stage_dir),
                 spec.config.sync_timeout_s,
+                spec.sync_world,
             )
             module = self.trainer.module
             once = {id(p): n for n, p in module.named_parameters()}
@@ -344,6 +345,9 @@ def run_role(
     if device != "cpu":
         torch.cuda.set_device(local)
     init_distributed(spec.trainer, device, world)
+    from stages.rl.roles import record_rank
+
+    record_rank(spec.stage_dir, os.environ.get("PIPE_ROLE", "actor"), rank, world, device)
     random.seed(spec.config.seed + seed_offset)
     torch.manual_seed(spec.config.seed + seed_offset)
     role = build(spec, rank, world, device)

@@ -1,14 +1,15 @@
-"""A task of an rl stage on another worker than the controller's: it starts the ranks of
-the roles placed on its worker (the actor, the critic) and follows them.
+"""A task of an rl stage on another worker than the controller's: it starts this worker's
+share of every role placed here (the actor's, critic's and reference's ranks; an engine
+when the `vllm` role holds devices here) and follows them.
 
 Input: the stage's context (this task's slots, and the link to the controller's task,
-which publishes each role's spec file). Output: the roles' ranks run until the
-controller stops them; a failure raises the stage's abort flag (run_stage does).
+which publishes each role's spec file and each engine's spec). Output: the roles' ranks
+and the engine run until the controller stops them; a failure raises the stage's abort
+flag (run_stage does).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,44 +17,36 @@ if TYPE_CHECKING:
     from stages.rl import RLConfig
 
 SPEC_TIMEOUT_S = 900.0
+TRAINED = ("actor", "critic", "ref")
 
 
 def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     """Start every role placed on this worker; return when all of them have exited."""
-    from stages.lib.launch import Ranks, launch
+    from stages.lib.config import VLLMBackend
+    from stages.rl.engines import host_engine, spawn
+    from stages.rl.layout import local_ranks
+    from stages.rl.roles import start_ranks
 
     assert ctx.link is not None
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    roles = [r for r in ("actor", "critic") if ctx.node_slots(r)]
+    link = ctx.link
     errors: list[BaseException] = []
     threads = []
-    for role in roles:
-        path = ctx.link.lookup(f"spec-{role}", timeout_s=SPEC_TIMEOUT_S)
-        names = ctx.device_env(role).get("CUDA_VISIBLE_DEVICES", "")
-        world = len(ctx.devices(role))
+    roles = []
+    for role in TRAINED:
+        ranks = local_ranks(ctx, role, cfg.num_processes)
+        if ranks is None:
+            continue
+        path = link.lookup(f"spec-{role}", timeout_s=SPEC_TIMEOUT_S)
+        threads.append(start_ranks(cfg, ctx, role, path, ranks, errors, link.aborted))
+        roles.append(role)
+    if ctx.node_slots("vllm"):
+        if isinstance(cfg.backend, VLLMBackend):
+            from stages.rl.vllm_engine import host_servers
 
-        def follow(
-            role: str = role, path: str = path, names: str = names, world: int = world
-        ) -> None:
-            try:
-                launch(
-                    f"stages.rl.{role}",
-                    path,
-                    Ranks(world=world, devices=tuple(names.split(",")) if names else ()),
-                    device,
-                    cfg.num_threads,
-                    f"{ctx.stage_dir.rstrip('/')}/{role}_log.txt",
-                    ctx.log,
-                    should_stop=ctx.link.aborted if ctx.link is not None else None,
-                )
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=follow, name=f"rl-{role}", daemon=True)
-        thread.start()
-        threads.append(thread)
+            threads.append(spawn(lambda: host_servers(cfg, ctx), "rl-vllm", errors))
+        else:
+            threads.append(spawn(lambda: host_engine(cfg, ctx), "rl-engine", errors))
+        roles.append("vllm")
     for thread in threads:
         thread.join()
     if errors:

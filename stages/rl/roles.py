@@ -1,26 +1,74 @@
-"""Where an rl stage's trained roles (actor, critic) run and how they are started.
+"""Where an rl stage's trained roles (actor, critic, ref) run and how they are started.
 
-Input: the stage's context (its slots: which worker holds each role's devices), its
-config and folder. Output: each role's ranks started here (a thread follows them) when
-its devices are on the controller's worker or there are none, or else its spec path
-published for the task on its worker (`stages.rl.remote`); the role's device kind, rank
-count and `CUDA_VISIBLE_DEVICES`; and whether the ranks are still alive.
+Input: the stage's context (its slots: which workers hold each role's devices), its
+config and folder. Output: each role's ranks started as one torch.distributed job across
+the workers the placement gives it: the controller's task starts the ranks on its own
+worker (a thread follows them) and publishes the role's spec path for the tasks on the
+role's other workers (`stages.rl.remote`), which start theirs; the role's rank 0 then
+connects to the controller. Each rank records what it was given in
+`<stage>/ranks/<role>-<rank>.json` (`records_of`).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
+
+from stages.rl.layout import local_ranks, rendezvous, role_table, role_workers, worker_host
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
+    from stages.lib.launch import Ranks
     from stages.rl import RLConfig
 
 
 def host_of(ctx: StageContext) -> str:
-    """Where the roles on other workers reach this task: its worker's host."""
-    worker = ctx.tasks[0][1] if ctx.tasks else None
-    return worker.split("://")[-1].rsplit(":", 1)[0] if worker else "127.0.0.1"
+    """Where the roles and engines on other workers reach the controller: its worker's
+    host (127.0.0.1 for a stage without placement)."""
+    return worker_host(ctx.tasks[0][1] if ctx.tasks else None)
+
+
+def start_ranks(
+    cfg: RLConfig,
+    ctx: StageContext,
+    role: str,
+    spec_path: str,
+    ranks: Ranks,
+    errors: list[BaseException],
+    should_stop: Callable[[], str | None] | None = None,
+) -> threading.Thread:
+    """Start this task's ranks of `role` (`python -m stages.rl.<role>`) in a thread that
+    meets the role's other tasks at its rendezvous and follows the ranks; a failure lands
+    in `errors`."""
+    import torch
+
+    from stages.lib.launch import launch
+
+    device = "cuda" if ranks.devices and torch.cuda.is_available() else "cpu"
+    stage_dir = ctx.stage_dir.rstrip("/")
+    suffix = f".{ranks.node_rank}" if ranks.node_rank else ""
+
+    def follow() -> None:
+        try:
+            launch(
+                f"stages.rl.{role}",
+                spec_path,
+                rendezvous(ctx, role, ranks),
+                device,
+                cfg.num_threads,
+                f"{stage_dir}/{role}_log{suffix}.txt",
+                ctx.log,
+                should_stop=should_stop,
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=follow, name=f"rl-{role}", daemon=True)
+    thread.start()
+    return thread
 
 
 class Roles:
@@ -31,26 +79,17 @@ class Roles:
         self.errors: list[BaseException] = []
 
     def start(self, role: str, spec: Any, end: Any) -> threading.Thread | None:
-        """Write the role's spec and start its ranks: here when its devices are on this
-        worker (or there are none), else the stage's task on its worker starts them
-        (`host_roles`); then wait for its rank 0 to connect."""
-        from stages.lib.launch import Ranks
-
+        """Write the role's spec, start its ranks on this worker (if it has any here) and
+        publish the spec for its other workers; then wait for its rank 0 to connect."""
         path = f"{self.dir}/{role}_spec.json"
         spec.write(path)
-        workers = {s.worker for s in self.ctx.slots if s.role == role}
-        if len(workers) > 1:
-            raise ValueError(
-                f"role '{role}' spans {len(workers)} workers; an rl role runs on one worker"
-            )
-        here = not workers or workers == {self.ctx.tasks[0][1]}
-        thread = None
-        if here:
-            device, world, names = self.devices(role)
-            thread = self.launch(role, Ranks(world=world, devices=names), device)
-        else:
+        if any(w != self.ctx.tasks[0][1] for w in role_workers(self.ctx, role)):
             assert self.ctx.link is not None
             self.ctx.link.publish(f"spec-{role}", path)
+        ranks = local_ranks(self.ctx, role, self.cfg.num_processes)
+        thread = None
+        if ranks is not None:
+            thread = start_ranks(self.cfg, self.ctx, role, path, ranks, self.errors)
         alive = thread.is_alive if thread is not None else self.remote_alive
         end.accept(alive, timeout_s=600)
         return thread
@@ -59,35 +98,55 @@ class Roles:
         return self.ctx.link is None or self.ctx.link.aborted() is None
 
     def devices(self, role: str) -> tuple[Literal["cpu", "cuda"], int, tuple[str, ...]]:
-        """Device kind, ranks of `role` (its devices on whichever worker) and, here, their
+        """Device kind, ranks of `role` (its devices on every worker) and, here, their
         CUDA_VISIBLE_DEVICES names."""
-        devices = [d for s in self.ctx.slots if s.role == role for d in s.devices]
-        if not devices:
+        table = role_table(self.ctx, role)
+        if not table:
             return "cpu", self.cfg.num_processes, ()
         import torch
 
         names = self.ctx.device_env(role).get("CUDA_VISIBLE_DEVICES", "")
         device: Literal["cpu", "cuda"] = "cuda" if torch.cuda.is_available() else "cpu"
-        return device, len(devices), tuple(names.split(",")) if names else ()
+        return device, len(table), tuple(names.split(",")) if names else ()
 
-    def launch(self, role: str, ranks: Any, device: str) -> threading.Thread:
-        """Start `role`'s ranks (`stages.rl.<role>`) in a thread that follows them."""
-        from stages.lib.launch import launch
+    def records(self) -> dict[str, list[dict[str, Any]]]:
+        """What every rank of each trained role recorded it was given (rank, world size,
+        node, worker, ...)."""
+        found = {role: records_of(self.dir, role) for role in ("actor", "critic", "ref")}
+        return {role: recs for role, recs in found.items() if recs}
 
-        def follow() -> None:
-            try:
-                launch(
-                    f"stages.rl.{role}",
-                    f"{self.dir}/{role}_spec.json",
-                    ranks,
-                    device,
-                    self.cfg.num_threads,
-                    f"{self.dir}/{role}_log.txt",
-                    self.ctx.log,
-                )
-            except BaseException as exc:
-                self.errors.append(exc)
 
-        thread = threading.Thread(target=follow, name=f"rl-{role}", daemon=True)
-        thread.start()
-        return thread
+def record_rank(stage_dir: str, role: str, rank: int, world: int, device: str) -> None:
+    """A rank's own record of what it was given: `<stage_dir>/ranks/<role>-<rank>.json`."""
+    import socket
+
+    from stages.lib.jsonl import write_json
+
+    env = os.environ
+    write_json(
+        f"{stage_dir}/ranks/{role}-{rank}.json",
+        {
+            "rank": rank,
+            "world_size": world,
+            "local_rank": int(env.get("LOCAL_RANK", "0")),
+            "node_rank": int(env.get("NODE_RANK", "0")),
+            "node": env.get("PIPE_NODE") or socket.gethostname(),
+            "worker": env.get("PIPE_WORKER", "local"),
+            "device": device,
+            "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+            "master": f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}",
+            "pid": os.getpid(),
+        },
+    )
+
+
+def records_of(stage_dir: str, role: str) -> list[dict[str, Any]]:
+    """The records of `role`'s ranks, by rank (rank, world_size, node, worker and more)."""
+    folder = f"{stage_dir}/ranks"
+    out = []
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    for name in names:
+        if name.startswith(f"{role}-") and name.endswith(".json"):
+            with open(f"{folder}/{name}", encoding="utf-8") as f:
+                out.append(json.load(f))
+    return sorted(out, key=lambda r: int(r["rank"]))

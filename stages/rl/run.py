@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from stages.lib.config import VLLMBackend
 from stages.lib.jsonl import write_json
 from stages.rl.data import Prompts, Stream, load_prompts, probe_ids
+from stages.rl.layout import role_workers
 from stages.rl.loop import Batch, run_steps
 from stages.rl.records import plot, read_metrics, trim_metrics, write_settings
 from stages.rl.roles import Roles, host_of
@@ -176,10 +177,21 @@ class Controller:
         self.channel = StageEnd(self.host)
         sync_path = sync_file(self.dir)
         os.makedirs(os.path.dirname(sync_path), exist_ok=True)
+        shutil.rmtree(f"{self.dir}/ranks", ignore_errors=True)  # each rank records itself anew
+        engines = max(1, len(role_workers(self.ctx, "vllm")))  # local: one per worker of the role
+        sync_world = 1 + engines
         self.receiver: Any = (
             None
             if vllm
-            else make_receiver(sync, "local-0", sync_path, cfg.sync_timeout_s, engine_device)
+            else make_receiver(
+                sync,
+                "local-0",
+                sync_path,
+                cfg.sync_timeout_s,
+                engine_device,
+                host=self.host,
+                world=sync_world,
+            )
         )
         spec = ActorSpec(
             config=cfg,
@@ -195,6 +207,7 @@ class Controller:
             authkey=self.channel.authkey.hex(),
             sync_backend=sync,
             sync_store=getattr(self.receiver, "address", ""),
+            sync_world=sync_world,
             resume_tag=tag,
             total_updates=max(1, self.total * cfg.ppo_epochs),
         )
@@ -214,11 +227,21 @@ class Controller:
                 }
             )
             self.critic_thread = self.roles.start("critic", critic_spec, self.critic)
-        self.engine = (
-            self._vllm_engine(model_dir, sync_path)
-            if vllm
-            else LocalEngine(model_dir, engine_device)
-        )
+        if vllm:
+            self.engine = self._vllm_engine(model_dir, sync_path)
+        else:
+            from stages.rl.engines import start_pool
+
+            shared = {
+                "model_dir": model_dir,
+                "kind": sync,
+                "path": sync_path,
+                "timeout_s": cfg.sync_timeout_s,
+                "world": sync_world,
+                "store": getattr(self.receiver, "address", ""),
+            }
+            local = LocalEngine(model_dir, engine_device)
+            self.engine = start_pool(cfg, self.ctx, local, shared, self.roles.remote_alive)
         tok = self.engine.tokenizer
         row = self.data.rows[0]
         self.probe = probe_ids(
@@ -234,13 +257,31 @@ class Controller:
         from stages.rl.vllm_engine import VLLMDiskReceiver, VLLMEngine
 
         assert isinstance(self.cfg.backend, VLLMBackend)
+        ctx = self.ctx
+        here = ctx.tasks[0] if ctx.tasks else (None, None)
+        others = [w for w in role_workers(ctx, "vllm") if w != here[1]]
+        if others:  # the role's other workers start their servers once they know the model
+            assert ctx.link is not None
+            ctx.link.publish("vllm-spec", json.dumps({"model_dir": model_dir}))
+
+        def remote() -> list[dict[str, Any]]:
+            assert ctx.link is not None or not others
+            nodes = {s.worker: s.node for s in ctx.slots}
+            return [
+                json.loads(ctx.link.lookup(f"vllm-{nodes[w]}-{w}", timeout_s=900))  # type: ignore[union-attr]
+                for w in others
+            ]
+
+        devices = [str(d) for d in ctx.devices("vllm")]
         engine = VLLMEngine(
             model_dir,
             self.cfg.backend,
-            [str(d) for d in self.ctx.devices("vllm")],
+            devices,
             bf16=self.cfg.bf16,
             log_file=f"{self.dir}/vllm.log",
             timeout_s=self.cfg.sync_timeout_s,
+            where={"node": here[0], "worker": here[1], "devices": devices},
+            remote=remote,
         )
         self.receiver = VLLMDiskReceiver(engine, sync_path)
         # the hybrid engine: vLLM's weights and KV cache leave the GPU while the actor trains
@@ -286,12 +327,12 @@ class Controller:
             self.engine.wake("weights")
         pulls = getattr(self.receiver, "pulls", False)  # disk: read once the actor has written
         if not pulls:  # a process group receives while the actor sends
-            self.receiver.apply(self.engine.model)
+            self.engine.load(self.receiver)
         reply = self.channel.receive(
             "sync", timeout_s=self.cfg.sync_timeout_s, alive=self.actor_alive
         )
         if pulls:
-            self.receiver.apply(self.engine.model)
+            self.engine.load(self.receiver)
         if self.engine_asleep:
             self.engine.wake("kv_cache")
             self.engine_asleep = False
@@ -354,6 +395,8 @@ class Controller:
             "seconds": round(time.perf_counter() - began, 2),
             "seconds_per_step": round(sum(r["step_s"] for r in records) / max(len(records), 1), 4),
             "sync_backend": self.sync_kind,
+            "engines": self.engine.where,
+            "ranks": self.roles.records(),
         }
         write_json(f"{self.dir}/rl_result.json", out)
         return out
@@ -366,6 +409,8 @@ class Controller:
         self.request("save", {"tag": tag, "state": state})
 
     def close(self) -> None:
+        if self.ctx.link is not None and isinstance(self.cfg.backend, VLLMBackend):
+            self.ctx.link.publish("vllm-stop", "1")  # the other workers' servers stop too
         if hasattr(self.engine, "close"):
             self.engine.close()  # vLLM servers stop with the stage, also when it fails
         for end in (self.channel, self.critic):

@@ -32,6 +32,7 @@ class ActorSpec(BaseModel):
     authkey: str  # hex
     sync_backend: Literal["nccl", "gloo", "disk"]
     sync_store: str  # host:port of the weight-sync rendezvous (gloo, nccl)
+    sync_world: int = 2  # the sync group: actor rank 0 and every engine
     resume_tag: str | None
     total_updates: int
 

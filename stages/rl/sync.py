@@ -6,8 +6,10 @@ weights. Then `verify` compares the engine's log-probabilities of a fixed probe 
 actor's: a return code is never trusted (NCCL is a silent no-op off the GPU, CPU kernels
 may repack weights), a mismatch fails the step naming the engine.
 
-- `gloo`: a process group of two (actor rank 0, the engine's process) on a TCP store;
-  each parameter is broadcast in `named_parameters` order; a sync past `timeout_s` raises.
+- `gloo`: one process group of actor rank 0 (group rank 0) and every engine (ranks 1..E:
+  the controller's own engine, which hosts the TCP store, then the engines other tasks
+  host), on the controller's reachable address; each parameter is broadcast once to all
+  engines at once, in `named_parameters` order; a sync past `timeout_s` raises.
 - `nccl`: the same on CUDA tensors (GPU only; on a CPU run the stage uses gloo instead and
   records why).
 - `disk`: rank 0 writes safetensors atomically, the engine reloads them parameter by
@@ -47,29 +49,34 @@ class Receiver(Protocol):
     def apply(self, model: torch.nn.Module) -> None: ...
 
 
-def _pg(store: Any, rank: int, timeout_s: float, nccl: bool) -> Any:
+def _pg(store: Any, rank: int, world: int, timeout_s: float, nccl: bool) -> Any:
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if nccl:
         options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, options)  # type: ignore[attr-defined]
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+        return dist.ProcessGroupNCCL(store, rank, world, options)  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def _client_store(address: str, world: int, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    host, port = address.rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, int(port), world, False, timeout=timeout)  # type: ignore[attr-defined]
 
 
 class GroupPublisher:
-    """gloo or nccl: actor rank 0 is rank 0 of a two-process group with the engine."""
+    """gloo or nccl: actor rank 0 is rank 0 of a group with every engine (`world` = 1 +
+    engines)."""
 
-    def __init__(self, store_address: str, timeout_s: float, nccl: bool = False) -> None:
-        import torch.distributed as dist
-
-        host, port = store_address.rsplit(":", 1)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            host, int(port), 2, False, timeout=timeout
-        )
-        self.pg = _pg(store, 0, timeout_s, nccl)
+    def __init__(
+        self, store_address: str, timeout_s: float, nccl: bool = False, world: int = 2
+    ) -> None:
+        store = _client_store(store_address, world, timeout_s)
+        self.pg = _pg(store, 0, world, timeout_s, nccl)
         self.device = "cuda" if nccl else "cpu"
         self.aliases: dict[str, str] = {}  # unused: the engine's own model ties its weights
 
@@ -79,7 +86,9 @@ class GroupPublisher:
 
 
 class GroupReceiver:
-    """The engine's end of the gloo/nccl group: rank 1, and it hosts the rendezvous store."""
+    """An engine's end of the gloo/nccl group. Rank 1 (the controller's engine) hosts the
+    rendezvous store on `host`; an engine of another task joins it at `store_address` as
+    rank 2, 3, ..."""
 
     def __init__(
         self,
@@ -88,22 +97,35 @@ class GroupReceiver:
         nccl: bool = False,
         host: str = "127.0.0.1",
         device: str = "cpu",
+        world: int = 2,
+        rank: int = 1,
+        store_address: str | None = None,
     ) -> None:
         import torch.distributed as dist
 
         self.name = name
         self.timeout_s, self.nccl, self.device = timeout_s, nccl, device
-        self.store = dist.TCPStore(  # type: ignore[attr-defined]
-            host, 0, 2, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-        )
-        self.address = f"{host}:{self.store.port}"
+        self.world, self.rank = world, rank
+        if store_address is None:
+            self.store = dist.TCPStore(  # type: ignore[attr-defined]
+                host,
+                0,
+                world,
+                True,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+            self.address = f"{host}:{self.store.port}"
+        else:
+            self.store = _client_store(store_address, world, timeout_s)
+            self.address = store_address
         self.pg: Any = None
 
     def apply(self, model: torch.nn.Module) -> None:
         if self.pg is None:  # the first sync: the actor joins the group then
             if self.nccl:
                 torch.cuda.set_device(torch.device(self.device))
-            self.pg = _pg(self.store, 1, self.timeout_s, self.nccl)
+            self.pg = _pg(self.store, self.rank, self.world, self.timeout_s, self.nccl)
         with torch.no_grad():
             for _, param in model.named_parameters():
                 buf = torch.empty_like(param, device=self.device if self.nccl else "cpu")
@@ -160,20 +182,42 @@ def sync_file(stage_dir: str) -> str:
 
 
 def make_receiver(
-    kind: str, name: str, path: str, timeout_s: float, device: str = "cpu"
+    kind: str,
+    name: str,
+    path: str,
+    timeout_s: float,
+    device: str = "cpu",
+    *,
+    host: str = "127.0.0.1",
+    world: int = 2,
+    rank: int = 1,
+    store_address: str | None = None,
 ) -> Receiver:
-    """The engine's side of `kind` (gloo, nccl or disk) for an engine on `device`; a group
-    receiver's `address` is where the actor's rank 0 joins."""
+    """The engine's side of `kind` (gloo, nccl or disk) for an engine on `device`: group
+    rank `rank` of `world` (1 + engines); rank 1 hosts the store on `host` (its `address`
+    is where the actor's rank 0 and the other engines join), the others join
+    `store_address`."""
     if kind == "disk":
         return DiskReceiver(name, path)
-    return GroupReceiver(name, timeout_s, nccl=kind == "nccl", device=device)
+    return GroupReceiver(
+        name,
+        timeout_s,
+        nccl=kind == "nccl",
+        host=host,
+        device=device,
+        world=world,
+        rank=rank,
+        store_address=store_address,
+    )
 
 
-def make_publisher(kind: str, store_address: str, path: str, timeout_s: float) -> Publisher:
-    """The actor's side of `kind`."""
+def make_publisher(
+    kind: str, store_address: str, path: str, timeout_s: float, world: int = 2
+) -> Publisher:
+    """The actor's side of `kind`: group rank 0 of `world` (1 + engines)."""
     if kind == "disk":
         return DiskPublisher(path)
-    return GroupPublisher(store_address, timeout_s, nccl=kind == "nccl")
+    return GroupPublisher(store_address, timeout_s, nccl=kind == "nccl", world=world)
 
 
 def verify(

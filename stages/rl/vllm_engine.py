@@ -5,7 +5,10 @@ block, the devices the plan gives the `vllm` role. Output: what `LocalEngine` gi
 (samples with token ids and the sampling distribution's log-probabilities, greedy
 answers, the probe's log-probabilities), from `vllm_num_engines` OpenAI-compatible
 servers (`stages.lib.vllm_server`, one per tensor-parallel slice of the devices), each
-prompt's group sent to one server, prompts spread over the servers in turn.
+prompt's group sent to one server, prompts spread over the servers in turn. The role's
+other workers start the servers on their own devices (`host_servers`, in the stage's task
+there), bound to the worker's reachable address, and publish their URLs through the
+link; the controller reaches, syncs and probes every server alike.
 
 Weights: the actor's rank 0 writes them to `<stage>/sync/model.safetensors` (the disk
 sync) and every server reloads them in place (`reload_weights` through vLLM's
@@ -29,18 +32,83 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
-from typing import Any
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any
 
 from stages.lib.config import VLLMBackend
 from stages.lib.generate import Generation
 from stages.lib.prompt import Prompt, format_prompt
 from stages.rl.logprobs import Sample
 
+if TYPE_CHECKING:
+    from engine.stage import StageContext
+    from stages.rl import RLConfig
+
 log = logging.getLogger("pipe.rl")
 REQUESTS_PER_SERVER = 16
+SPEC_TIMEOUT_S = 900.0
+HOLD_S = 7 * 24 * 3600.0  # a worker's servers run until the controller says stop
+
+
+@contextmanager
+def start_servers(
+    backend: VLLMBackend,
+    model_dir: str,
+    devices: Sequence[str],
+    *,
+    bf16: bool,
+    log_file: str,
+    host: str | None = None,
+) -> Iterator[list[str]]:
+    """This worker's servers of the `vllm` role: one per tensor-parallel slice of `devices`
+    (the backend's `vllm_num_engines` on a CPU run); yields their base URLs."""
+    from stages.lib.vllm_server import vllm_servers
+
+    tp = backend.vllm_tensor_parallel_size
+    update: dict[str, Any] = {"model": model_dir}
+    if devices:
+        update["vllm_num_engines"] = max(1, len(devices) // tp)
+    args = ["--dtype", "bfloat16" if bf16 else "float32"]
+    args += ["--logprobs-mode", "processed_logprobs"]
+    extra = {"host": host} if host else {}
+    with vllm_servers(
+        backend.model_copy(update=update),
+        gpus=len(devices),
+        log=log,
+        log_file=log_file,
+        extra_args=args,
+        devices=list(devices) or None,
+        dev_mode=True,
+        **extra,
+    ) as urls:
+        yield urls
+
+
+def host_servers(cfg: RLConfig, ctx: StageContext) -> None:
+    """A task of another worker of the `vllm` role: start the servers on this worker's
+    devices, bound to its reachable address, publish their URLs, and keep them until the
+    controller says stop (or the stage aborts)."""
+    import json
+
+    from stages.rl.layout import worker_host
+
+    assert ctx.link is not None and isinstance(cfg.backend, VLLMBackend)
+    node, worker = ctx.tasks[ctx.node_rank]
+    spec = json.loads(ctx.link.lookup("vllm-spec", timeout_s=SPEC_TIMEOUT_S))
+    devices = [str(d) for d in ctx.devices("vllm")]
+    with start_servers(
+        cfg.backend,
+        spec["model_dir"],
+        devices,
+        bf16=cfg.bf16,
+        log_file=f"{ctx.stage_dir.rstrip('/')}/vllm.{ctx.node_rank}.log",
+        host=worker_host(worker),
+    ) as urls:
+        place = {"node": node, "worker": worker, "devices": devices, "urls": urls}
+        ctx.link.publish(f"vllm-{node}-{worker}", json.dumps(place))
+        ctx.link.lookup("vllm-stop", timeout_s=HOLD_S)
 
 
 class EngineFailed(RuntimeError):
@@ -61,36 +129,33 @@ class VLLMEngine:
         bf16: bool,
         log_file: str,
         timeout_s: float,
+        where: dict[str, Any] | None = None,
+        remote: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
+        """Start this worker's servers on `devices`, then take the URLs of the servers the
+        role's other workers started (`remote()`: their records, each with `urls`)."""
         from transformers import AutoTokenizer
-
-        from stages.lib.vllm_server import vllm_servers
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.served = model_dir
         self.timeout_s = timeout_s
         self.sleeping_allowed = backend.vllm_enable_sleep and bool(devices)
-        args = ["--dtype", "bfloat16" if bf16 else "float32"]
-        args += ["--logprobs-mode", "processed_logprobs"]
         self._stack = ExitStack()
         try:
             urls = self._stack.enter_context(
-                vllm_servers(
-                    backend.model_copy(update={"model": model_dir}),
-                    gpus=len(devices),
-                    log=log,
-                    log_file=log_file,
-                    extra_args=args,
-                    devices=list(devices) or None,
-                    dev_mode=True,
-                )
+                start_servers(backend, model_dir, devices, bf16=bf16, log_file=log_file)
             )
+            places = [{**(where or {}), "urls": urls}, *(remote() if remote else [])]
         except BaseException:
             self._stack.close()
             raise
-        self.urls = [u.removesuffix("/v1") for u in urls]
+        self.urls = [u.removesuffix("/v1") for p in places for u in p["urls"]]
         self.names = [f"vllm-{i}" for i in range(len(self.urls))]
         self.name = ",".join(self.names)
+        self.where = [
+            {"name": name, **{k: v for k, v in p.items() if k != "urls"}}
+            for name, p in zip(self.names, [p for p in places for _ in p["urls"]], strict=True)
+        ]
 
     @property
     def pad_id(self) -> int:
@@ -99,6 +164,10 @@ class VLLMEngine:
 
     def close(self) -> None:
         self._stack.close()
+
+    def load(self, receiver: Any) -> None:
+        """The weights into every server (the receiver reloads each)."""
+        receiver.apply(None)
 
     def _post(self, url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
         data = json.dumps(body or {}).encode()

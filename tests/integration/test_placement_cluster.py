@@ -239,3 +239,45 @@ def test_ppo_runs_its_engine_actor_and_critic_on_the_workers_the_plan_gives(tmp_
     first, last = rows[:5], rows[-5:]
     assert sum(r["reward_mean"] for r in last) > sum(r["reward_mean"] for r in first)
     assert all(r["value_loss"] is not None for r in rows if r["updates"])
+
+
+@pytest.mark.slow
+def test_ppo_roles_each_span_two_workers_of_a_six_node_loopback_cluster(tmp_path: Path):
+    """The reference guide's 1:1:1 at its smallest cross-node shape: every role holds two
+    one-GPU nodes; two engines on two workers, actor and critic two ranks each over two
+    workers, one torch.distributed job per role."""
+    rows = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = textwrap.dedent(PPO).replace(
+        "{gpus: 6, gpus_per_node: 2}", "{gpus: 6, gpus_per_node: 1}"
+    )
+    (tmp_path / "p.yaml").write_text(text)
+    workers = [SimWorker(1, f"node{i}", str(i)) for i in range(6)]
+    with dask_cluster(workers, tmp_path) as address:
+        result = run(PIPE, tmp_path, "run", "p.yaml", "--scheduler", address)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = report(tmp_path / "runs/ppo")["stages"]["rl"]
+    by_role: dict[str, set[str]] = {}
+    for p in record["placement"]:
+        by_role.setdefault(p["role"], set()).add(p["worker"])
+    assert {r: len(w) for r, w in by_role.items()} == {"vllm": 2, "actor": 2, "critic": 2}
+    assert len(set().union(*by_role.values())) == 6  # six workers, one role each
+    out = json.loads((tmp_path / "runs/ppo/rl/rl_result.json").read_text())
+    engines = out["engines"]
+    assert [e["name"] for e in engines] == ["local-0", "local-1"]
+    assert {e["worker"] for e in engines} == by_role["vllm"]
+    assert sorted(d for e in engines for d in e["devices"]) == sorted(
+        d for p in record["placement"] if p["role"] == "vllm" for d in p["devices"]
+    )
+    for role in ("actor", "critic"):
+        ranks = out["ranks"][role]
+        assert [(r["rank"], r["world_size"]) for r in ranks] == [(0, 2), (1, 2)]
+        assert {r["worker"] for r in ranks} == by_role[role]
+        assert len({r["node"] for r in ranks}) == 2
+    metrics = [
+        json.loads(x) for x in (tmp_path / "runs/ppo/rl/metrics.jsonl").read_text().splitlines()
+    ]
+    assert len(metrics) == 12
+    first, last = metrics[:5], metrics[-5:]
+    assert sum(r["reward_mean"] for r in last) > sum(r["reward_mean"] for r in first)
+    assert all(r["probe_diff"] <= 1e-4 for r in metrics)  # both engines matched the actor

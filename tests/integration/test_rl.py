@@ -121,11 +121,13 @@ def test_a_sync_that_moves_no_weights_fails_within_one_step_naming_the_engine(
     class Discards(rl_sync.GroupReceiver):
         def apply(self, model: torch.nn.Module) -> None:
             if self.pg is None:
-                self.pg = rl_sync._pg(self.store, 1, self.timeout_s, False)
+                self.pg = rl_sync._pg(self.store, self.rank, self.world, self.timeout_s, False)
             for _, param in model.named_parameters():
                 self.pg.broadcast(torch.empty_like(param), 0).wait()  # received, never applied
 
-    monkeypatch.setattr(rl_sync, "make_receiver", lambda kind, name, path, t, *_: Discards(name, t))
+    monkeypatch.setattr(
+        rl_sync, "make_receiver", lambda kind, name, path, t, *_, **kw: Discards(name, t, **kw)
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     data = DatasetConfig(task="chain_sum", size=32, output=str(tmp_path / "train.jsonl"))
