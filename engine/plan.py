@@ -149,7 +149,7 @@ def place(resolved: ResolvedPipeline, order: tuple[str, ...], cluster: ClusterVi
         st = resolved.stages[name]
         if st.gpus and st.roles:  # a stage holding several roles: each on its pool
             held = tuple(
-                RoleRequest(r, resolved.roles[r].gpus, st.config.gpu_unit())
+                RoleRequest(r, resolved.roles[r].gpus, st.config.gpu_unit(r))
                 for r in st.roles
                 if r in resolved.roles and resolved.roles[r].gpus
             )

@@ -138,8 +138,9 @@ class StageConfig(BaseModel):
     OUTPUT_TYPES: ClassVar[dict[str, str]] = {}
     SPANS_NODES: ClassVar[bool] = False  # may one stage run on several workers (a task each)?
 
-    def gpu_unit(self) -> int:
-        """GPUs that must sit on one node together (a tensor-parallel group)."""
+    def gpu_unit(self, role: str | None = None) -> int:
+        """GPUs that must sit on one node together (a tensor-parallel group), for the stage
+        or, in a stage holding several roles, for `role`."""
         return 1
 
     @classmethod

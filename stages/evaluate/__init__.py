@@ -66,7 +66,7 @@ class EvaluateConfig(StageConfig):
     def memory_needs(self) -> list[MemoryNeed]:
         return backend_memory(self.backend)
 
-    def gpu_unit(self) -> int:
+    def gpu_unit(self, role: str | None = None) -> int:
         """A vLLM engine's tensor-parallel group stays on one node."""
         return backend_gpu_unit(self.backend)
 

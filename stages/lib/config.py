@@ -215,8 +215,9 @@ def derive_backend(backend: Any, ctx: ResolveContext, num_repeats: int) -> dict[
     out: dict[str, Derived] = {}
     tp = backend.vllm_tensor_parallel_size
     if ctx.gpus and ctx.gpus % tp == 0:
+        what = f"role '{ctx.role}'" if ctx.role else "the stage"
         out["backend.vllm_num_engines"] = Derived(
-            ctx.gpus // tp, f"{ctx.gpus} GPUs of the stage / tensor-parallel size {tp}"
+            ctx.gpus // tp, f"{ctx.gpus} GPUs of {what} / tensor-parallel size {tp}"
         )
     if num_repeats > 1:
         out["backend.enable_prefix_caching"] = Derived(

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from engine.errors import Diagnostic
-from engine.stage import MemoryNeed, ResolveContext, StageConfig, stage
+from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig, stage
 from stages.lib.config import (
     Backend,
     LocalBackend,
@@ -21,8 +21,11 @@ from stages.lib.config import (
     TinyModel,
     Verifier,
     VLLMBackend,
+    backend_gpu_unit,
     backend_memory,
     backend_preset_path,
+    check_backend,
+    derive_backend,
 )
 from stages.lib.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
 
@@ -150,6 +153,15 @@ class RLConfig(StageConfig):
     def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
         return super().preset_path(key, data) or backend_preset_path(key, data)
 
+    def gpu_unit(self, role: str | None = None) -> int:
+        """A vLLM engine's tensor-parallel group stays on one node; trained roles place by GPU."""
+        return backend_gpu_unit(self.backend) if role == "vllm" else 1
+
+    def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
+        """The vLLM engines from the `vllm` role's GPUs (engines x tensor-parallel size = the
+        role's GPUs), prefix caching for groups, half a shared GPU left to training."""
+        return derive_backend(self.backend, engine_context(ctx), self.num_repeats)
+
     def memory_needs(self) -> list[MemoryNeed]:
         """The engine (a vLLM share, or the local engine's copy of the weights), the actor as a
         trainer, and the frozen reference when kl_coef > 0."""
@@ -168,7 +180,12 @@ class RLConfig(StageConfig):
         return trainer_memory_changes(self)
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
-        out = check_deepspeed(self, ctx, self.num_processes)
+        out = check_deepspeed(self, ctx, trained_ranks(ctx, "actor", self.num_processes))
+        if self.algorithm == "ppo":
+            critic = trained_ranks(ctx, "critic", self.num_processes)
+            if critic != trained_ranks(ctx, "actor", self.num_processes):
+                out += check_deepspeed(self, ctx, critic)
+        out += check_backend(self.backend, engine_context(ctx))
         if not isinstance(self.backend, LocalBackend | VLLMBackend):
             out.append(
                 ctx.error(
@@ -202,6 +219,18 @@ class RLConfig(StageConfig):
                 )
             )
         return out
+
+
+def engine_context(ctx: ResolveContext) -> ResolveContext:
+    """The stage's context as the `vllm` role sees it: that role's GPUs."""
+    alloc = ctx.roles.get("vllm")
+    return replace(ctx, gpus=alloc.gpus if alloc else 0, role="vllm")
+
+
+def trained_ranks(ctx: ResolveContext, role: str, num_processes: int) -> int:
+    """Ranks of a trained role: one per GPU it holds, or `num_processes` on the CPU."""
+    alloc = ctx.roles.get(role)
+    return alloc.gpus if alloc and alloc.gpus else num_processes
 
 
 stage("rl", config=RLConfig, run="stages.rl.run:run_rl")

@@ -120,14 +120,11 @@ def receiver_timeout(receiver: Any) -> float:
 
 
 def start_pool(
-    cfg: RLConfig,
-    ctx: StageContext,
-    local: LocalEngine,
-    sync: dict[str, Any],
-    alive: Any,
+    ctx: StageContext, local: LocalEngine, join: dict[str, Any], alive: Any
 ) -> EnginePool:
     """The pool of `local` and one engine per other worker of the `vllm` role: each gets
-    its spec through the link (model, sync backend, its group rank) and connects back."""
+    its spec through the link (`join`: the model, the sync backend and where its group
+    meets; and its own group rank) and connects back."""
     from stages.rl.channel import StageEnd
     from stages.rl.layout import role_table
     from stages.rl.roles import host_of
@@ -144,7 +141,7 @@ def start_pool(
         end = StageEnd(host_of(ctx))
         end.who = f"engine 'local-{i}'"
         spec = {
-            **sync,
+            **join,
             "name": f"local-{i}",
             "rank": 1 + i,
             "channel": end.address,

@@ -193,6 +193,14 @@ class Controller:
                 world=sync_world,
             )
         )
+        join = {  # what the engines of other workers need to join the sync
+            "model_dir": model_dir,
+            "kind": sync,
+            "path": sync_path,
+            "timeout_s": cfg.sync_timeout_s,
+            "world": sync_world,
+            "store": getattr(self.receiver, "address", ""),
+        }
         spec = ActorSpec(
             config=cfg,
             model_dir=model_dir,
@@ -232,16 +240,8 @@ class Controller:
         else:
             from stages.rl.engines import start_pool
 
-            shared = {
-                "model_dir": model_dir,
-                "kind": sync,
-                "path": sync_path,
-                "timeout_s": cfg.sync_timeout_s,
-                "world": sync_world,
-                "store": getattr(self.receiver, "address", ""),
-            }
             local = LocalEngine(model_dir, engine_device)
-            self.engine = start_pool(cfg, self.ctx, local, shared, self.roles.remote_alive)
+            self.engine = start_pool(self.ctx, local, join, self.roles.remote_alive)
         tok = self.engine.tokenizer
         row = self.data.rows[0]
         self.probe = probe_ids(
@@ -254,35 +254,9 @@ class Controller:
         return start
 
     def _vllm_engine(self, model_dir: str, sync_path: str) -> Any:
-        from stages.rl.vllm_engine import VLLMDiskReceiver, VLLMEngine
+        from stages.rl.vllm_engine import VLLMDiskReceiver, start_vllm
 
-        assert isinstance(self.cfg.backend, VLLMBackend)
-        ctx = self.ctx
-        here = ctx.tasks[0] if ctx.tasks else (None, None)
-        others = [w for w in role_workers(ctx, "vllm") if w != here[1]]
-        if others:  # the role's other workers start their servers once they know the model
-            assert ctx.link is not None
-            ctx.link.publish("vllm-spec", json.dumps({"model_dir": model_dir}))
-
-        def remote() -> list[dict[str, Any]]:
-            assert ctx.link is not None or not others
-            nodes = {s.worker: s.node for s in ctx.slots}
-            return [
-                json.loads(ctx.link.lookup(f"vllm-{nodes[w]}-{w}", timeout_s=900))  # type: ignore[union-attr]
-                for w in others
-            ]
-
-        devices = [str(d) for d in ctx.devices("vllm")]
-        engine = VLLMEngine(
-            model_dir,
-            self.cfg.backend,
-            devices,
-            bf16=self.cfg.bf16,
-            log_file=f"{self.dir}/vllm.log",
-            timeout_s=self.cfg.sync_timeout_s,
-            where={"node": here[0], "worker": here[1], "devices": devices},
-            remote=remote,
-        )
+        engine = start_vllm(self.cfg, self.ctx, model_dir, f"{self.dir}/vllm.log")
         self.receiver = VLLMDiskReceiver(engine, sync_path)
         # the hybrid engine: vLLM's weights and KV cache leave the GPU while the actor trains
         self.engine_sleeps = engine.sleeping_allowed and not self.cfg.async_train

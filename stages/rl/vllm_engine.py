@@ -86,6 +86,42 @@ def start_servers(
         yield urls
 
 
+def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) -> VLLMEngine:
+    """The controller's engine: its own worker's servers and, once they have started theirs,
+    the servers of the `vllm` role's other workers (told the model through the link)."""
+    import json
+
+    from stages.rl.layout import role_workers
+
+    assert isinstance(cfg.backend, VLLMBackend)
+    here = ctx.tasks[0] if ctx.tasks else (None, None)
+    others = [w for w in role_workers(ctx, "vllm") if w != here[1]]
+    nodes = {s.worker: s.node for s in ctx.slots}
+    if others:
+        assert ctx.link is not None
+        ctx.link.publish("vllm-spec", json.dumps({"model_dir": model_dir}))
+
+    def remote() -> list[dict[str, Any]]:
+        link = ctx.link
+        return [
+            json.loads(link.lookup(f"vllm-{nodes[w]}-{w}", timeout_s=SPEC_TIMEOUT_S))
+            for w in others
+            if link is not None
+        ]
+
+    devices = [str(d) for d in ctx.devices("vllm")]
+    return VLLMEngine(
+        model_dir,
+        cfg.backend,
+        devices,
+        bf16=cfg.bf16,
+        log_file=log_file,
+        timeout_s=cfg.sync_timeout_s,
+        where={"node": here[0], "worker": here[1], "devices": devices},
+        remote=remote,
+    )
+
+
 def host_servers(cfg: RLConfig, ctx: StageContext) -> None:
     """A task of another worker of the `vllm` role: start the servers on this worker's
     devices, bound to its reachable address, publish their URLs, and keep them until the
