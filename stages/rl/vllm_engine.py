@@ -63,13 +63,20 @@ def start_servers(
     host: str | None = None,
 ) -> Iterator[list[str]]:
     """This worker's servers of the `vllm` role: one per tensor-parallel slice of `devices`
-    (the backend's `vllm_num_engines` on a CPU run); yields their base URLs."""
+    (the backend's `vllm_num_engines` on a CPU run); yields their base URLs. Devices a
+    worker declares on a machine without CUDA (a loopback cluster standing in for nodes)
+    get as many CPU servers, the device ids recorded but not handed to vLLM."""
+    import torch
+
     from stages.lib.vllm_server import vllm_servers
 
     tp = backend.vllm_tensor_parallel_size
     update: dict[str, Any] = {"model": model_dir}
     if devices:
         update["vllm_num_engines"] = max(1, len(devices) // tp)
+        if not torch.cuda.is_available():
+            update["vllm_tensor_parallel_size"] = 1
+            devices = []
     args = ["--dtype", "bfloat16" if bf16 else "float32"]
     args += ["--logprobs-mode", "processed_logprobs"]
     extra = {"host": host} if host else {}
@@ -175,7 +182,12 @@ class VLLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.served = model_dir
         self.timeout_s = timeout_s
-        self.sleeping_allowed = backend.vllm_enable_sleep and bool(devices)
+        import torch
+
+        # vLLM's sleep mode needs CUDA (its CPU build has none)
+        self.sleeping_allowed = (
+            backend.vllm_enable_sleep and bool(devices) and torch.cuda.is_available()
+        )
         self._stack = ExitStack()
         try:
             urls = self._stack.enter_context(

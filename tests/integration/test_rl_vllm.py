@@ -143,3 +143,45 @@ def test_a_reload_that_moves_no_weights_fails_within_one_step_naming_the_engine(
     )
     assert message.endswith("the weights did not arrive")
     assert _ours(tmp_path) == [], "a vLLM server outlived its failed stage"
+
+
+@vllm_marks
+def test_the_vllm_role_on_two_workers_starts_a_server_on_each_and_syncs_and_probes_both(
+    tmp_path: Path,
+):
+    """Roles across nodes with vLLM engines: the `vllm` role holds two (loopback) nodes, each
+    starts its own server, bound to its worker's address; every step's groups go to both,
+    both reload the actor's weights and score the probe like the actor."""
+    from tests.cluster import SimWorker, dask_cluster
+
+    text = textwrap.dedent(PIPELINE).replace(
+        "cluster: {workers: 1}",
+        "cluster: {gpus: 3, gpus_per_node: 1}\nresources: {ratio: {vllm: 2, actor: 1}}",
+    )
+    text = text.replace("backend: {kind: vllm, vllm_enable_sleep: true}", "backend: {kind: vllm}")
+    (tmp_path / "p.yaml").write_text(text)
+    workers = [SimWorker(1, f"node{i}", str(i)) for i in range(3)]
+    with dask_cluster(workers, tmp_path) as address:
+        result = subprocess.run(
+            [sys.executable, "-m", "engine.cli", "run", "p.yaml", "--scheduler", address],
+            cwd=tmp_path,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    assert result.returncode == 0, result.stderr[-3000:]
+    stage = tmp_path / "runs/rl/rl"
+    out = json.loads((stage / "rl_result.json").read_text())
+    engines = out["engines"]
+    assert [e["name"] for e in engines] == ["vllm-0", "vllm-1"]
+    assert sorted(e["node"] for e in engines) == ["node0", "node1"]
+    assert len({e["worker"] for e in engines}) == 2
+    assert [(r["rank"], r["world_size"], r["node"]) for r in out["ranks"]["actor"]] == [
+        (0, 1, "node2")
+    ]
+    rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["probe_diff"] <= 1e-4 for r in rows)  # both servers, after every sync
+    assert (stage / "vllm.log").stat().st_size > 0 and (stage / "vllm.1.log").stat().st_size > 0
+    assert _ours(tmp_path) == [], "a vLLM server outlived its stage"
