@@ -51,8 +51,9 @@ class Cluster:
         return {addr: dict(w.get("resources") or {}) for addr, w in info.items()}
 
     def worker_info(self) -> dict[str, dict[str, Any]]:
-        """Each worker's host, resources and the environment placement reads (`PIPE_NODE`,
-        `CUDA_VISIBLE_DEVICES`): what `engine.placement.view_from_workers` takes."""
+        """Each worker's host, resources and what placement and the memory check read there
+        (`PIPE_NODE`, `CUDA_VISIBLE_DEVICES`, GPU and host memory): what
+        `engine.placement.view_from_workers` takes."""
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         env = self.client.run(_placement_env)
         return {
@@ -97,10 +98,13 @@ def _job_id() -> str | None:
 
 def _placement_env() -> dict[str, str | None]:
     """What placement and the memory check read of a worker: its node name, its devices,
-    and the memory of its smallest GPU (nvidia-smi; none without one)."""
+    the memory of the smallest GPU of its host (nvidia-smi, which numbers GPUs in PCI order
+    while CUDA_VISIBLE_DEVICES may follow CUDA's: the host's smallest is the safe figure;
+    none without one), and its host's memory (psutil's total; None if unreadable)."""
     env: dict[str, str | None] = {
         k: os.environ.get(k) for k in ("PIPE_NODE", "CUDA_VISIBLE_DEVICES")
     }
+    env["HOST_MEMORY_BYTES"] = _host_memory()
     env["GPU_MEMORY_MIB"] = None
     if shutil.which("nvidia-smi") is not None:
         try:
@@ -116,6 +120,15 @@ def _placement_env() -> dict[str, str | None]:
         except (OSError, subprocess.SubprocessError):
             pass
     return env
+
+
+def _host_memory() -> str | None:
+    try:
+        import psutil  # a dependency of distributed
+
+        return str(int(psutil.virtual_memory().total))
+    except (ImportError, OSError):
+        return None
 
 
 def _set_devices(devices: str) -> None:

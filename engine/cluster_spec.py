@@ -2,10 +2,11 @@
 
 Input: a YAML file, or a shorthand `NODESxGPUS[xMEMGB]` (`6x8`, `6x8x80GB`).
 Output: a `ClusterView` of declared nodes (`node0`, `node1`, ... unless named),
-one worker each with devices 0..gpus-1 and no address; errors located like
+one worker each with devices 0..gpus-1, no address, and the node's own GPU and host
+memory (a node's figure, else the file's top-level one); errors located like
 the pipeline file's (`file:line:col: path: message`).
 
-    nodes: 6            # or a list: [{name: a, gpus: 8, gpu_memory_gb: 80}, ...]
+    nodes: 6            # or a list: [{name: a, gpus: 8, gpu_memory_gb: 40, host_memory_gb: 512}]
     gpus_per_node: 8
     gpu_memory_gb: 80
     host_memory_gb: 1024
@@ -88,20 +89,25 @@ def load_cluster_spec(source: str) -> ClusterView:
 
 
 def _view(spec: ClusterFile) -> ClusterView:
+    """One worker per node, each with its own figures (a node's own, else the file's)."""
     nodes = spec.nodes if isinstance(spec.nodes, list) else [NodeSpec() for _ in range(spec.nodes)]
     workers = tuple(
         Worker(
             None,
             n.name or f"node{i}",
             tuple(range(spec.gpus_per_node if n.gpus is None else n.gpus)),
+            _bytes(n.gpu_memory_gb if n.gpu_memory_gb is not None else spec.gpu_memory_gb),
+            _bytes(n.host_memory_gb if n.host_memory_gb is not None else spec.host_memory_gb),
         )
         for i, n in enumerate(nodes)
     )
-    gpu_gb = spec.gpu_memory_gb
-    host_gb = spec.host_memory_gb
     return ClusterView(
         workers,
         spec.gpus_per_node,
-        int(gpu_gb * GB) if gpu_gb else None,
-        int(host_gb * GB) if host_gb else None,
+        _bytes(spec.gpu_memory_gb),
+        _bytes(spec.host_memory_gb),
     )
+
+
+def _bytes(gb: float | None) -> int | None:
+    return int(gb * GB) if gb else None

@@ -6,11 +6,12 @@ import json
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
-from engine.memory import fmt
+from engine.memory import Estimate, fmt
 from engine.paths import shown_config
 from engine.stage import nested_blocks
 
 if TYPE_CHECKING:
+    from engine.placement import ClusterView
     from engine.plan import Plan
     from engine.resolved import ResolvedStage
 
@@ -70,17 +71,37 @@ def explain(plan: Plan) -> str:
     if plan.placement is not None and plan.cluster is not None:
         lines.append("")
         lines.append(plan.placement.render_text(plan.cluster).rstrip("\n"))
-    if plan.memory:
-        device = plan.cluster.gpu_memory_bytes if plan.cluster is not None else None
-        lines.append("")
-        lines.append("memory per GPU" + (f" (of {fmt(device)})" if device else "") + ":")
-        for name, roles in plan.memory.items():
-            for role, est in roles.items():
-                parts = ", ".join(f"{k} {fmt(v)}" for k, v in est.parts.items() if v)
-                lines.append(
-                    f"  {name} ({role}): {fmt(est.gpu_bytes)} ({parts}); host {fmt(est.host_bytes)}"
-                )
+    if plan.memory and plan.cluster is not None:
+        lines += ["", *_memory_lines(plan.memory, plan.cluster)]
     if res.notes:
         lines.append("")
         lines += [d.render() for d in res.notes]
     return "\n".join(lines) + "\n"
+
+
+def _memory_lines(memory: dict[str, dict[str, Estimate]], cluster: ClusterView) -> list[str]:
+    """Each stage's roles per GPU (against each node's GPUs), then its host bytes per node
+    (each role's ranks there x its host bytes per rank, against the node's host memory)."""
+    sizes = cluster.gpu_memory_by_node()
+    known = {s for s in sizes.values() if s is not None}
+    if len(known) == 1:
+        of = f" (of {fmt(known.pop())})"
+    else:
+        of = " (" + ", ".join(f"{n} {fmt(s)}" for n, s in sizes.items() if s) + ")" if known else ""
+    lines = [f"memory per GPU{of}:"]
+    for name, roles in memory.items():
+        for role, est in roles.items():
+            parts = ", ".join(f"{k} {fmt(v)}" for k, v in est.parts.items() if v)
+            lines.append(
+                f"  {name} ({role}): {fmt(est.gpu_bytes)} ({parts}); host {fmt(est.host_bytes)}"
+            )
+    lines.append("host memory per node:")
+    for name, roles in memory.items():
+        for node in dict.fromkeys(n for est in roles.values() for n in est.nodes):
+            held = [(r, e.nodes[node], e.host_bytes) for r, e in roles.items() if node in e.nodes]
+            total = sum(k * b for _, k, b in held)
+            shown = ", ".join(f"{r} {k} x {fmt(b)}" for r, k, b in held)
+            have = cluster.host_memory(node)
+            of_node = f" of {fmt(have)}" if have else ""
+            lines.append(f"  {name} on {node}: {fmt(total)}{of_node} ({shown})")
+    return lines

@@ -49,7 +49,13 @@ measures). A vLLM engine takes
 `vllm_gpu_memory_utilization` x device memory (weights and KV cache inside it).
 Colocated roles are summed; with `vllm_enable_sleep` the engine's share is free while
 the trainer runs, and with `deepspeed_enable_sleep` the trainer's gradients and optimizer
-states are while the engine generates: the peak is the larger of the two phases.
+states are while the engine generates: the peak is the larger of the two phases. Those
+states then sit in the host's memory: a sleeping trainer's host figure counts them.
+
+Host memory per rank (`host_bytes`) is DeepSpeed's host figure, plus what sleep moves
+there; `engine.budget` sums it over the ranks a node holds. Not counted: each process's
+own runtime (interpreter, libraries, CUDA context) and the copy of its weights a vLLM
+engine keeps on the host while asleep (the engine's need carries no model).
 """
 
 from __future__ import annotations
@@ -145,15 +151,23 @@ def read_shape(model: Any) -> ModelShape | None:
 
 @dataclass(frozen=True)
 class Estimate:
+    """One role's bytes per GPU and per rank on the host; once placed, its ranks per node
+    (`nodes`), which hold `ranks x host_bytes` of their node's host memory."""
+
     gpu_bytes: int
     host_bytes: int
     parts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
+    nodes: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "gpu_bytes": self.gpu_bytes,
             "host_bytes": self.host_bytes,
             "parts": dict(self.parts),
+            "nodes": {
+                node: {"ranks": ranks, "host_bytes": ranks * self.host_bytes}
+                for node, ranks in self.nodes.items()
+            },
         }
 
 
@@ -243,6 +257,10 @@ def estimate(need: MemoryNeed, dp: int, per_node: int, device_bytes: int | None)
         w = 2 if need.bf16 else 4
         return _estimate({"weights": w * shape.params}, 0)
     parts, host = _trainer_parts(need, shape, dp, per_node, cpu=False)
+    if need.sleep:
+        # deepspeed_enable_sleep: DeepSpeed's `offload_states` (runtime/engine.py) moves the
+        # optimizer states and gradients to pinned host memory while the engine generates
+        host += parts["gradients"] + parts["optimizer"]
     return _estimate(parts, host)
 
 

@@ -23,8 +23,9 @@ Rules:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from graphlib import TopologicalSorter
 from typing import Any
 
@@ -32,19 +33,25 @@ from engine.stage import Slot
 
 Device = tuple[str, str | None, int]  # (node, worker, device id)
 
+log = logging.getLogger("pipe.placement")
+
 
 @dataclass(frozen=True)
 class Worker:
-    """A Dask worker (or a declared node): where it runs and the devices it holds."""
+    """A Dask worker (or a declared node): where it runs, the devices it holds, and its own
+    memory figures (None: the cluster's, if any)."""
 
     address: str | None
     node: str
     devices: tuple[int, ...]
+    gpu_memory_bytes: int | None = None  # each of its GPUs
+    host_memory_bytes: int | None = None  # its host (shared with the node's other workers)
 
 
 @dataclass(frozen=True)
 class ClusterView:
-    """The cluster placement works with."""
+    """The cluster placement works with; `gpu_memory_bytes`/`host_memory_bytes` are the
+    figures of a worker that gives none of its own (None: unknown, not checked)."""
 
     workers: tuple[Worker, ...]
     gpus_per_node: int
@@ -53,6 +60,42 @@ class ClusterView:
 
     def nodes(self) -> list[str]:
         return list(dict.fromkeys(w.node for w in self.workers))
+
+    def gpu_memory(self, node: str, worker: str | None) -> int | None:
+        """The memory of each GPU of the worker at `worker` on `node` (a declared node: its
+        one worker, address None)."""
+        for w in self.workers:
+            if w.node == node and w.address == worker and w.gpu_memory_bytes is not None:
+                return w.gpu_memory_bytes
+        return self.gpu_memory_bytes
+
+    def host_memory(self, node: str) -> int | None:
+        """The host memory of `node`: the smallest its workers report (they share the host)."""
+        own = [
+            w.host_memory_bytes
+            for w in self.workers
+            if w.node == node and w.host_memory_bytes is not None
+        ]
+        return min(own) if own else self.host_memory_bytes
+
+    def grown(self, k: int) -> ClusterView:
+        """This cluster with its nodes k times over (copies named `<node>+<i>`, no address):
+        what a bigger cluster of the same nodes would offer."""
+        copies = tuple(
+            replace(w, address=None, node=f"{w.node}+{i}")
+            for i in range(1, k)
+            for w in self.workers
+        )
+        return replace(self, workers=self.workers + copies)
+
+    def gpu_memory_by_node(self) -> dict[str, int | None]:
+        """Each node's smallest GPU (None: unknown)."""
+        out: dict[str, int | None] = {}
+        for node in self.nodes():
+            sizes = [self.gpu_memory(node, w.address) for w in self.workers if w.node == node]
+            known = [s for s in sizes if s is not None]
+            out[node] = min(known) if known else None
+        return out
 
     def devices(self) -> list[Device]:
         """Every usable device in order: node, worker, id; at most gpus_per_node a node."""
@@ -344,15 +387,11 @@ def view_from_workers(info: Mapping[str, Mapping[str, Any]], gpus_per_node: int)
     """The live cluster: `{address: {"host", "resources", "env"}}` from the Dask workers.
 
     A worker's node is its `PIPE_NODE` environment variable, else its host; its device ids
-    the first `GPU` integer entries of its `CUDA_VISIBLE_DEVICES`, else 0..GPU-1; the
-    device memory the smallest `GPU_MEMORY_MIB` the workers report (nvidia-smi).
+    the first `GPU` integer entries of its `CUDA_VISIBLE_DEVICES`, else 0..GPU-1; its GPU
+    memory the `GPU_MEMORY_MIB` it reports (nvidia-smi), its host memory `HOST_MEMORY_BYTES`.
+    A figure a worker cannot read stays None: not checked, never guessed (logged at debug).
     """
     workers = []
-    memory = [
-        int(str((w.get("env") or {}).get("GPU_MEMORY_MIB"))) * 2**20
-        for w in info.values()
-        if str((w.get("env") or {}).get("GPU_MEMORY_MIB") or "").isdigit()
-    ]
     for address, w in info.items():
         env = w.get("env") or {}
         count = int((w.get("resources") or {}).get("GPU", 0))
@@ -364,6 +403,19 @@ def view_from_workers(info: Mapping[str, Mapping[str, Any]], gpus_per_node: int)
         else:
             ids = tuple(range(count))
         node = env.get("PIPE_NODE") or str(w.get("host") or address)
-        workers.append(Worker(address, node, ids))
+        gpu_mib = _figure(env, "GPU_MEMORY_MIB", address, "GPU memory (nvidia-smi)", count > 0)
+        host = _figure(env, "HOST_MEMORY_BYTES", address, "host memory", True)
+        gpu = gpu_mib * 2**20 if gpu_mib is not None else None
+        workers.append(Worker(address, node, ids, gpu, host))
     workers.sort(key=lambda w: (w.node, w.address or ""))
-    return ClusterView(tuple(workers), gpus_per_node, min(memory) if memory else None)
+    return ClusterView(tuple(workers), gpus_per_node)
+
+
+def _figure(env: Mapping[str, Any], key: str, address: str, what: str, wanted: bool) -> int | None:
+    """A worker's memory figure from its environment report; None (logged) when unreadable."""
+    value = str(env.get(key) or "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    if wanted:
+        log.debug("worker %s: its %s could not be read; it is not checked", address, what)
+    return None

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.budget import check_memory
+from engine.budget import Grow, Grown, check_memory
 from engine.errors import Diagnostic, PipeError
 from engine.graph import topological
 from engine.memory import Estimate
@@ -137,9 +137,46 @@ def plan(resolved: ResolvedPipeline, cluster: ClusterView | None = None) -> Plan
     placement = place(resolved, order, cluster) if cluster is not None else None
     memory = None
     if placement is not None and cluster is not None:
-        memory, warnings = check_memory(resolved, placement, cluster)
+        memory, warnings = check_memory(resolved, placement, cluster, _grower(resolved, cluster))
         resolved.notes.extend(warnings)
     return Plan(resolved, order, stages, cluster, placement, memory)
+
+
+def _grower(resolved: ResolvedPipeline, cluster: ClusterView) -> Grow:
+    """The pipeline planned on k times `cluster` with k times its GPUs (None where it does
+    not resolve or place), each k computed once: how `engine.budget` tries a bigger cluster."""
+    memo: dict[int, Grown | None] = {}
+
+    def grow(k: int) -> Grown | None:
+        if k not in memo:
+            memo[k] = _grown(resolved, cluster, k)
+        return memo[k]
+
+    return grow
+
+
+def _grown(resolved: ResolvedPipeline, cluster: ClusterView, k: int) -> Grown | None:
+    import copy
+
+    from engine.load import validate_document
+    from engine.resolve import resolve
+    from engine.source import Document
+
+    loaded = resolved.loaded
+    bigger = cluster.grown(k)
+    data = copy.deepcopy(loaded.doc.data)
+    declared = loaded.spec.cluster.gpus
+    gpus = None
+    if isinstance(declared, int):
+        data.setdefault("cluster", {})["gpus"] = declared * k
+    else:  # auto: the cluster's GPUs
+        gpus = len(bigger.devices())
+    doc = Document(loaded.doc.name, data, loaded.doc.values, loaded.doc.keys)
+    try:
+        other = resolve(validate_document(doc, loaded.path), resolved.run_dir, gpus)
+        return other, place(other, tuple(topological(other.loaded.spec)), bigger), bigger
+    except PipeError:
+        return None
 
 
 def place(resolved: ResolvedPipeline, order: tuple[str, ...], cluster: ClusterView) -> Placement:

@@ -120,6 +120,15 @@ def test_colocated_roles_sum_and_sleep_frees_the_other_phase():
     assert both.gpu_bytes < awake.gpu_bytes
 
 
+def test_deepspeed_sleep_holds_the_offloaded_states_on_the_host():
+    need = MemoryNeed("actor", "trainer", LLAMA["7B"], zero_stage=3, bf16=True)
+    awake = estimate(need, 8, 8, 80 * 10**9)
+    asleep = estimate(MemoryNeed(**{**need.__dict__, "sleep": True}), 8, 8, 80 * 10**9)
+    assert awake is not None and asleep is not None
+    moved = awake.parts["gradients"] + awake.parts["optimizer"]
+    assert asleep.host_bytes == awake.host_bytes + moved
+
+
 def test_a_70b_full_fine_tune_is_refused_with_the_changes_that_fit(tmp_path: Path, monkeypatch):
     from tests.conftest import run_cli
 
@@ -160,7 +169,10 @@ def test_a_70b_full_fine_tune_is_refused_with_the_changes_that_fit(tmp_path: Pat
         ).stdout
     )
     sft = plan["memory"]["sft"]["actor"]
-    assert set(sft) == {"gpu_bytes", "host_bytes", "parts"}
+    assert set(sft) == {"gpu_bytes", "host_bytes", "parts", "nodes"}
+    assert sft["nodes"] == {  # the ranks each node holds, and their host bytes together
+        node: {"ranks": 8, "host_bytes": 8 * sft["host_bytes"]} for node in ("node0", "node1")
+    }
     assert set(sft["parts"]) == {
         "weights",
         "gradients",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from engine.placement import (
@@ -223,14 +225,28 @@ def test_a_cluster_file_error_is_located(tmp_path):
     assert (len(view.workers), view.gpus_per_node, view.gpu_memory_bytes) == (6, 8, 80 * 10**9)
 
 
-def test_the_live_view_takes_the_smallest_gpu_memory_the_workers_report():
+def test_the_live_view_keeps_each_workers_gpu_and_host_memory(caplog):
     info = {
-        "tcp://a:1": {"host": "a", "resources": {"GPU": 8}, "env": {"GPU_MEMORY_MIB": "81559"}},
+        "tcp://a:1": {
+            "host": "a",
+            "resources": {"GPU": 8},
+            "env": {"GPU_MEMORY_MIB": "81559", "HOST_MEMORY_BYTES": str(2 * 10**12)},
+        },
         "tcp://b:1": {"host": "b", "resources": {"GPU": 8}, "env": {"GPU_MEMORY_MIB": "40960"}},
-        "tcp://c:1": {"host": "c", "resources": {}, "env": {"GPU_MEMORY_MIB": None}},
+        "tcp://c:1": {"host": "c", "resources": {"GPU": 2}, "env": {"GPU_MEMORY_MIB": None}},
     }
-    assert view_from_workers(info, 8).gpu_memory_bytes == 40960 * 2**20
-    assert view_from_workers({"tcp://c:1": info["tcp://c:1"]}, 8).gpu_memory_bytes is None
+    with caplog.at_level(logging.DEBUG, logger="pipe.placement"):
+        view = view_from_workers(info, 8)
+    assert view.gpu_memory("a", "tcp://a:1") == 81559 * 2**20
+    assert view.gpu_memory("b", "tcp://b:1") == 40960 * 2**20
+    assert view.gpu_memory("c", "tcp://c:1") is None  # unread: not checked, never guessed
+    assert (view.host_memory("a"), view.host_memory("b")) == (2 * 10**12, None)
+    assert view.gpu_memory_by_node() == {"a": 81559 * 2**20, "b": 40960 * 2**20, "c": None}
+    assert [r.getMessage() for r in caplog.records] == [
+        "worker tcp://b:1: its host memory could not be read; it is not checked",
+        "worker tcp://c:1: its GPU memory (nvidia-smi) could not be read; it is not checked",
+        "worker tcp://c:1: its host memory could not be read; it is not checked",
+    ]
 
 
 def test_a_chain_of_3000_stages_listed_last_first_places_without_waits():
