@@ -19,8 +19,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.cluster_view import ClusterView, Worker
 from engine.errors import Diagnostic, Location, PipeError
-from engine.placement import ClusterView, Worker
 from engine.schema import validation_diagnostics
 from engine.source import load_document
 

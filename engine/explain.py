@@ -11,7 +11,7 @@ from engine.paths import shown_config
 from engine.stage import nested_blocks
 
 if TYPE_CHECKING:
-    from engine.placement import ClusterView
+    from engine.cluster_view import ClusterView
     from engine.plan import Plan
     from engine.resolved import ResolvedStage
 

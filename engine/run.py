@@ -19,11 +19,11 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from engine.cluster import Cluster
+from engine.cluster_view import view_from_workers
 from engine.errors import Diagnostic, Location, PipeError, did_you_mean
 from engine.execute import RunOptions, execute, prepare
 from engine.fsio import atomic_write_text, makedirs
 from engine.load import LoadedPipeline, load_pipeline
-from engine.placement import view_from_workers
 from engine.plan import Plan, plan
 from engine.report import RunReport, new_run_id
 from engine.resolve import resolve

@@ -34,8 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine.cluster_view import ClusterView, Worker
 from engine.errors import RunFailed
-from engine.placement import ClusterView, Worker
 from engine.plan import Plan, plan
 from engine.resolve import resolve
 from engine.slurm_spec import SlurmSpec

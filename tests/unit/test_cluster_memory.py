@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.cluster_view import view_from_workers
 from engine.errors import PipeError
 from engine.load import load_pipeline
-from engine.placement import view_from_workers
 from engine.plan import plan
 from engine.resolve import resolve
 from tests.conftest import run_cli

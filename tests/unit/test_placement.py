@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from engine.cluster_view import view_from_workers
 from engine.placement import (
     ClusterView,
     Placement,
@@ -15,7 +16,6 @@ from engine.placement import (
     StageRequest,
     Worker,
     solve,
-    view_from_workers,
 )
 from engine.stage import Slot
 
