@@ -23,6 +23,7 @@ tensor-parallel size, batch sizes that divide, ...) through its `check` hook.
 from __future__ import annotations
 
 import copy
+import os
 import posixpath
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -277,6 +278,7 @@ class _State:
             roles=roles,
             gpus_per_node=spec.cluster.gpus_per_node,
             explicit=frozenset(sources),
+            pipeline_dir=os.path.abspath(self.loaded.base_dir),
             locate=locate,
             describe=describe,
         )

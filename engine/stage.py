@@ -94,6 +94,8 @@ class ResolveContext:
     roles: Mapping[str, RoleAlloc]
     gpus_per_node: int
     explicit: frozenset[str] = frozenset()  # dotted config paths set by the user or a preset
+    # the pipeline file's folder (absolute): a run imports a filter's predicate from there
+    pipeline_dir: str = ""
     locate: Callable[[str], Location | None] = field(default=lambda _: None, repr=False)
     describe: Callable[[str], str] = field(default=lambda _: "kind default", repr=False)
 

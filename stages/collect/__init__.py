@@ -23,6 +23,7 @@ from stages.lib.config import (
     backend_preset_path,
     check_backend,
     check_model,
+    check_verifier,
     derive_backend,
 )
 
@@ -109,7 +110,8 @@ class CollectConfig(StageConfig):
         return derive_backend(self.backend, ctx, self.num_repeats)
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
-        return check_model(self.backend, ctx, wanted=True) + check_backend(self.backend, ctx)
+        out = check_model(self.backend, ctx, wanted=True) + check_backend(self.backend, ctx)
+        return out + check_verifier(self.verifier, ctx)
 
 
 stage("collect", config=CollectConfig, run="stages.collect.run:run_collect")

@@ -6,7 +6,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from engine.stage import StageConfig, stage
+from engine.errors import Diagnostic
+from engine.stage import ResolveContext, StageConfig, stage
 
 
 class DatasetConfig(StageConfig):
@@ -42,6 +43,14 @@ class DatasetConfig(StageConfig):
     val_output: str = Field(
         "val.jsonl", description="Validation prompts written (empty unless val_size)."
     )
+
+    def check(self, ctx: ResolveContext) -> list[Diagnostic]:
+        """A source names what it reads: reasoning-gym a task, the others a path."""
+        if self.source == "reasoning_gym" and not self.task:
+            return [ctx.error("task", "source 'reasoning_gym' needs a 'task', e.g. chain_sum")]
+        if self.source != "reasoning_gym" and not self.path:
+            return [ctx.error("path", f"source '{self.source}' needs a 'path'")]
+        return []
 
 
 stage("dataset", config=DatasetConfig, run="stages.dataset.run:run_dataset")

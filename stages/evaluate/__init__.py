@@ -19,6 +19,7 @@ from stages.lib.config import (
     backend_preset_path,
     check_backend,
     check_model,
+    check_verifier,
     derive_backend,
 )
 
@@ -87,7 +88,15 @@ class EvaluateConfig(StageConfig):
                     "checkpoints cannot be sent to it: leave checkpoints empty, or use a local or vllm backend",
                 )
             )
-        return out
+        if not self.checkpoints and not isinstance(self.backend, OpenAIBackend):
+            out.append(
+                ctx.error(
+                    "checkpoints",
+                    "no checkpoint to evaluate: list them in 'checkpoints' or add the stage "
+                    "that trains one to 'needs'",
+                )
+            )
+        return out + check_verifier(self.verifier, ctx)
 
 
 stage("evaluate", config=EvaluateConfig, run="stages.evaluate.run:run_evaluate")

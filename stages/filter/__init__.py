@@ -24,7 +24,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from engine.stage import StageConfig, stage
+from engine.errors import Diagnostic
+from engine.stage import ResolveContext, StageConfig, stage
+from stages.lib.config import check_callable
 
 
 class FilterConfig(StageConfig):
@@ -68,6 +70,13 @@ class FilterConfig(StageConfig):
         gt=0,
         description="On a Dask cluster, inputs larger than two partitions are filtered in partitions of about this many MB, one task each.",
     )
+
+    def check(self, ctx: ResolveContext) -> list[Diagnostic]:
+        """The predicate's module must be importable where the run looks: the pipeline's
+        folder, then Python's path (`stages.filter.rules.load_predicate`)."""
+        if self.predicate is None:
+            return []
+        return check_callable(ctx, "predicate", "predicate", self.predicate, [ctx.pipeline_dir])
 
 
 stage("filter", config=FilterConfig, run="stages.filter.run:run_filter")

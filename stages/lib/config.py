@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -305,3 +305,55 @@ def backend_memory(backend: Any) -> list[MemoryNeed]:
             sleep=backend.vllm_enable_sleep,
         )
     ]
+
+
+# -- a user's `module:function`, found before the run imports it ----------------------------
+
+
+def missing_module(name: str, search: Sequence[str] = ()) -> str | None:
+    """The first dotted prefix of module `name` that no finder locates (None: found), looked
+    up in the folders `search` first, then where Python imports from. Nothing is imported,
+    not even a parent package: plan never runs user code."""
+    import importlib.util
+    import sys
+    from importlib.machinery import PathFinder
+
+    parts = name.split(".")
+    folders: list[str] | None = list(search) or None
+    for i in range(len(parts)):
+        full = ".".join(parts[: i + 1])
+        loaded = sys.modules.get(full)
+        spec = getattr(loaded, "__spec__", None)
+        if spec is None and folders is not None:
+            spec = PathFinder.find_spec(full, folders)
+        if spec is None and i == 0:
+            spec = importlib.util.find_spec(full)  # built-ins, installed and editable packages
+        if spec is None:
+            return full
+        folders = list(spec.submodule_search_locations or [])
+        if not folders and i + 1 < len(parts):
+            return ".".join(parts[: i + 2])  # `full` is a module, not a package
+    return None
+
+
+def check_callable(
+    ctx: ResolveContext, path: str, what: str, spec: str, search: Sequence[str] = ()
+) -> list[Diagnostic]:
+    """A `module:function` whose module the run could not import is refused, located at
+    `path`. Only the module is looked for: whether it defines the function is known by
+    importing it, which the run does."""
+    if not _CALLABLE.match(spec):
+        return []
+    module = spec.partition(":")[0]
+    gone = missing_module(module, search)
+    if gone is None:
+        return []
+    return [ctx.error(path, f"{what} '{spec}': no module named '{gone}'")]
+
+
+def check_verifier(
+    verifier: Verifier, ctx: ResolveContext, path: str = "verifier"
+) -> list[Diagnostic]:
+    """A `module:function` verifier's module must be importable where the stage runs (the
+    run imports it from Python's path: `stages.lib.verify`)."""
+    return check_callable(ctx, f"{path}.kind", "verifier", verifier.kind)

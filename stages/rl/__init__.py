@@ -25,6 +25,7 @@ from stages.lib.config import (
     backend_memory,
     backend_preset_path,
     check_backend,
+    check_verifier,
     derive_backend,
 )
 from stages.lib.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
@@ -218,6 +219,8 @@ class RLConfig(StageConfig):
                     f"larger than a step's {self.rollout_batch_size * self.num_repeats} samples",
                 )
             )
+        # refusals of the run path known from the config alone (tests/unit/test_refusals.py)
+        out += check_verifier(self.verifier, ctx)
         return out
 
 

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import MemoryNeed, ResolveContext, StageConfig, stage
-from stages.lib.config import CountOrAuto, ModelRef, TinyModel, Verifier
+from stages.lib.config import CountOrAuto, ModelRef, TinyModel, Verifier, check_verifier
 from stages.lib.ds_config import trainer_memory, trainer_memory_changes
 
 
@@ -130,6 +130,8 @@ class TrainConfig(StageConfig):
                     "a target accuracy needs held-out prompts to measure it: set eval_input",
                 )
             )
+        if self.eval_input is not None:  # the verifier scores the held-out prompts only
+            out += check_verifier(self.verifier, ctx)
         return out
 
     def memory_needs(self) -> list[MemoryNeed]:

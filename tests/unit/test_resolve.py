@@ -293,10 +293,10 @@ def test_bad_references(tmp_path: Path):
     text = """\
         name: p
         stages:
-          data: {kind: dataset}
+          data: {kind: dataset, config: {task: chain_sum}}
           t: {kind: train, needs: [data], config: {input: "@dat"}}
           u: {kind: train, config: {input: "@data"}}
-          e: {kind: evaluate, needs: [data], config: {input: "@data.test"}}
+          e: {kind: evaluate, needs: [data], config: {input: "@data.test", checkpoints: [m]}}
     """
     assert errors(tmp_path, text) == [
         "p.yaml:4:51: stages.t.config.input: '@dat' refers to no stage named 'dat'; did you mean 'data'?",

@@ -1,0 +1,527 @@
+"""What `pipe plan` accepts, `pipe run` runs: every refusal on the run path, classified.
+
+The test walks (with `ast`) every `raise` of an exception built with a message in
+`stages/**/*.py` outside the plan side (each kind's config module `stages/<kind>/__init__.py`
+and the shared rule modules `stages/lib/config.py`, `stages/lib/ds_config.py`, whose errors
+are plan-time errors already) and outside `stages/collect/tune/` (the `pipe tune` command,
+whose own refusals are located errors before it measures anything). Each raise site must
+be in REFUSALS, keyed by its file and the start of its message (an f-string's placeholders
+read `{}`; a message with no literal text is the call's source), never by line, as one of:
+
+- `plan`: the same condition is refused before anything starts. Its `Case` is a minimal
+  pipeline (with `--set`s and a `--cluster`) that `pipe plan` and `pipe validate` both
+  refuse, exit 2, printing the case's located lines exactly;
+- `data` (the input files, or what earlier stages write), `environment` (what the machine
+  has when the stage runs), `internal` (an invariant of this code: a bug if hit) or
+  `transient` (network, timeouts): known only at run time, with a one-line reason.
+
+A raise site not in the table fails with how to classify it; an entry whose site is gone
+fails too. Bare re-raises (`raise`, `raise errors[0]`) carry an exception raised, and so
+classified, where it was built; `assert`s are internal invariants by construction.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+Kind = Literal["plan", "data", "environment", "internal", "transient"]
+PLAN_SIDE = ("stages/lib/config.py", "stages/lib/ds_config.py")
+NOT_RUN_PATH = ("stages/collect/tune/",)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A minimal pipeline that `pipe plan` and `pipe validate` refuse with `lines`."""
+
+    yaml: str
+    lines: tuple[str, ...]
+    sets: tuple[str, ...] = ()
+    cluster: str | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    kind: Kind
+    why: str = ""
+    case: Case | None = None
+
+
+def plan(case: Case, why: str = "") -> Refusal:
+    return Refusal("plan", why, case)
+
+
+def data(why: str) -> Refusal:
+    return Refusal("data", why)
+
+
+def environment(why: str) -> Refusal:
+    return Refusal("environment", why)
+
+
+def internal(why: str) -> Refusal:
+    return Refusal("internal", why)
+
+
+def transient(why: str) -> Refusal:
+    return Refusal("transient", why)
+
+
+def no_input(kind: str, config: str) -> Case:
+    return Case(
+        f"name: p\nstages:\n  s: {{kind: {kind}, config: {config}}}\n",
+        (
+            "p.yaml:3:3: stages.s.config.input: no input: set 'input' or add the stage that "
+            "produces it to 'needs'",
+        ),
+    )
+
+
+VERIFIERS = Case(
+    """\
+    name: p
+    stages:
+      c: {kind: collect, config: {input: x.jsonl, backend: {kind: local, model: m}, verifier: {kind: "nomod:fn"}}}
+      e: {kind: evaluate, config: {input: x.jsonl, checkpoints: [m], verifier: {kind: "no.mod:fn"}}}
+      r: {kind: rl, config: {input: x.jsonl, verifier: {kind: "stages.lib.nomod:fn"}}}
+      t: {kind: train, config: {input: x.jsonl, eval_input: y.jsonl, verifier: {kind: "json.nomod:fn"}}}
+    """,
+    (
+        "p.yaml:3:98: stages.c.config.verifier.kind: verifier 'nomod:fn': no module named 'nomod'",
+        "p.yaml:4:83: stages.e.config.verifier.kind: verifier 'no.mod:fn': no module named 'no'",
+        "p.yaml:5:59: stages.r.config.verifier.kind: verifier 'stages.lib.nomod:fn': no module "
+        "named 'stages.lib.nomod'",
+        "p.yaml:6:83: stages.t.config.verifier.kind: verifier 'json.nomod:fn': no module named "
+        "'json.nomod'",
+    ),
+)
+# the vLLM role's 6 GPUs (3:1 of 8) do not split into engines of tensor-parallel size 4
+VLLM_SLICES = Case(
+    """\
+    name: p
+    cluster: {gpus: 8, gpus_per_node: 8}
+    resources: {ratio: {vllm: 3, actor: 1}}
+    stages:
+      rl: {kind: rl, config: {input: x.jsonl, backend: {kind: vllm, vllm_tensor_parallel_size: 4}}}
+    """,
+    (
+        "p.yaml:5:3: stages.rl.config.backend.vllm_num_engines: 1 engines x tensor-parallel "
+        "size 4 = 4 GPUs, but role 'vllm' has 6",
+    ),
+    cluster="1x8x80GB",
+)
+VLLM_ENGINES = Case(
+    """\
+    name: p
+    cluster: {gpus: 8, gpus_per_node: 8}
+    stages:
+      c: {kind: collect, resources: {gpus: 2}, config: {input: x.jsonl, backend: {kind: vllm, model: m}}}
+    """,
+    (
+        "--set stages.c.config.backend.vllm_num_engines=4: stages.c.config.backend.vllm_num_engines: "
+        "4 engines x tensor-parallel size 1 = 4 GPUs, but the stage has 2; use vllm_num_engines 2",
+    ),
+    sets=("stages.c.config.backend.vllm_num_engines=4",),
+    cluster="1x8x80GB",
+)
+TINY = "name: p\nstages:\n  t: {{kind: train, config: {{input: x.jsonl, {config}}}}}\n"
+
+REFUSALS: dict[tuple[str, str], Refusal] = {
+    # --- collect ---------------------------------------------------------------------------
+    ("stages/collect/inputs.py", "a message's 'content' must be"): data("a malformed prompt row"),
+    ("stages/collect/inputs.py", "'messages' must be a non-empty"): data("a malformed prompt row"),
+    ("stages/collect/inputs.py", "each message needs a 'role'"): data("a malformed prompt row"),
+    ("stages/collect/inputs.py", "'prompt' must be a string"): data("a malformed prompt row"),
+    ("stages/collect/inputs.py", "the row has none of"): data("a prompt row without a prompt"),
+    ("stages/collect/measure.py", "measure_level needs parallelism"): internal(
+        "pipe tune calls it with levels >= 1 and a non-empty sample of prompts"
+    ),
+    ("stages/collect/measure.py", "row {}: {}"): data("a malformed prompt row in tune's sample"),
+    ("stages/collect/ranged.py", "collect: 'input' is empty"): plan(
+        no_input("collect", "{backend: {kind: local, model: m}}")
+    ),
+    ("stages/collect/ranged.py", "collect: input '{}' does not exist"): data(
+        "an input file is written by an upstream stage or put in place before the run; plan "
+        "reads no input file (it may live on storage only the workers see)"
+    ),
+    # --- dataset ---------------------------------------------------------------------------
+    ("stages/dataset/run.py", "source 'reasoning_gym' needs a 'task'"): plan(
+        Case(
+            "name: p\nstages:\n  d: {kind: dataset}\n",
+            (
+                "p.yaml:3:3: stages.d.config.task: source 'reasoning_gym' needs a 'task', e.g. chain_sum",
+            ),
+        )
+    ),
+    ("stages/dataset/run.py", "source '{}' needs a 'path'"): plan(
+        Case(
+            "name: p\nstages:\n  d: {kind: dataset, config: {source: parquet}}\n",
+            ("p.yaml:3:3: stages.d.config.path: source 'parquet' needs a 'path'",),
+        )
+    ),
+    ("stages/dataset/run.py", "the source has only {} distinct prompts"): data(
+        "the number of distinct prompts in the source file"
+    ),
+    ("stages/dataset/run.py", "found only {} distinct test prompts"): data(
+        "how many distinct problems a reasoning-gym task has is known only by drawing them"
+    ),
+    ("stages/dataset/run.py", "{}: no prompt field"): data("a source row without a prompt field"),
+    ("stages/dataset/run.py", "source 'huggingface' needs the 'datasets'"): environment(
+        "the datasets package on the worker"
+    ),
+    ("stages/dataset/run.py", "could not load Hugging Face dataset"): transient(
+        "the hub unreachable, or the dataset id or split unknown there (known only by asking it)"
+    ),
+    ("stages/dataset/run.py", "source 'parquet' needs pyarrow"): environment(
+        "pyarrow (or pandas) on the worker"
+    ),
+    # --- evaluate --------------------------------------------------------------------------
+    ("stages/evaluate/run.py", "evaluate needs an 'input' prompt file"): plan(
+        no_input("evaluate", "{checkpoints: [m]}")
+    ),
+    ("stages/evaluate/run.py", "evaluate needs at least one checkpoint"): plan(
+        Case(
+            "name: p\nstages:\n  e: {kind: evaluate, config: {input: x.jsonl}}\n",
+            (
+                "p.yaml:3:3: stages.e.config.checkpoints: no checkpoint to evaluate: list them in "
+                "'checkpoints' or add the stage that trains one to 'needs'",
+            ),
+        )
+    ),
+    ("stages/evaluate/run.py", "need 0 < k <= n"): internal("k_values(n) gives 0 < k <= n"),
+    # --- filter ----------------------------------------------------------------------------
+    ("stages/filter/parallel.py", "OutOfOrder(start"): data(
+        "the input's rows of a prompt are not contiguous: caught, the file is sorted and filtered again"
+    ),
+    ("stages/filter/scan.py", "OutOfOrder(row.offset"): data(
+        "the input's rows of a prompt are not contiguous: caught, the file is sorted and filtered again"
+    ),
+    ("stages/filter/rules.py", "{}: expected an integer"): data("a malformed rollout row"),
+    ("stages/filter/rules.py", "{}: expected a JSON object"): data("a malformed rollout row"),
+    ("stages/filter/rules.py", "{}: expected a numeric 'reward'"): data("a malformed rollout row"),
+    ("stages/filter/rules.py", "{}: not a JSON line"): data("a malformed rollout row"),
+    ("stages/filter/rules.py", "predicate '{}': cannot import"): plan(
+        Case(
+            'name: p\nstages:\n  f: {kind: filter, config: {input: x.jsonl, predicate: "nomod:keep"}}\n',
+            (
+                "p.yaml:3:57: stages.f.config.predicate: predicate 'nomod:keep': no module named 'nomod'",
+            ),
+        ),
+        "a module that is found but fails while importing is known only by running it",
+    ),
+    ("stages/filter/rules.py", "predicate '{}': '{}' has no function"): environment(
+        "whether the module defines the function is known only by importing user code, which "
+        "plan never does (it checks that the module is there)"
+    ),
+    ("stages/filter/run.py", "filter: no input"): plan(no_input("filter", "{}")),
+    # --- shared by kinds -------------------------------------------------------------------
+    ("stages/lib/backends.py", "backend.api_key_env names"): environment(
+        "the variable must be set where the stage runs; plan never reads secrets"
+    ),
+    ("stages/lib/backends.py", "backend kind '{}' has no HTTP endpoint"): internal(
+        "callers send only openai and vllm backends here"
+    ),
+    ("stages/lib/client.py", "unreachable"): internal("the retry loop returns or raises first"),
+    ("stages/lib/client.py", "bad_response"): transient("the server answered garbage: retried"),
+    ("stages/lib/client.py", "the completions endpoint needs rows"): data(
+        "a prompt row with messages sent to endpoint: completions"
+    ),
+    ("stages/lib/client.py", "status_error(resp.status"): transient(
+        "an HTTP error status from the server: retried when retryable"
+    ),
+    ("stages/lib/jsonl.py", "{}:{}: expected a JSON object"): data("a malformed JSONL line"),
+    ("stages/lib/jsonl.py", "{}:{}: not valid JSON"): data("a malformed JSONL line"),
+    ("stages/lib/launch.py", "ranks {}-{} stopped"): environment(
+        "a rank process of this job failed; its log says why"
+    ),
+    ("stages/lib/launch.py", "training rank {} {}; last lines"): environment(
+        "a rank process exited non-zero (out of memory, a signal, its own error in its log)"
+    ),
+    ("stages/lib/model.py", "vocab_size must be at least"): plan(
+        Case(
+            TINY.format(config="model: {vocab_size: 100}"),
+            (
+                "p.yaml:3:65: stages.t.config.model.vocab_size: expected a number at least 262, found 100",
+            ),
+        )
+    ),
+    ("stages/lib/model.py", "num_heads ({}) must divide"): plan(
+        Case(
+            TINY.format(config="model: {num_heads: 3}"),
+            ("p.yaml:3:52: stages.t.config.model: num_heads 3 must divide hidden_size 128",),
+        )
+    ),
+    ("stages/lib/schedule.py", "unknown lr_scheduler"): plan(
+        Case(
+            TINY.format(config="lr_scheduler: step"),
+            (
+                "p.yaml:3:59: stages.t.config.lr_scheduler: expected 'constant', 'cosine' or "
+                "'linear', found 'step'",
+            ),
+        )
+    ),
+    ("stages/lib/trainer.py", "deepspeed could not load the checkpoint"): data(
+        "a checkpoint on disk that DeepSpeed cannot read"
+    ),
+    ("stages/lib/verify.py", "the row has no field"): data("a prompt row without its answer field"),
+    ("stages/lib/verify.py", "verifier '{}' is not callable"): environment(
+        "whether the attribute is a function is known only by importing user code, which plan "
+        "never does (it checks that the module is there)"
+    ),
+    ("stages/lib/verify.py", "the verifier returned"): data(
+        "what the user's verifier returns is known only when it scores a row"
+    ),
+    ("stages/lib/verify.py", "verifier kind 'regex' needs a 'pattern'"): plan(
+        Case(
+            TINY.format(config="eval_input: y.jsonl, verifier: {kind: regex}"),
+            ("p.yaml:3:76: stages.t.config.verifier: verifier kind 'regex' needs a 'pattern'",),
+        )
+    ),
+    ("stages/lib/verify.py", "the row names no reasoning-gym task"): data(
+        "a prompt row without its task"
+    ),
+    ("stages/lib/verify.py", "verifier '{}': cannot load it"): plan(
+        VERIFIERS,
+        "a module that is found but fails while importing, or lacks the function, is known "
+        "only by importing user code",
+    ),
+    ("stages/lib/vllm_server.py", "vLLM is not installed"): environment("vLLM on the worker"),
+    ("stages/lib/vllm_server.py", "a vllm backend needs a 'model'"): plan(
+        Case(
+            "name: p\nstages:\n  c: {kind: collect, config: {input: x.jsonl, backend: {kind: vllm}}}\n",
+            (
+                "p.yaml:3:3: stages.c.config.backend: a 'vllm' backend needs a 'model' to generate with",
+            ),
+        ),
+        "evaluate and rl fill the model in themselves",
+    ),
+    ("stages/lib/vllm_server.py", "vllm_num_engines ({}) x"): plan(VLLM_ENGINES),
+    ("stages/lib/vllm_server.py", "{}='{}' is not an executable"): environment(
+        "$PIPE_VLLM_PYTHON on the worker"
+    ),
+    ("stages/lib/vllm_server.py", "{} GPUs do not split"): plan(
+        VLLM_SLICES, "the placement gives the vllm role whole tensor-parallel groups per node"
+    ),
+    ("stages/lib/vllm_server.py", "vLLM server on port {} exited"): environment(
+        "the server failed to start; its log says why"
+    ),
+    ("stages/lib/vllm_server.py", "vLLM server on port {} not healthy"): environment(
+        "the server was not up within startup_timeout_s on this machine"
+    ),
+    # --- rl --------------------------------------------------------------------------------
+    ("stages/rl/channel.py", "{} failed '{}'"): environment(
+        "a role's process reports its own failure (its log has the traceback)"
+    ),
+    ("stages/rl/channel.py", "{} exited before connecting"): environment(
+        "a role's process died while starting; its log says why"
+    ),
+    ("stages/rl/channel.py", "{} did not connect in"): transient(
+        "a role's process too slow to start"
+    ),
+    ("stages/rl/channel.py", "{} is gone"): environment("a role's process died"),
+    ("stages/rl/channel.py", "{} exited during"): environment("a role's process died"),
+    ("stages/rl/channel.py", "{} did not answer"): transient("a role's process too slow to answer"),
+    ("stages/rl/channel.py", "{} closed the channel"): environment("a role's process died"),
+    ("stages/rl/data.py", "{}: no prompt rows"): data("an empty prompt file"),
+    ("stages/rl/data.py", "{}:{}: a row needs"): data("a prompt row without a prompt"),
+    ("stages/rl/records.py", "settings not accounted for"): internal(
+        "stages.rl.settings.account names every field"
+    ),
+    ("stages/rl/run.py", "rl needs prompts"): plan(no_input("rl", "{}")),
+    ("stages/rl/sync.py", "step {}: engine '{}' scored"): environment(
+        "an engine's probe after a weight sync; a transfer that silently failed shows here"
+    ),
+    ("stages/rl/sync.py", "step {}: engine '{}' does not match"): environment(
+        "an engine's probe after a weight sync; a transfer that silently failed shows here"
+    ),
+    ("stages/rl/sync.py", "engine '{}': weights did not arrive"): environment(
+        "the weight transfer failed or timed out"
+    ),
+    ("stages/rl/vllm_engine.py", "{}: HTTP {}"): environment("a vLLM server refused a request"),
+    ("stages/rl/vllm_engine.py", "{}: {}"): transient("a vLLM server could not be reached"),
+    # --- train -----------------------------------------------------------------------------
+    ("stages/train/batch.py", "no training data"): data("an empty training set"),
+    ("stages/train/data.py", "has neither 'messages'"): data("a malformed training row"),
+    ("stages/train/data.py", "has no 'completion'"): data("a malformed training row"),
+    ("stages/train/data.py", "has no 'answer'"): data("a malformed training row"),
+    ("stages/train/data.py", "row {} has no numeric 'reward'"): data("a malformed DPO row"),
+    ("stages/train/data.py", "{}: row {} {}"): data("a malformed training row, named"),
+    ("stages/train/data.py", "the tokenizer has no end-of-sequence"): data(
+        "the checkpoint's tokenizer, read when the stage loads it"
+    ),
+    ("stages/train/data.py", "no DPO pairs"): data("no prompt's rollouts differ in reward"),
+    ("stages/train/run.py", "trainer 'deepspeed' asked for"): environment(
+        "deepspeed on the worker; plan may run where it is not installed"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Site:
+    path: str
+    line: int
+    message: str
+
+
+def message(call: ast.Call, constants: dict[str, str]) -> str:
+    """The message an exception is built with, f-string placeholders as `{}`; with no
+    literal text at all, the call's source."""
+    parts, literal = [], False
+    for arg in call.args:
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            parts.append(arg.value)
+        elif isinstance(arg, ast.JoinedStr):
+            parts.append(
+                "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in arg.values)
+            )
+        elif isinstance(arg, ast.Name) and arg.id in constants:
+            parts.append(constants[arg.id])
+        else:
+            parts.append("{}")
+            continue
+        literal = True
+    return " ".join(parts) if literal else ast.unparse(call)
+
+
+def run_path(path: Path) -> bool:
+    rel = path.relative_to(ROOT).as_posix()
+    kind_config = path.name == "__init__.py" and path.parent.parent == ROOT / "stages"
+    return not kind_config and rel not in PLAN_SIDE and not rel.startswith(NOT_RUN_PATH)
+
+
+def raise_sites() -> list[Site]:
+    """Every `raise X(message, ...)` on the run path, in file and line order."""
+    out = []
+    for path in sorted((ROOT / "stages").rglob("*.py")):
+        if not run_path(path):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        constants = {
+            target.id: node.value.value
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+                out.append(Site(rel, node.lineno, message(node.exc, constants)))
+    return sorted(out, key=lambda s: (s.path, s.line))
+
+
+def entries_of(site: Site) -> list[tuple[str, str]]:
+    return [k for k in REFUSALS if k[0] == site.path and site.message.startswith(k[1])]
+
+
+def test_every_raise_on_the_run_path_is_classified() -> None:
+    sites = raise_sites()
+    assert len(sites) > 80  # the walk found the run path
+    problems = []
+    for site in sites:
+        found = entries_of(site)
+        if not found:
+            problems.append(
+                f"{site.path}:{site.line}: raise {site.message[:60]!r} is not classified: add "
+                f"({site.path!r}, {site.message[:40]!r}) to REFUSALS in tests/unit/test_refusals.py "
+                "as plan(Case(...)) when the config and cluster alone decide it (with the "
+                "plan-time check in the kind's config module), else as data, environment, "
+                "internal or transient with a one-line reason"
+            )
+        elif len(found) > 1:
+            problems.append(f"{site.path}:{site.line}: matched by several entries: {found}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_entry_names_a_raise_that_exists() -> None:
+    sites = raise_sites()
+    stale = [k for k in REFUSALS if not any(k in entries_of(s) for s in sites)]
+    assert not stale, f"no raise on the run path has these messages any more: drop {stale}"
+
+
+def test_every_entry_says_why_or_how_plan_refuses_it() -> None:
+    for key, refusal in REFUSALS.items():
+        if refusal.kind == "plan":
+            assert refusal.case is not None, key
+        else:
+            assert refusal.why and "\n" not in refusal.why and refusal.case is None, key
+
+
+CASES = {
+    f"{path.removeprefix('stages/')}:{words}": r.case
+    for (path, words), r in REFUSALS.items()
+    if r.case is not None
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("verb", ["plan", "validate"])
+def test_plan_time_twin_refuses_the_same_condition(tmp_path: Path, verb: str, case: Case) -> None:
+    (tmp_path / "p.yaml").write_text(textwrap.dedent(case.yaml))
+    args = [verb, "p.yaml", *(a for s in case.sets for a in ("--set", s))]
+    if case.cluster:
+        args += ["--cluster", case.cluster]
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == list(case.lines)
+
+
+def test_the_guides_70b_placement_starts_its_engines_as_planned() -> None:
+    """pipelines/rl_70b_cluster.yaml on 6x8x80GB plans, and the vllm role's devices on each
+    node split into the planned engines the run starts (no run-time refusal left)."""
+    from stages.lib.config import VLLMBackend
+    from stages.lib.vllm_server import device_slices
+
+    args = ("pipelines/rl_70b_cluster.yaml", "--cluster", "6x8x80GB", "--format", "json")
+    result = run_cli("plan", *args, cwd=ROOT)
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.stdout)
+    backend = VLLMBackend(**planned["stages"]["ppo"]["config"]["backend"])
+    slots = [s for s in planned["placement"]["ppo"] if s["role"] == "vllm"]
+    engines = [
+        device_slices(backend, len(s["devices"]), [str(d) for d in s["devices"]]) for s in slots
+    ]
+    assert [len(e) for e in engines] == [2, 2]  # two nodes, two engines of 4 GPUs on each
+    assert sum(len(e) for e in engines) == backend.vllm_num_engines == 4
+    assert all(len(group) == backend.vllm_tensor_parallel_size for e in engines for group in e)
+
+
+def test_a_user_module_is_found_where_the_run_imports_it_and_none_of_its_code_runs(
+    tmp_path: Path,
+) -> None:
+    """A predicate beside the pipeline (the run puts its folder first on the path) and an
+    installed verifier pass; a package is looked into without importing it."""
+    import sys
+
+    (tmp_path / "keepers.py").write_text("def keep(row):\n    return True\n")
+    (tmp_path / "boom").mkdir()
+    (tmp_path / "boom" / "__init__.py").write_text("raise RuntimeError('imported at plan time')\n")
+    (tmp_path / "boom" / "rules.py").write_text("def keep(row):\n    return True\n")
+    (tmp_path / "p.yaml").write_text(
+        textwrap.dedent(
+            """\
+            name: p
+            stages:
+              a: {kind: filter, config: {input: x.jsonl, predicate: "keepers:keep"}}
+              b: {kind: filter, config: {input: x.jsonl, predicate: "boom.rules:keep"}}
+              c: {kind: filter, config: {input: x.jsonl, predicate: "boom.nope:keep"}}
+              r: {kind: rl, config: {input: x.jsonl, verifier: {kind: "stages.lib.verify:extract_answer"}}}
+            """
+        )
+    )
+    result = run_cli("validate", "p.yaml", cwd=tmp_path)
+    assert result.stderr.splitlines() == [
+        "p.yaml:5:57: stages.c.config.predicate: predicate 'boom.nope:keep': no module named "
+        "'boom.nope'",
+    ]
+    assert "boom" not in sys.modules and "keepers" not in sys.modules
