@@ -64,6 +64,7 @@ class VLLMEngine:
     ) -> None:
         from transformers import AutoTokenizer
 
+        from stages.lib.vllm_auth import bearer, new_secret
         from stages.lib.vllm_server import vllm_servers
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -72,6 +73,8 @@ class VLLMEngine:
         self.sleeping_allowed = backend.vllm_enable_sleep and bool(devices)
         args = ["--dtype", "bfloat16" if bf16 else "float32"]
         args += ["--logprobs-mode", "processed_logprobs"]
+        secret = new_secret()  # every request bears it: the servers refuse the rest
+        self._headers = {"Content-Type": "application/json", **bearer(secret)}
         self._stack = ExitStack()
         try:
             urls = self._stack.enter_context(
@@ -83,6 +86,7 @@ class VLLMEngine:
                     extra_args=args,
                     devices=list(devices) or None,
                     dev_mode=True,
+                    secret=secret,
                 )
             )
         except BaseException:
@@ -102,7 +106,7 @@ class VLLMEngine:
 
     def _post(self, url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(url, data=data, headers=self._headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()
