@@ -22,18 +22,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stages.lib.config import VLLMBackend
+from stages.lib.vllm_auth import bearer, new_secret
 from stages.lib.vllm_server import vllm_server
 from tests.integration.test_vllm_backend import build_tiny_model
 
 log = logging.getLogger("bench.vllm_startup")
 
 
-def first_reply(url: str, model: str) -> None:
+def first_reply(url: str, model: str, secret: str) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     request = urllib.request.Request(
         f"{url}/chat/completions",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **bearer(secret)},
     )
     with urllib.request.urlopen(request, timeout=120) as resp:
         json.load(resp)
@@ -42,9 +43,10 @@ def first_reply(url: str, model: str) -> None:
 def one_run(backend: VLLMBackend, log_file: Path) -> dict[str, float]:
     """Start, ask once, stop; the seconds each took."""
     start = time.monotonic()
-    with vllm_server(backend, gpus=0, log=log, log_file=log_file) as url:
+    secret = new_secret()
+    with vllm_server(backend, gpus=0, log=log, log_file=log_file, secret=secret) as url:
         healthy = time.monotonic()
-        first_reply(url, backend.model)
+        first_reply(url, backend.model, secret)
         replied = time.monotonic()
     stopped = time.monotonic()
     return {

@@ -6,7 +6,10 @@ API key) while a context is open, and `make_client`, the OpenAIClient for it.
 For `vllm` the context starts vLLM's OpenAI server
 (`stages.lib.vllm_server.vllm_server`) and stops it on exit, also on failure;
 every row goes to its chat endpoint, so a prompt string gets the model's chat
-template exactly as with the local backend and in training.
+template exactly as with the local backend and in training. That server requires a
+secret made for this stage run (`stages.lib.vllm_auth`), which the endpoint carries as
+its API key, so the client sends it as `Authorization: Bearer ...`; an `openai` backend
+keeps the key its `api_key_env` names.
 """
 
 from __future__ import annotations
@@ -80,13 +83,15 @@ def http_endpoint(
     if isinstance(backend, OpenAIBackend):
         yield Endpoint(backend.base_url, backend.model, backend.endpoint, api_key(backend))
     elif isinstance(backend, VLLMBackend):
+        from stages.lib.vllm_auth import new_secret
         from stages.lib.vllm_server import vllm_server
 
+        secret = new_secret()  # this stage run's: the server refuses requests without it
         with vllm_server(
-            backend, gpus=gpus, log=log, log_file=log_file, devices=devices
+            backend, gpus=gpus, log=log, log_file=log_file, devices=devices, secret=secret
         ) as base_url:
             log.info("vLLM server ready at %s", base_url)
-            yield Endpoint(base_url, str(backend.model), "chat")
+            yield Endpoint(base_url, str(backend.model), "chat", api_key=secret)
     else:
         raise ValueError(f"backend kind '{backend.kind}' has no HTTP endpoint")
 

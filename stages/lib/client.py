@@ -4,8 +4,9 @@ Input: a base URL (or several joined by commas, e.g. one per vLLM engine:
 each prompt goes to one of them, by its index, so its repeats share that
 engine's prefix cache), the model name, the endpoint (`chat`, `completions`, or
 `auto`: chat for rows with messages, completions for rows with a prompt
-string), sampling settings, and an API key read by the caller from the
-environment (never logged, never written). Output: `Completion` objects.
+string), sampling settings, and an API key (read by the caller from the
+environment, or the run's secret of a vLLM server the stage started), sent as
+`Authorization: Bearer ...` and never logged, never written. Output: `Completion` objects.
 
 A prompt string sent to a chat endpoint becomes one user message, so the server
 applies the model's chat template to it exactly as local generation and

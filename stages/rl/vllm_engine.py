@@ -60,6 +60,7 @@ def start_servers(
     *,
     bf16: bool,
     log_file: str,
+    secret: str,
     host: str | None = None,
 ) -> Iterator[list[str]]:
     """This worker's servers of the `vllm` role: one per tensor-parallel slice of `devices`
@@ -79,7 +80,6 @@ def start_servers(
             devices = []
     args = ["--dtype", "bfloat16" if bf16 else "float32"]
     args += ["--logprobs-mode", "processed_logprobs"]
-    extra = {"host": host} if host else {}
     with vllm_servers(
         backend.model_copy(update=update),
         gpus=len(devices),
@@ -88,7 +88,8 @@ def start_servers(
         extra_args=args,
         devices=list(devices) or None,
         dev_mode=True,
-        **extra,
+        secret=secret,
+        host=host or "127.0.0.1",
     ) as urls:
         yield urls
 
@@ -98,15 +99,17 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
     the servers of the `vllm` role's other workers (told the model through the link)."""
     import json
 
+    from stages.lib.vllm_auth import new_secret
     from stages.rl.layout import role_workers
 
     assert isinstance(cfg.backend, VLLMBackend)
     here = ctx.tasks[0] if ctx.tasks else (None, None)
     others = [w for w in role_workers(ctx, "vllm") if w != here[1]]
     nodes = {s.worker: s.node for s in ctx.slots}
+    secret = new_secret()  # one for the run's servers: in memory and the link, never on disk
     if others:
         assert ctx.link is not None
-        ctx.link.publish("vllm-spec", json.dumps({"model_dir": model_dir}))
+        ctx.link.publish("vllm-spec", json.dumps({"model_dir": model_dir, "secret": secret}))
 
     def remote() -> list[dict[str, Any]]:
         link = ctx.link
@@ -124,6 +127,7 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
         bf16=cfg.bf16,
         log_file=log_file,
         timeout_s=cfg.sync_timeout_s,
+        secret=secret,
         where={"node": here[0], "worker": here[1], "devices": devices},
         remote=remote,
     )
@@ -147,6 +151,7 @@ def host_servers(cfg: RLConfig, ctx: StageContext) -> None:
         devices,
         bf16=cfg.bf16,
         log_file=f"{ctx.stage_dir.rstrip('/')}/vllm.{ctx.node_rank}.log",
+        secret=spec["secret"],
         host=worker_host(worker),
     ) as urls:
         place = {"node": node, "worker": worker, "devices": devices, "urls": urls}
@@ -172,12 +177,16 @@ class VLLMEngine:
         bf16: bool,
         log_file: str,
         timeout_s: float,
+        secret: str,
         where: dict[str, Any] | None = None,
         remote: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         """Start this worker's servers on `devices`, then take the URLs of the servers the
-        role's other workers started (`remote()`: their records, each with `urls`)."""
+        role's other workers started (`remote()`: their records, each with `urls`); every
+        server requires `secret` on every request, and every request here bears it."""
         from transformers import AutoTokenizer
+
+        from stages.lib.vllm_auth import bearer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.served = model_dir
@@ -188,10 +197,13 @@ class VLLMEngine:
         self.sleeping_allowed = (
             backend.vllm_enable_sleep and bool(devices) and torch.cuda.is_available()
         )
+        self._headers = {"Content-Type": "application/json", **bearer(secret)}
         self._stack = ExitStack()
         try:
             urls = self._stack.enter_context(
-                start_servers(backend, model_dir, devices, bf16=bf16, log_file=log_file)
+                start_servers(
+                    backend, model_dir, devices, bf16=bf16, log_file=log_file, secret=secret
+                )
             )
             places = [{**(where or {}), "urls": urls}, *(remote() if remote else [])]
         except BaseException:
@@ -219,7 +231,7 @@ class VLLMEngine:
 
     def _post(self, url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(url, data=data, headers=self._headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -16,7 +15,7 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration.test_vllm_backend import vllm_marks
+from tests.integration.test_vllm_backend import files_holding, run_catching_secrets, vllm_marks
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 # head size 32: the smallest vLLM's CPU attention takes; tied embeddings (the tiny model's
@@ -70,15 +69,13 @@ def _ours(tmp_path: Path) -> list[str]:
 @vllm_marks
 def test_grpo_with_a_vllm_engine_reloads_the_actors_weights_after_every_update(tmp_path: Path):
     (tmp_path / "p.yaml").write_text(textwrap.dedent(PIPELINE))
-    result = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "run", "p.yaml"],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    result, secrets = run_catching_secrets(
+        [sys.executable, "-m", "engine.cli", "run", "p.yaml"], cwd=tmp_path, env=ENV, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    # every request bore the run's secret (the server refuses the rest), written nowhere
+    assert len(secrets) == 1 and "" not in secrets
+    assert files_holding(tmp_path, secrets) == []
     stage = tmp_path / "runs/rl/rl"
     rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -162,15 +159,15 @@ def test_the_vllm_role_on_two_workers_starts_a_server_on_each_and_syncs_and_prob
     (tmp_path / "p.yaml").write_text(text)
     workers = [SimWorker(1, f"node{i}", str(i)) for i in range(3)]
     with dask_cluster(workers, tmp_path) as address:
-        result = subprocess.run(
+        result, secrets = run_catching_secrets(
             [sys.executable, "-m", "engine.cli", "run", "p.yaml", "--scheduler", address],
             cwd=tmp_path,
             env=ENV,
-            capture_output=True,
-            text=True,
             timeout=900,
         )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert len(secrets) == 1 and "" not in secrets  # one run, one secret, both servers
+    assert files_holding(tmp_path, secrets) == []
     stage = tmp_path / "runs/rl/rl"
     out = json.loads((stage / "rl_result.json").read_text())
     engines = out["engines"]

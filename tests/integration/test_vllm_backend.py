@@ -10,6 +10,7 @@ of the command line and of the "not installed" error run everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -29,6 +30,7 @@ import pytest
 
 from stages.lib import vllm_server as vs
 from stages.lib.config import VLLMBackend
+from stages.lib.vllm_auth import bearer, new_secret
 from tests.cluster import alive
 
 LOG = logging.getLogger("test.vllm")
@@ -105,10 +107,12 @@ def build_tiny_model(out: Path) -> Path:
     return out
 
 
+SECRET = new_secret()  # the module's servers', sent with every request below
+
+
 def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json", **bearer(SECRET)}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             result: dict[str, Any] = json.load(resp)
@@ -118,7 +122,9 @@ def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, An
 
 
 def get(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=30) as resp:
+    with urllib.request.urlopen(
+        urllib.request.Request(url, headers=bearer(SECRET)), timeout=30
+    ) as resp:
         result: dict[str, Any] = json.load(resp)
         return result
 
@@ -154,6 +160,47 @@ def server_pids(port: int) -> list[int]:
     return [server.pid, *(c.pid for c in server.children(recursive=True))]
 
 
+def run_catching_secrets(
+    cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Run `cmd` (a `pipe run` in `cwd`) to its end; also return the secrets of the vLLM
+    servers it started, read from their environment while they run (servers whose
+    command line names `cwd`, where the run's models are)."""
+    out, err = cwd / ".run-stdout", cwd / ".run-stderr"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=True)
+        seen: set[str] = set()
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= _server_secrets(cwd)
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text())
+    return result, seen
+
+
+def _server_secrets(cwd: Path) -> set[str]:
+    found = set()
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = p.info.get("cmdline") or []
+        if "vllm.entrypoints.openai.api_server" in cmdline and any(str(cwd) in c for c in cmdline):
+            with contextlib.suppress(psutil.Error):
+                found.add(p.environ().get("PIPE_VLLM_SECRET", ""))
+    return found
+
+
+def files_holding(root: Path, secrets: set[str]) -> list[str]:
+    """Every file under `root` that holds one of `secrets`."""
+    needles = [s.encode() for s in secrets]
+    return [
+        str(path.relative_to(root))
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and any(n in path.read_bytes() for n in needles)
+    ]
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny-llama")
@@ -167,6 +214,18 @@ def backend(tiny_model: Path) -> VLLMBackend:
         enable_prefix_caching=True,
         startup_timeout_s=STARTUP_TIMEOUT_S,
     )
+
+
+REFUSED_ROUTES = [
+    ("GET", "/v1/models"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/collective_rpc"),
+    ("POST", "/sleep?level=1"),
+    ("POST", "/reset_prefix_cache"),
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+]
 
 
 @dataclass
@@ -185,11 +244,14 @@ class Served:
 
 @pytest.fixture(scope="class")
 def served(backend: VLLMBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """One server for a class; its last test may leave the context itself."""
+    """One server for a class, its development endpoints open (as an rl stage's are); its
+    last test may leave the context itself."""
     log_file = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
-    context = vs.vllm_server(backend, gpus=0, log=LOG, log_file=log_file)
+    context = vs.vllm_server(backend, gpus=0, log=LOG, log_file=log_file, secret=SECRET)
     start = time.monotonic()
-    url = context.__enter__()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")  # what server_env(dev_mode=True) sets
+        url = context.__enter__()
     LOG.info("vLLM up in %.1f s", time.monotonic() - start)
     served = Served(url, log_file, context)
     yield served
@@ -227,10 +289,11 @@ def test_cpu_command_leaves_out_gpu_flags() -> None:
         "py", "-m", "vllm.entrypoints.openai.api_server",
         "--model", "m", "--served-model-name", "m",
         "--host", "127.0.0.1", "--port", "8001",
+        "--middleware", "stages.lib.vllm_auth.RequireSecret",
         "--tensor-parallel-size", "1", "--enable-prefix-caching",
         "--max-model-len", "auto", "--enforce-eager",
     ]  # fmt: skip
-    env = vs.server_env(backend, devices=[], base={"VLLM_CPU_KVCACHE_SPACE": "4"})
+    env = vs.server_env(backend, devices=[], secret="s", base={"VLLM_CPU_KVCACHE_SPACE": "4"})
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert "CUDA_VISIBLE_DEVICES" not in env
 
@@ -250,7 +313,8 @@ def test_gpu_command_and_device_split(monkeypatch: pytest.MonkeyPatch) -> None:
     ]  # fmt: skip
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     assert vs.device_slices(backend, 4) == [["4", "5"], ["6", "7"]]
-    assert vs.server_env(backend, devices=["6", "7"], base={})["CUDA_VISIBLE_DEVICES"] == "6,7"
+    env = vs.server_env(backend, devices=["6", "7"], secret="s", base={})
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
     with pytest.raises(ValueError) as err:
         vs.device_slices(backend, 3)
     assert str(err.value) == (
@@ -305,6 +369,28 @@ class TestServed:
     def test_server_log_is_written(self, served: Served) -> None:
         assert "Starting vLLM server on http://127.0.0.1:" in served.log_file.read_text()
 
+    @pytest.mark.parametrize("token", [None, "wrong"])
+    def test_requests_without_the_secret_are_refused(self, served: Served, token: str | None):
+        """Every route, vLLM's development endpoints and /health included (dev mode on,
+        as an rl stage runs it): 401 before vLLM sees the request."""
+        origin = served.url.removesuffix("/v1")
+        headers = bearer(token) if token else {}
+        for method, path in REFUSED_ROUTES:
+            data = b"{}" if method == "POST" else None
+            request = urllib.request.Request(
+                f"{origin}{path}", data=data, method=method, headers=headers
+            )
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(request, timeout=30)
+            assert err.value.code == 401, f"{method} {path}"
+        # with the secret: 200, from the same routes (dev mode has them)
+        assert [m["id"] for m in get(f"{served.url}/models")["data"]]
+        assert "is_sleeping" in get(f"{origin}/is_sleeping")
+        assert "success" in post(f"{origin}/reset_prefix_cache", {})
+
+    def test_the_secret_is_in_no_log(self, served: Served) -> None:
+        assert SECRET not in served.log_file.read_text()
+
     def test_stopped_when_body_raises(self, served: Served) -> None:  # keep it last
         pids = server_pids(served.port)
         assert len(pids) >= 2  # the API server and at least its engine core
@@ -319,8 +405,10 @@ HOLDER = """
 import logging, sys, time
 from stages.lib.vllm_server import vllm_server
 from stages.lib.config import VLLMBackend
+from stages.lib.vllm_auth import new_secret
 backend = VLLMBackend(kind="vllm", model=sys.argv[1], startup_timeout_s=float(sys.argv[2]))
-with vllm_server(backend, gpus=0, log=logging.getLogger("holder"), log_file=sys.argv[3]) as url:
+log = logging.getLogger("holder")
+with vllm_server(backend, gpus=0, log=log, log_file=sys.argv[3], secret=new_secret()) as url:
     print(url, flush=True)
     time.sleep(3600)
 """
@@ -362,7 +450,7 @@ def test_startup_timeout_stops_server(backend: VLLMBackend, tmp_path: Path) -> N
     slow = VLLMBackend(kind="vllm", model=backend.model, port=port, startup_timeout_s=1.0)
     with (
         pytest.raises(RuntimeError) as err,
-        vs.vllm_server(slow, gpus=0, log=LOG, log_file=tmp_path / "vllm.log"),
+        vs.vllm_server(slow, gpus=0, log=LOG, log_file=tmp_path / "vllm.log", secret=SECRET),
     ):
         pytest.fail("the server cannot be healthy within 1 s")
     assert str(err.value).startswith(
@@ -380,7 +468,7 @@ def test_startup_failure_quotes_log(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     broken = VLLMBackend(kind="vllm", model=str(tmp_path / "empty"), startup_timeout_s=300)
     with (
         pytest.raises(RuntimeError) as err,
-        vs.vllm_server(broken, gpus=0, log=LOG, log_file=tmp_path / "vllm.log"),
+        vs.vllm_server(broken, gpus=0, log=LOG, log_file=tmp_path / "vllm.log", secret=SECRET),
     ):
         pytest.fail("a model directory without config.json cannot be served")
     message = str(err.value)
