@@ -310,11 +310,17 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/vllm_server.py", "{} GPUs do not split"): plan(
         VLLM_SLICES, "the placement gives the vllm role whole tensor-parallel groups per node"
     ),
-    ("stages/lib/vllm_server.py", "vLLM server on port {} exited"): environment(
+    ("stages/lib/vllm_process.py", "vLLM server on port {} exited"): environment(
         "the server failed to start; its log says why"
     ),
-    ("stages/lib/vllm_server.py", "vLLM server on port {} not healthy"): environment(
+    ("stages/lib/vllm_process.py", "vLLM server on port {} not healthy"): environment(
         "the server was not up within startup_timeout_s on this machine"
+    ),
+    ("stages/lib/vllm_server.py", "a vLLM server needs a secret"): internal(
+        "every caller makes the run's secret (new_secret) before starting a server"
+    ),
+    ("stages/lib/vllm_auth.py", "{} is not set: refusing to serve"): internal(
+        "the server's environment always carries the secret its starter made"
     ),
     # --- rl --------------------------------------------------------------------------------
     ("stages/rl/channel.py", "{} failed '{}'"): environment(
