@@ -11,6 +11,7 @@ other memory preset of the pipeline.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from engine.errors import Diagnostic, PipeError, found
@@ -31,18 +32,24 @@ def stage_memory(
     """Each role's estimate per GPU, and the largest total on one device (roles sharing a
     device summed, sleep taken into account)."""
     per_role: dict[str, tuple[MemoryNeed, Estimate]] = {}
+    guests: dict[str, list[tuple[MemoryNeed, Estimate]]] = {}  # loaded in another role's ranks
     for need in config.memory_needs():
         role = need.role or st.role or st.kind
         devices = [d for s in slots if s.role in (role, None) for d in s.devices]
+        host = need.inside if need.inside and not devices else ""
+        devices = devices or [d for s in slots if host and s.role == host for d in s.devices]
         dp = len(devices) or max(st.gpus, 1)
         est = estimate(need, dp, cluster.gpus_per_node, cluster.gpu_memory_bytes)
         if est is not None:
-            per_role[role] = (need, est)
+            per_role[role] = (need, replace(est, inside=host))
+            if host:
+                guests.setdefault(host, []).append(per_role[role])
     by_device: dict[tuple[Any, int], list[tuple[MemoryNeed, Estimate]]] = {}
     for s in slots:
-        item = per_role.get(s.role or st.role or st.kind)
-        for d in s.devices if item is not None else ():
-            by_device.setdefault((s.worker or s.node, d), []).append(item)  # type: ignore[arg-type]
+        key = s.role or st.role or st.kind
+        items = ([per_role[key]] if key in per_role else []) + guests.get(key, [])
+        for d in s.devices if items else ():
+            by_device.setdefault((s.worker or s.node, d), []).extend(items)
     # devices holding the same roles have the same total: sum each combination once
     combos = {tuple(id(item) for item in items): items for items in by_device.values()}
     peak = max((colocated(items).gpu_bytes for items in combos.values()), default=0)

@@ -77,8 +77,10 @@ def explain(plan: Plan) -> str:
         for name, roles in plan.memory.items():
             for role, est in roles.items():
                 parts = ", ".join(f"{k} {fmt(v)}" for k, v in est.parts.items() if v)
+                where = f" in {est.inside}'s ranks" if est.inside else ""
                 lines.append(
-                    f"  {name} ({role}): {fmt(est.gpu_bytes)} ({parts}); host {fmt(est.host_bytes)}"
+                    f"  {name} ({role}{where}): {fmt(est.gpu_bytes)} ({parts}); "
+                    f"host {fmt(est.host_bytes)}"
                 )
     if res.notes:
         lines.append("")
