@@ -152,14 +152,21 @@ class RLConfig(StageConfig):
 
     def memory_needs(self) -> list[MemoryNeed]:
         """The engine (a vLLM share, or the local engine's copy of the weights), the actor as a
-        trainer, and the frozen reference when kl_coef > 0."""
+        trainer, and the frozen reference when kl_coef > 0: in the compute dtype, split by
+        ZeRO-3 under DeepSpeed, on the ref role's devices or, when that role has none of its
+        own, inside the actor's ranks (`stages.rl.reference`; colocated with the actor, the two
+        share devices and are summed there)."""
         model = self.model if isinstance(self.model, str) else self.model.model_dump()
         engines = [replace(n, role="vllm") for n in backend_memory(self.backend)]
         if not engines:
             engines = [MemoryNeed(role="vllm", profile="frozen", model=model, bf16=self.bf16)]
         needs = [*engines, trainer_memory(self, self.model, self.max_length, role="actor")]
         if self.kl_coef > 0:
-            needs.append(MemoryNeed(role="ref", profile="frozen", model=model, bf16=self.bf16))
+            zero = self.zero_stage if self.trainer != "torch" else 0
+            ref = MemoryNeed(
+                "ref", "frozen", model, zero_stage=zero, bf16=self.bf16, inside="actor"
+            )
+            needs.append(ref)
         if self.algorithm == "ppo":
             needs.append(trainer_memory(self, self.model, self.max_length, role="critic"))
         return needs

@@ -1,5 +1,6 @@
 """A task of an rl stage on another worker than the controller's: it starts the ranks of
-the roles placed on its worker (the actor, the critic) and follows them.
+the roles placed on its worker (the actor, the critic, the reference's own ranks) and
+follows them.
 
 Input: the stage's context (this task's slots, and the link to the controller's task,
 which publishes each role's spec file). Output: the roles' ranks run until the
@@ -26,7 +27,12 @@ def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    roles = [r for r in ("actor", "critic") if ctx.node_slots(r)]
+    from stages.rl.reference import in_actor
+
+    alone = {"actor", "critic"} | (
+        {"ref"} if cfg.kl_coef > 0 and not in_actor(ctx.slots) else set()
+    )
+    roles = [r for r in ("actor", "critic", "ref") if r in alone and ctx.node_slots(r)]
     errors: list[BaseException] = []
     threads = []
     for role in roles:

@@ -86,6 +86,7 @@ class Controller:
         self.channel: Any = None
         self.critic: Any = None  # ppo: the critic's channel
         self.critic_thread: Any = None
+        self.ref: Any = None  # kl_coef > 0, the ref role on devices of its own: its ranks
         self.engine: Any = None
         self.engine_sleeps = self.engine_asleep = False
         self.version = 0
@@ -181,6 +182,9 @@ class Controller:
             if vllm
             else make_receiver(sync, "local-0", sync_path, cfg.sync_timeout_s, engine_device)
         )
+        from stages.rl.reference import RefRanks, in_actor
+
+        ref_in_actor = cfg.kl_coef > 0 and in_actor(self.ctx.slots)
         spec = ActorSpec(
             config=cfg,
             model_dir=model_dir,
@@ -197,8 +201,11 @@ class Controller:
             sync_store=getattr(self.receiver, "address", ""),
             resume_tag=tag,
             total_updates=max(1, self.total * cfg.ppo_epochs),
+            ref_in_actor=ref_in_actor,
         )
         self.actor_thread = self.roles.start("actor", spec, self.channel)
+        if cfg.kl_coef > 0 and not ref_in_actor:  # started as the critic's ranks are
+            self.ref = RefRanks(self.roles, self.host, spec, model_dir)
         if cfg.algorithm == "ppo":  # the critic: its own ranks, on the critic role's devices
             self.critic = StageEnd(self.host)
             c_world = self.roles.devices("critic")[1]
@@ -229,6 +236,11 @@ class Controller:
         self.sleeps = cfg.deepspeed_enable_sleep and device == "cuda" and not cfg.async_train
         self.sync(self.version)  # the engine takes the actor's weights (a checkpoint's too)
         return start
+
+    def with_reference(self, samples: list[Any]) -> list[Any]:
+        """`samples` with their reference log-probabilities from the ref role's own ranks;
+        as they are when the reference loads inside the actor's."""
+        return samples if self.ref is None else self.ref.score(samples)
 
     def _vllm_engine(self, model_dir: str, sync_path: str) -> Any:
         from stages.rl.vllm_engine import VLLMDiskReceiver, VLLMEngine
@@ -334,6 +346,8 @@ class Controller:
             self.critic.request("stop", timeout_s=600, alive=self.actor_alive)
             if self.critic_thread is not None:
                 self.critic_thread.join(timeout=120)
+        if self.ref is not None:
+            self.ref.stop()
         if self.actor_thread is not None:
             self.actor_thread.join(timeout=120)
         if self.roles.errors:
@@ -354,6 +368,9 @@ class Controller:
             "seconds": round(time.perf_counter() - began, 2),
             "seconds_per_step": round(sum(r["step_s"] for r in records) / max(len(records), 1), 4),
             "sync_backend": self.sync_kind,
+            "reference": ("ref role's ranks" if self.ref else "actor's ranks")
+            if self.cfg.kl_coef > 0
+            else None,
         }
         write_json(f"{self.dir}/rl_result.json", out)
         return out
@@ -368,6 +385,6 @@ class Controller:
     def close(self) -> None:
         if hasattr(self.engine, "close"):
             self.engine.close()  # vLLM servers stop with the stage, also when it fails
-        for end in (self.channel, self.critic):
+        for end in (self.channel, self.critic, self.ref and self.ref.end):
             if end is not None:
                 end.close()

@@ -34,6 +34,7 @@ class ActorSpec(BaseModel):
     sync_store: str  # host:port of the weight-sync rendezvous (gloo, nccl)
     resume_tag: str | None
     total_updates: int
+    ref_in_actor: bool = False  # kl_coef > 0 and the ref role has no devices of its own
 
     def write(self, path: str) -> None:
         atomic_write(path, self.model_dump_json(indent=1) + "\n")
