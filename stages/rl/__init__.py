@@ -35,6 +35,10 @@ class RLConfig(StageConfig):
     MODEL_INPUTS = ("model",)
     OUTPUTS = ("output",)
     OUTPUT_TYPES: ClassVar[dict[str, str]] = {"output": "checkpoint"}
+    REFUSED_ROLES: ClassVar[dict[str, str]] = {
+        "reward": "it has no reward model; its rewards come from 'verifier' (reasoning_gym, "
+        "exact_match, regex, math, or your own 'module:function'): leave 'reward' out",
+    }
 
     algorithm: Literal["grpo", "ppo"] = Field(
         "grpo", description="grpo (group-normalised advantages, no critic); ppo needs a critic."
