@@ -82,11 +82,13 @@ def test_grpo_takes_the_kl_from_the_reference_ranks_on_their_own_node(tmp_path: 
     assert all(r["kl"] > 0 for r in updated[1:])
 
 
-def test_without_devices_the_reference_loads_in_each_actor_rank(tmp_path: Path):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_without_devices_the_reference_loads_in_each_actor_rank(tmp_path: Path, algorithm: str):
     rows = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a in range(10) for b in range(10)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = textwrap.dedent(GRPO.format(gpus=0, per_node=1, zero=0, micro=16))
-    text = text.replace("kl_coef: 0.5", "kl_coef: 0.5\n      num_processes: 2")
+    extra = f"kl_coef: 0.5\n      num_processes: 2\n      algorithm: {algorithm}"
+    text = text.replace("kl_coef: 0.5", extra)
     (tmp_path / "p.yaml").write_text(text)
     result = run(PIPE, tmp_path, "run", "p.yaml")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -98,7 +100,10 @@ def test_without_devices_the_reference_loads_in_each_actor_rank(tmp_path: Path):
     rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
     updated = [r for r in rows if r["updates"]]
     assert len(updated) >= 2, rows
-    assert all(r["kl"] > 0 for r in updated[1:])
+    if algorithm == "ppo":  # the KL is in each token's reward, asked of the actor's ranks
+        assert all(r["value_loss"] is not None for r in updated)
+    else:
+        assert all(r["kl"] > 0 for r in updated[1:])
 
 
 def test_two_zero3_reference_ranks_score_an_uneven_batch_like_one_whole_model(tmp_path: Path):
