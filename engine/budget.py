@@ -76,9 +76,12 @@ def stage_memory(
     """Each role's estimate (per GPU, against the smallest GPU it holds; its ranks per
     node), the peak on each kind of device, and the host bytes on each node."""
     per_role: dict[str, tuple[MemoryNeed, Estimate]] = {}
+    guests: dict[str, list[tuple[MemoryNeed, Estimate]]] = {}  # loaded in another role's ranks
     for need in config.memory_needs():
         role = need.role or st.role or st.kind
         mine = [s for s in slots if s.role in (role, None)]
+        host = need.inside if need.inside and not mine else ""  # loaded in that role's ranks
+        mine = mine or [s for s in slots if host and s.role == host]
         dp = sum(len(s.devices) for s in mine) or max(st.gpus, 1)
         device = _smallest(cluster.gpu_memory(s.node, s.worker) for s in mine)
         est = estimate(need, dp, cluster.gpus_per_node, device)
@@ -86,10 +89,12 @@ def stage_memory(
             ranks: dict[str, int] = {}
             for s in mine:
                 ranks[s.node] = ranks.get(s.node, 0) + len(s.devices)
-            per_role[role] = (need, replace(est, nodes=ranks))
+            per_role[role] = (need, replace(est, nodes=ranks, inside=host))
+            if host:
+                guests.setdefault(host, []).append(per_role[role])
     return StageMemory(
         {role: est for role, (_, est) in per_role.items()},
-        _gpu_loads(st, slots, cluster, per_role),
+        _gpu_loads(st, slots, cluster, per_role, guests),
         _host_loads(cluster, per_role),
     )
 
@@ -104,18 +109,20 @@ def _gpu_loads(
     slots: Sequence[Any],
     cluster: ClusterView,
     per_role: dict[str, tuple[MemoryNeed, Estimate]],
+    guests: dict[str, list[tuple[MemoryNeed, Estimate]]],
 ) -> tuple[Load, ...]:
-    """The peak on every device (the roles it holds summed), one `Load` per combination of
-    roles and device memory."""
+    """The peak on every device (the roles it holds summed, with what loads inside their
+    ranks), one `Load` per combination of roles and device memory."""
     by_device: dict[tuple[Any, int], list[tuple[MemoryNeed, Estimate]]] = {}
     where: dict[tuple[Any, int], tuple[str, int | None]] = {}
     for s in slots:
-        item = per_role.get(s.role or st.role or st.kind)
-        if item is None:
+        key = s.role or st.role or st.kind
+        items = ([per_role[key]] if key in per_role else []) + guests.get(key, [])
+        if not items:
             continue
         capacity = cluster.gpu_memory(s.node, s.worker)
         for d in s.devices:
-            by_device.setdefault((s.worker or s.node, d), []).append(item)
+            by_device.setdefault((s.worker or s.node, d), []).extend(items)
             where[(s.worker or s.node, d)] = (s.node, capacity)
     # devices holding the same roles have the same total: sum each combination once
     peaks: dict[tuple[int, ...], int] = {}

@@ -92,8 +92,10 @@ def _memory_lines(memory: dict[str, dict[str, Estimate]], cluster: ClusterView) 
     for name, roles in memory.items():
         for role, est in roles.items():
             parts = ", ".join(f"{k} {fmt(v)}" for k, v in est.parts.items() if v)
+            inside = f" in {est.inside}'s ranks" if est.inside else ""
             lines.append(
-                f"  {name} ({role}): {fmt(est.gpu_bytes)} ({parts}); host {fmt(est.host_bytes)}"
+                f"  {name} ({role}{inside}): {fmt(est.gpu_bytes)} ({parts}); "
+                f"host {fmt(est.host_bytes)}"
             )
     lines.append("host memory per node:")
     for name, roles in memory.items():

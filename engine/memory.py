@@ -47,7 +47,10 @@ optimizer keeps its own gradient and staging copies on the host), and the proces
 runtime (the interpreter and libraries: the RSS of a rank with no model, which the caller
 measures). A vLLM engine takes
 `vllm_gpu_memory_utilization` x device memory (weights and KV cache inside it).
-Colocated roles are summed; with `vllm_enable_sleep` the engine's share is free while
+A frozen model (a reference policy, the local engine's copy) holds its weights in the
+compute dtype, whole on every rank, or under ZeRO-3 `w*P/N` plus the gather buffer of the
+table; one that loads inside another role's processes (`MemoryNeed.inside`, when its own
+role holds no devices) is counted on that role's devices. Colocated roles are summed; with `vllm_enable_sleep` the engine's share is free while
 the trainer runs, and with `deepspeed_enable_sleep` the trainer's gradients and optimizer
 states are while the engine generates: the peak is the larger of the two phases. Those
 states then sit in the host's memory: a sleeping trainer's host figure counts them.
@@ -158,9 +161,10 @@ class Estimate:
     host_bytes: int
     parts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
     nodes: dict[str, int] = field(default_factory=dict)
+    inside: str = ""  # loaded in this other role's processes, on its devices
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "gpu_bytes": self.gpu_bytes,
             "host_bytes": self.host_bytes,
             "parts": dict(self.parts),
@@ -169,6 +173,7 @@ class Estimate:
                 for node, ranks in self.nodes.items()
             },
         }
+        return out | ({"inside": self.inside} if self.inside else {})
 
 
 def _estimate(parts: dict[str, int], host: int) -> Estimate:
@@ -253,9 +258,13 @@ def estimate(need: MemoryNeed, dp: int, per_node: int, device_bytes: int | None)
     shape = read_shape(need.model)
     if shape is None:
         return None
-    if need.profile == "frozen":
-        w = 2 if need.bf16 else 4
-        return _estimate({"weights": w * shape.params}, 0)
+    if need.profile == "frozen":  # whole on each rank, or split over them by ZeRO-3
+        w, n = (2 if need.bf16 else 4), max(dp, 1)
+        whole = need.zero_stage != 3
+        weights = (
+            w * shape.params if whole else w * shape.params // n + 4 * shape.largest_layer_params
+        )
+        return _estimate({"weights": weights}, 0)
     parts, host = _trainer_parts(need, shape, dp, per_node, cpu=False)
     if need.sleep:
         # deepspeed_enable_sleep: DeepSpeed's `offload_states` (runtime/engine.py) moves the

@@ -34,7 +34,7 @@ from engine.errors import Diagnostic, Location, PipeError, did_you_mean, found
 from engine.load import LoadedPipeline, stage_config_data
 from engine.presets import PresetSource, load_preset
 from engine.resolved import DEFAULT, ResolvedPipeline, ResolvedStage, Source
-from engine.resources import allocate, ratio_text
+from engine.resources import allocate, ratio_text, refused_roles
 from engine.schema import validation_diagnostics
 from engine.source import Document, PathT, get_at, render_path, set_at
 from engine.stage import (
@@ -65,6 +65,7 @@ def resolve(
     total = gpus if gpus is not None else spec.cluster.gpus
     roles: dict[str, RoleAlloc] = {}
     used = state.used_roles()
+    state.refused = refused_roles(loaded.doc, spec, used, state.errors)
     if isinstance(total, int) and used:
         where = loaded.doc.value_loc(("cluster", "gpus"))
         ratio = state.ratio(used)
@@ -106,7 +107,7 @@ class _State:
         self.memory = memory
         self.errors: list[Diagnostic] = []
         self.notes: list[Diagnostic] = []
-        self.alloc_failed = False
+        self.alloc_failed, self.refused = False, set[str]()  # refused: their role is refused
 
     def note(self, severity: str, where: Location | None, path: str, message: str) -> None:
         self.notes.append(Diagnostic(where, path, message, severity))
@@ -371,7 +372,7 @@ class _State:
             return sum(roles[pool[0]].gpus for pool in {tuple(sorted(p)) for p in pools})
         if res.role in roles:
             return roles[res.role].gpus
-        if self.alloc_failed:
+        if self.alloc_failed or name in self.refused:
             return 0
         if isinstance(self.loaded.spec.cluster.gpus, int) and self.loaded.spec.cluster.gpus == 0:
             return 0

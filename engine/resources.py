@@ -15,6 +15,9 @@ colocated_with)}` or located errors. Rules:
   `colocate: all` puts every role on all GPUs (the hybrid engine).
 - `gpus: 0` (CPU only) gives every role 0 GPUs; `gpus: auto` is resolved from
   the Dask workers' resources at run time (`allocate` is called again then).
+- A role a stage's kind cannot use (its `REFUSED_ROLES`, e.g. `reward` for a kind
+  without a reward model) is an error where it is named: that stage's `resources.role`,
+  or the ratio when no stage uses the role (instead of the warning above).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import Diagnostic, Location
-from engine.schema import ROLES
-from engine.stage import RoleAlloc
+from engine.schema import ROLES, PipelineSpec
+from engine.source import Document, PathT, render_path
+from engine.stage import RoleAlloc, kinds
 
 
 def colocation_groups(
@@ -81,3 +85,31 @@ def ratio_text(ratio: dict[str, int]) -> str:
     """`{vllm: 1, actor: 1, critic: 1}` -> `vllm:actor:critic = 1:1:1`."""
     roles = [r for r in ROLES if r in ratio]
     return f"{':'.join(roles)} = {':'.join(str(ratio[r]) for r in roles)}"
+
+
+def refused_roles(
+    doc: Document, spec: PipelineSpec, used: frozenset[str], errors: list[Diagnostic]
+) -> set[str]:
+    """Errors (appended to `errors`) for each role a stage's kind refuses (its
+    `REFUSED_ROLES`, with the kind's reason): named in the stage's `resources.role`, or in
+    the written ratio while no stage uses it; returns the stages whose own role was refused."""
+    written = doc.data.get("resources")
+    ratio = spec.resources.ratio if isinstance(written, dict) and "ratio" in written else {}
+    out = errors
+    stages: set[str] = set()
+    for name, st in spec.stages.items():
+        kind = kinds().get(st.kind)
+        refused = kind.config.REFUSED_ROLES if kind is not None else {}
+        named: list[tuple[PathT, str]] = [
+            (("resources", "ratio", str(r)), str(r)) for r in ratio if str(r) not in used
+        ]
+        if st.resources.role:
+            named.append((("stages", name, "resources", "role"), st.resources.role))
+        for path, role in named:
+            if role not in refused:
+                continue
+            where = doc.key_loc(path) if path[0] == "resources" else doc.value_loc(path)
+            why = f"stage '{name}' cannot use role '{role}': {refused[role]}"
+            out.append(Diagnostic(where, render_path(path), why))
+            stages.update([name] if path[0] == "stages" else [])
+    return stages

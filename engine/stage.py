@@ -82,6 +82,7 @@ class MemoryNeed:
     utilization: float = 0.9  # engine: vllm_gpu_memory_utilization
     sleep: bool = False  # trainer: deepspeed_enable_sleep; engine: vllm_enable_sleep
     overlap_comm: bool = False  # trainer: two reduce buckets instead of one
+    inside: str = ""  # the role whose processes load it when its own role has no devices
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,9 @@ class StageConfig(BaseModel):
     INPUT_TYPES: ClassVar[dict[str, str]] = {}
     OUTPUT_TYPES: ClassVar[dict[str, str]] = {}
     SPANS_NODES: ClassVar[bool] = False  # may one stage run on several workers (a task each)?
+    # GPU roles the kind cannot use, each with why and what instead: a stage of the kind
+    # naming one in `resources.role`, or a ratio naming one no stage uses, is an error
+    REFUSED_ROLES: ClassVar[dict[str, str]] = {}
 
     def gpu_unit(self, role: str | None = None) -> int:
         """GPUs that must sit on one node together (a tensor-parallel group), for the stage

@@ -62,16 +62,17 @@ def init_distributed(trainer: str, device: str, world: int) -> None:
         dist.init_process_group(backend)
 
 
-def load_model(model_dir: str, ds_config: dict[str, Any] | None) -> Any:
-    """The causal LM of `model_dir` in fp32, to train. Under ZeRO-3 it is built inside
+def load_model(model_dir: str, ds_config: dict[str, Any] | None, dtype: Any = None) -> Any:
+    """The causal LM of `model_dir` in `dtype` (default fp32, to train). Under ZeRO-3 it is built inside
     DeepSpeed's `zero.Init`, so each parameter is partitioned as soon as it is made, and the
     checkpoint's tensors are read one at a time on rank 0 and scattered (what Hugging
     Face's DeepSpeed integration does): no rank ever holds the whole model."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    dtype = dtype or torch.float32
     if not ds_config or ds_config.get("zero_optimization", {}).get("stage") != 3:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:
         import deepspeed
         from transformers.initialization import no_init_weights
@@ -79,7 +80,7 @@ def load_model(model_dir: str, ds_config: dict[str, Any] | None) -> Any:
         config = AutoConfig.from_pretrained(model_dir)
         # no random init (the checkpoint overwrites it, and it cannot index a partition)
         with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
         model.tie_weights()  # init_weights, skipped, ties them otherwise
         _load_partitioned(model, model_dir)
     model.config.use_cache = False

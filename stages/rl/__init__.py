@@ -39,6 +39,10 @@ class RLConfig(StageConfig):
     MODEL_INPUTS = ("model",)
     OUTPUTS = ("output",)
     OUTPUT_TYPES: ClassVar[dict[str, str]] = {"output": "checkpoint"}
+    REFUSED_ROLES: ClassVar[dict[str, str]] = {
+        "reward": "it has no reward model; its rewards come from 'verifier' (reasoning_gym, "
+        "exact_match, regex, math, or your own 'module:function'): leave 'reward' out",
+    }
 
     algorithm: Literal["grpo", "ppo"] = Field(
         "grpo", description="grpo (group-normalised advantages, no critic); ppo needs a critic."
@@ -165,14 +169,21 @@ class RLConfig(StageConfig):
 
     def memory_needs(self) -> list[MemoryNeed]:
         """The engine (a vLLM share, or the local engine's copy of the weights), the actor as a
-        trainer, and the frozen reference when kl_coef > 0."""
+        trainer, and the frozen reference when kl_coef > 0: in the compute dtype, split by
+        ZeRO-3 under DeepSpeed, on the ref role's devices or, when that role has none of its
+        own, inside the actor's ranks (`stages.rl.reference`; colocated with the actor, the two
+        share devices and are summed there)."""
         model = self.model if isinstance(self.model, str) else self.model.model_dump()
         engines = [replace(n, role="vllm") for n in backend_memory(self.backend)]
         if not engines:
             engines = [MemoryNeed(role="vllm", profile="frozen", model=model, bf16=self.bf16)]
         needs = [*engines, trainer_memory(self, self.model, self.max_length, role="actor")]
         if self.kl_coef > 0:
-            needs.append(MemoryNeed(role="ref", profile="frozen", model=model, bf16=self.bf16))
+            zero = self.zero_stage if self.trainer != "torch" else 0
+            ref = MemoryNeed(
+                "ref", "frozen", model, zero_stage=zero, bf16=self.bf16, inside="actor"
+            )
+            needs.append(ref)
         if self.algorithm == "ppo":
             needs.append(trainer_memory(self, self.model, self.max_length, role="critic"))
         return needs
@@ -181,11 +192,7 @@ class RLConfig(StageConfig):
         return trainer_memory_changes(self)
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
-        out = check_deepspeed(self, ctx, trained_ranks(ctx, "actor", self.num_processes))
-        if self.algorithm == "ppo":
-            critic = trained_ranks(ctx, "critic", self.num_processes)
-            if critic != trained_ranks(ctx, "actor", self.num_processes):
-                out += check_deepspeed(self, ctx, critic)
+        out = check_deepspeed(self, ctx, self.num_processes)
         out += check_backend(self.backend, engine_context(ctx))
         if not isinstance(self.backend, LocalBackend | VLLMBackend):
             out.append(
@@ -228,12 +235,6 @@ def engine_context(ctx: ResolveContext) -> ResolveContext:
     """The stage's context as the `vllm` role sees it: that role's GPUs."""
     alloc = ctx.roles.get("vllm")
     return replace(ctx, gpus=alloc.gpus if alloc else 0, role="vllm")
-
-
-def trained_ranks(ctx: ResolveContext, role: str, num_processes: int) -> int:
-    """Ranks of a trained role: one per GPU it holds, or `num_processes` on the CPU."""
-    alloc = ctx.roles.get(role)
-    return alloc.gpus if alloc and alloc.gpus else num_processes
 
 
 stage("rl", config=RLConfig, run="stages.rl.run:run_rl")

@@ -40,9 +40,6 @@ class Actor:
     """The model, its trainer and reference, and what each request does."""
 
     def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
         self.spec, self.cfg = spec, spec.config
         self.rank, self.world, self.device = rank, world, device
         model = load_model(spec.model_dir, spec.ds_config)
@@ -50,11 +47,15 @@ class Actor:
         self.trainer = make_trainer(
             spec.trainer, spec.ds_config, self.cfg, model, spec.total_updates, device
         )
-        self.reference = None
-        if self.cfg.kl_coef > 0:
-            ref: Any = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
-            ref.to(device)
-            self.reference = ref.eval().requires_grad_(False)
+        self.reference: Any = None  # here when the ref role has no devices of its own
+        if self.cfg.kl_coef > 0 and spec.ref_in_actor:
+            from stages.rl.reference import load_reference
+
+            self.reference, self.ref_engine = load_reference(
+                spec.model_dir, self.cfg.bf16, spec.ds_config, device
+            )
+            dtype = next(self.reference.parameters()).dtype
+            log.info("frozen reference in the actor's ranks, %s", dtype)
         if spec.resume_tag:
             self.trainer.load(f"{spec.stage_dir}/checkpoints", spec.resume_tag)
             log.info("resumed the actor from %s", spec.resume_tag)
@@ -129,12 +130,8 @@ class Actor:
             pg, clipped = clipped_policy_loss(new_t, old, adv, self.cfg.eps_clip)
             loss = pg.sum()
             kl = torch.zeros((), device=self.device)
-            if self.reference is not None and self.cfg.algorithm == "grpo":  # ppo: in the reward
-                with torch.no_grad():
-                    ref, _ = completion_logprobs(
-                        self.reference, micro, self.device, self.cfg.temperature, self.pad_id
-                    )
-                kl = kl_k3(new_t, torch.cat(ref)).sum()
+            if self.cfg.kl_coef > 0 and self.cfg.algorithm == "grpo":  # ppo: in the reward
+                kl = kl_k3(new_t, self._reference(micro)).sum()
                 loss = loss + self.cfg.kl_coef * kl
             self.trainer.backward(loss * weight)
             n = float(new_t.numel()) if mine else 0.0
@@ -156,6 +153,23 @@ class Actor:
             sums = reduced.cpu()
         names = ("loss", "kl", "clip_frac", "entropy")
         return dict(zip(names, sums.tolist(), strict=True)), grad_norm
+
+    def _reference(self, micro: list[Any]) -> Any:
+        """The reference's log-probabilities of `micro`'s completion tokens, flat: sent with
+        the samples (the ref role's own ranks scored them), or scored here."""
+        import torch
+
+        if all(s.ref_logprobs for s in micro):
+            flat = [x for s in micro for x in s.ref_logprobs]
+            return torch.tensor(flat, device=self.device)
+        from stages.rl.logprobs import completion_logprobs
+
+        assert self.reference is not None, "no reference here and none sent with the samples"
+        with torch.no_grad():  # one pass per micro batch, as the actor's own
+            ref, _ = completion_logprobs(
+                self.reference, micro, self.device, self.cfg.temperature, self.pad_id
+            )
+        return torch.cat(ref).float()
 
     def params(self) -> Iterator[tuple[str, Any]]:
         """The full parameters one at a time (under ZeRO-3 each is gathered on every rank for
@@ -200,27 +214,14 @@ class Actor:
         return {"probe": probe, "seconds": time.perf_counter() - start}
 
     def ref_logprobs(self, payload: dict[str, Any]) -> list[list[float]]:
-        """The frozen reference's log-probabilities of each sample's completion (PPO's KL
-        penalty in the reward)."""
-        import torch
-
-        from stages.rl.logprobs import Sample, completion_logprobs
+        """The frozen reference's log-probabilities of each sample's completion, when it
+        loads here (PPO's KL penalty in the reward); every rank scores every sample."""
+        from stages.rl.logprobs import Sample
+        from stages.rl.reference import reference_logprobs
 
         assert self.reference is not None
         samples = [Sample(**s) for s in payload["samples"]]
-        out: list[list[float]] = []
-        size = self.cfg.micro_train_batch_size
-        with torch.no_grad():
-            for lo in range(0, len(samples), size):
-                lp, _ = completion_logprobs(
-                    self.reference,
-                    samples[lo : lo + size],
-                    self.device,
-                    self.cfg.temperature,
-                    self.pad_id,
-                )
-                out += [x.tolist() for x in lp]
-        return out
+        return reference_logprobs(self.reference, samples, self.device, self.cfg, self.pad_id)
 
     def probe(self, sample: dict[str, Any]) -> list[float]:
         import torch
@@ -352,7 +353,8 @@ def run_role(
     torch.manual_seed(spec.config.seed + seed_offset)
     role = build(spec, rank, world, device)
     conn = connect(spec.channel, spec.authkey) if rank == 0 else None
-    logger.info("ready: %d rank(s), %s, %s", world, role.trainer.name, device)
+    what = role.trainer.name if hasattr(role, "trainer") else role.kind
+    logger.info("ready: %d rank(s), %s, %s", world, what, device)
     serve_with(handlers(role), world, conn)
     import torch.distributed as dist
 

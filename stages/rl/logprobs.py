@@ -33,6 +33,7 @@ class Sample:
     returns: tuple[float, ...] = ()  # PPO: the critic's targets
     old_values: tuple[float, ...] = ()  # PPO: the critic's values when sampled
     reward: float = 0.0  # the verifier's
+    ref_logprobs: tuple[float, ...] = ()  # the reference's, when the ref role's ranks scored it
 
     @property
     def completion_len(self) -> int:

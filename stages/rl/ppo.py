@@ -72,13 +72,17 @@ def value_loss(
 def ppo_samples(c: Any, samples: list[Any]) -> list[Any]:
     """The batch with PPO's per-token advantages (whitened), returns and old values: the
     critic's values, the verifier's reward at the last token, the KL to the reference in
-    every token's reward when kl_coef > 0."""
+    every token's reward when kl_coef > 0 (the reference's log-probabilities come with the
+    samples when the ref role has ranks of its own, else from the actor's ranks)."""
     from dataclasses import asdict, replace
 
     cfg = c.cfg
     payload = {"samples": [asdict(s) for s in samples]}
     values = c.critic.request("values", payload, timeout_s=3600, alive=c.actor_alive)
-    refs = c.request("ref_logprobs", payload) if cfg.kl_coef > 0 else [None] * len(samples)
+    refs: list[Any] = [None] * len(samples)
+    if cfg.kl_coef > 0:  # scored by the ref role's ranks, or asked of the actor's
+        sent = all(s.ref_logprobs for s in samples)
+        refs = [s.ref_logprobs for s in samples] if sent else c.request("ref_logprobs", payload)
     advantages, returns = [], []
     for s, v, ref in zip(samples, values, refs, strict=True):
         rewards = token_rewards(s.reward, s.completion_len, s.old_logprobs, ref, cfg.kl_coef)

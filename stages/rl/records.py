@@ -9,8 +9,12 @@ its value and whether it was applied (and how) or skipped (and why) in this run.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import shutil
+from collections.abc import Sequence
 from typing import Any
 
 from stages.lib.jsonl import atomic_path, atomic_write, write_json
@@ -79,3 +83,42 @@ def settings_record(config: Any, how: dict[str, tuple[str, str]]) -> dict[str, A
 
 def write_settings(path: str, config: Any, how: dict[str, tuple[str, str]]) -> None:
     write_json(path, settings_record(config, how))
+
+
+def fingerprint(cfg: Any, world: int, trainer: str, unhashed: Sequence[str]) -> str:
+    """What a checkpoint must match to be resumed: the config (less `unhashed`), the
+    inputs' versions, the actor's world size and trainer."""
+    config = cfg.model_dump(mode="json", exclude=set(unhashed))
+    stamps = {}
+    for path in (cfg.input, cfg.model if isinstance(cfg.model, str) else None):
+        if path and os.path.exists(path):
+            st = os.stat(path)
+            stamps[path] = (st.st_size, st.st_mtime_ns)
+    blob = json.dumps([config, stamps, world, trainer], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def resume_point(
+    stage_dir: str, fingerprint: str, log: logging.Logger
+) -> tuple[str | None, int, int]:
+    """The checkpoint tag to resume from, its step and weight version (None, 0, 0: a fresh
+    start, whatever an earlier run left cleared)."""
+    root = f"{stage_dir}/checkpoints"
+    latest = f"{root}/latest"
+    if os.path.exists(latest):
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+        state_path = f"{root}/{tag}/rl_state.json"
+        if os.path.exists(state_path):
+            with open(state_path, encoding="utf-8") as f:
+                state = json.load(f)
+            if state.get("fingerprint") == fingerprint:
+                trim_metrics(f"{stage_dir}/metrics.jsonl", int(state["step"]))
+                log.info("resuming from %s (step %d)", tag, state["step"])
+                return tag, int(state["step"]), int(state.get("version", state["step"]))
+        log.warning("checkpoint %s is from another config or input: starting over", tag)
+    shutil.rmtree(root, ignore_errors=True)
+    for name in ("metrics.jsonl", "settings.json"):
+        if os.path.exists(f"{stage_dir}/{name}"):
+            os.remove(f"{stage_dir}/{name}")
+    return None, 0, 0

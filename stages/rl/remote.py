@@ -25,6 +25,7 @@ def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     from stages.lib.config import VLLMBackend
     from stages.rl.engines import host_engine, spawn
     from stages.rl.layout import local_ranks
+    from stages.rl.reference import in_actor
     from stages.rl.roles import start_ranks
 
     assert ctx.link is not None
@@ -32,9 +33,10 @@ def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     errors: list[BaseException] = []
     threads = []
     roles = []
+    own_ref = cfg.kl_coef > 0 and not in_actor(ctx.slots)  # else the actor's ranks load it
     for role in TRAINED:
         ranks = local_ranks(ctx, role, cfg.num_processes)
-        if ranks is None:
+        if ranks is None or (role == "ref" and not own_ref):
             continue
         path = link.lookup(f"spec-{role}", timeout_s=SPEC_TIMEOUT_S)
         threads.append(start_ranks(cfg, ctx, role, path, ranks, errors, link.aborted))

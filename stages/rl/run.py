@@ -18,9 +18,7 @@ weights before its first rollout.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -33,7 +31,7 @@ from stages.lib.jsonl import write_json
 from stages.rl.data import Prompts, Stream, load_prompts, probe_ids
 from stages.rl.layout import role_workers
 from stages.rl.loop import Batch, run_steps
-from stages.rl.records import plot, read_metrics, trim_metrics, write_settings
+from stages.rl.records import fingerprint, plot, read_metrics, resume_point, write_settings
 from stages.rl.roles import Roles, host_of
 from stages.rl.settings import account
 
@@ -87,6 +85,7 @@ class Controller:
         self.channel: Any = None
         self.critic: Any = None  # ppo: the critic's channel
         self.critic_thread: Any = None
+        self.ref: Any = None  # kl_coef > 0, the ref role on devices of its own: its ranks
         self.engine: Any = None
         self.engine_sleeps = self.engine_asleep = False
         self.version = 0
@@ -107,39 +106,13 @@ class Controller:
         return path
 
     def _fingerprint(self, world: int, trainer: str) -> str:
-        config = self.cfg.model_dump(mode="json", exclude=set(UNHASHED))
-        stamps = {}
-        for path in (self.cfg.input, self.cfg.model if isinstance(self.cfg.model, str) else None):
-            if path and os.path.exists(path):
-                st = os.stat(path)
-                stamps[path] = (st.st_size, st.st_mtime_ns)
-        blob = json.dumps([config, stamps, world, trainer], sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return fingerprint(self.cfg, world, trainer, UNHASHED)
 
     def _resume(self, fingerprint: str) -> tuple[str | None, int]:
         """The checkpoint tag to resume from and its step (None, 0: a fresh start)."""
-        root = f"{self.dir}/checkpoints"
-        latest = f"{root}/latest"
-        if os.path.exists(latest):
-            with open(latest, encoding="utf-8") as f:
-                tag = f.read().strip()
-            state_path = f"{root}/{tag}/rl_state.json"
-            if os.path.exists(state_path):
-                with open(state_path, encoding="utf-8") as f:
-                    state = json.load(f)
-                if state.get("fingerprint") == fingerprint:
-                    trim_metrics(f"{self.dir}/metrics.jsonl", int(state["step"]))
-                    self.ctx.log.info("resuming from %s (step %d)", tag, state["step"])
-                    self.version = int(state.get("version", state["step"]))
-                    return tag, int(state["step"])
-            self.ctx.log.warning(
-                "checkpoint %s is from another config or input: starting over", tag
-            )
-        shutil.rmtree(root, ignore_errors=True)
-        for name in ("metrics.jsonl", "settings.json"):
-            if os.path.exists(f"{self.dir}/{name}"):
-                os.remove(f"{self.dir}/{name}")
-        return None, 0
+        tag, step, version = resume_point(self.dir, fingerprint, self.ctx.log)
+        self.version = version if tag else self.version
+        return tag, step
 
     def _start(self) -> int:
         """Build the engine, launch the actor, sync the first weights; the step to start at."""
@@ -201,6 +174,9 @@ class Controller:
             "world": sync_world,
             "store": getattr(self.receiver, "address", ""),
         }
+        from stages.rl.reference import RefRanks, in_actor
+
+        ref_in_actor = cfg.kl_coef > 0 and in_actor(self.ctx.slots)
         spec = ActorSpec(
             config=cfg,
             model_dir=model_dir,
@@ -218,8 +194,11 @@ class Controller:
             sync_world=sync_world,
             resume_tag=tag,
             total_updates=max(1, self.total * cfg.ppo_epochs),
+            ref_in_actor=ref_in_actor,
         )
         self.actor_thread = self.roles.start("actor", spec, self.channel)
+        if cfg.kl_coef > 0 and not ref_in_actor:  # started as the critic's ranks are
+            self.ref = RefRanks(self.roles, self.host, spec, model_dir)
         if cfg.algorithm == "ppo":  # the critic: its own ranks, on the critic role's devices
             self.critic = StageEnd(self.host)
             c_world = self.roles.devices("critic")[1]
@@ -252,6 +231,11 @@ class Controller:
         self.sleeps = cfg.deepspeed_enable_sleep and device == "cuda" and not cfg.async_train
         self.sync(self.version)  # the engine takes the actor's weights (a checkpoint's too)
         return start
+
+    def with_reference(self, samples: list[Any]) -> list[Any]:
+        """`samples` with their reference log-probabilities from the ref role's own ranks;
+        as they are when the reference loads inside the actor's."""
+        return samples if self.ref is None else self.ref.score(samples)
 
     def _vllm_engine(self, model_dir: str, sync_path: str) -> Any:
         from stages.rl.vllm_engine import VLLMDiskReceiver, start_vllm
@@ -349,6 +333,8 @@ class Controller:
             self.critic.request("stop", timeout_s=600, alive=self.actor_alive)
             if self.critic_thread is not None:
                 self.critic_thread.join(timeout=120)
+        if self.ref is not None:
+            self.ref.stop()
         if self.actor_thread is not None:
             self.actor_thread.join(timeout=120)
         if self.roles.errors:
@@ -371,6 +357,9 @@ class Controller:
             "sync_backend": self.sync_kind,
             "engines": self.engine.where,
             "ranks": self.roles.records(),
+            "reference": ("ref role's ranks" if self.ref else "actor's ranks")
+            if self.cfg.kl_coef > 0
+            else None,
         }
         write_json(f"{self.dir}/rl_result.json", out)
         return out
@@ -387,6 +376,6 @@ class Controller:
             self.ctx.link.publish("vllm-stop", "1")  # the other workers' servers stop too
         if hasattr(self.engine, "close"):
             self.engine.close()  # vLLM servers stop with the stage, also when it fails
-        for end in (self.channel, self.critic):
+        for end in (self.channel, self.critic, self.ref and self.ref.end):
             if end is not None:
                 end.close()

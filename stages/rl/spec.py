@@ -35,6 +35,7 @@ class ActorSpec(BaseModel):
     sync_world: int = 2  # the sync group: actor rank 0 and every engine
     resume_tag: str | None
     total_updates: int
+    ref_in_actor: bool = False  # kl_coef > 0 and the ref role has no devices of its own
 
     def write(self, path: str) -> None:
         atomic_write(path, self.model_dump_json(indent=1) + "\n")

@@ -104,3 +104,39 @@ def test_presets_reach_the_rl_stage(tmp_path: Path):
         "nccl",
     )
     assert cfg["micro_train_batch_size"] == 2
+
+
+def test_a_reward_role_is_refused_where_it_is_named_with_the_verifier_instead(tmp_path: Path):
+    why = (
+        "stage 'rl' cannot use role 'reward': it has no reward model; its rewards come from "
+        "'verifier' (reasoning_gym, exact_match, regex, math, or your own 'module:function'): "
+        "leave 'reward' out"
+    )
+    in_ratio = """\
+        name: p
+        cluster: {gpus: 8}
+        resources: {ratio: {vllm: 1, actor: 1, reward: 2}}
+        stages:
+          rl: {kind: rl, config: {input: prompts.jsonl}}
+    """
+    assert errors(tmp_path, in_ratio) == [f"p.yaml:3:40: resources.ratio.reward: {why}"]
+    as_role = """\
+        name: p
+        cluster: {gpus: auto}
+        stages:
+          rl: {kind: rl, resources: {role: reward}, config: {input: prompts.jsonl}}
+    """
+    assert errors(tmp_path, as_role) == [f"p.yaml:4:36: stages.rl.resources.role: {why}"]
+
+
+def test_a_reward_role_another_stage_uses_is_not_the_rl_stages_concern(tmp_path: Path):
+    text = """\
+        name: p
+        cluster: {gpus: 6}
+        resources: {ratio: {vllm: 1, actor: 1, reward: 1}}
+        stages:
+          rl: {kind: rl, config: {input: prompts.jsonl}}
+          score: {kind: evaluate, resources: {role: reward}, config: {input: prompts.jsonl, checkpoints: [m]}}
+    """
+    roles = build(tmp_path, text).resolved.roles
+    assert {r: a.gpus for r, a in roles.items()} == {"vllm": 2, "actor": 2, "reward": 2}

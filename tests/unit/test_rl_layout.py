@@ -71,3 +71,20 @@ def test_the_70b_example_starts_every_role_on_two_nodes_and_four_engines_of_four
     assert sum(len(e) for e in engines) == backend.vllm_num_engines
     assert contexts[0].node_slots("vllm")  # the controller sits with the first engines
     assert [worker_host(w) for w in role_workers(contexts[0], "vllm")] == ["10.0.0.1", "10.0.0.2"]
+
+
+def test_the_70b_example_explain_shows_each_role_on_two_nodes_the_engines_and_the_reference():
+    result = run_cli(
+        "plan", "pipelines/rl_70b_cluster.yaml", "--cluster", "6x8x80GB", "--explain", cwd=ROOT
+    )
+    assert result.exit_code == 0, result.stderr
+    text = result.stdout
+    assert (
+        "backend.vllm_num_engines             4  <- rule: 16 GPUs of role 'vllm' / "
+        "tensor-parallel size 4" in text
+    )
+    for role, nodes in (("vllm", (0, 1)), ("actor", (2, 3)), ("critic", (4, 5))):
+        for n in nodes:
+            assert f"  node node{n}: 8 GPUs\n    role {role:<24}devices 0-7\n" in text
+    assert "  ppo (ref in actor's ranks): 13.0 GB (weights 13.0 GB); host 0.0 GB\n" in text
+    assert "  ppo on node2: 846.6 GB (actor 8 x 105.8 GB, ref 8 x 0.0 GB)\n" in text

@@ -1,0 +1,78 @@
+"""One rank of the `ref` role, run as its own process: `python -m stages.rl.ref SPEC.json`.
+
+Input: the `ActorSpec` the actor reads (its ds_config says whether ZeRO-3 splits the
+weights) and the rank in the environment; the ref role's ranks form their own
+torch.distributed job on the role's devices (`stages.rl.reference` says when it has them).
+Output: answers to the stage's requests: `ref_logprobs` (each sample's completion
+log-probabilities under the frozen reference, in the compute dtype; every rank scores every
+world-th sample, in as many passes as the busiest rank, and rank 0 returns them in order),
+`stop`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from stages.lib.rank import exit_now
+from stages.rl.reference import load_reference, reference_logprobs
+
+log = logging.getLogger("pipe.rl.ref")
+
+
+class RefRank:
+    """One rank of the `ref` role: the frozen reference, scoring its share of each batch."""
+
+    def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
+        self.spec, self.cfg = spec, spec.config
+        self.rank, self.world, self.device = rank, world, device
+        self.module, self.engine = load_reference(
+            spec.model_dir, self.cfg.bf16, spec.ds_config, device
+        )
+        config = self.module.config
+        self.pad_id = int(config.pad_token_id or config.eos_token_id or 0)
+        self.kind = f"frozen reference, {next(self.module.parameters()).dtype}"
+        log.info(
+            "reference on node %s (CUDA_VISIBLE_DEVICES %s), rank %d of %d, %s",
+            os.environ.get("PIPE_NODE", "-"),
+            os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
+            rank,
+            world,
+            self.kind,
+        )
+        if self.engine is not None:
+            params = list(self.module.parameters())
+            held = sum(p.ds_tensor.numel() for p in params)
+            log.info(
+                "zero 3: %d of %d elements held on this rank", held, sum(p.ds_numel for p in params)
+            )
+
+    def ref_logprobs(self, payload: dict[str, Any]) -> list[list[float]] | None:
+        """Every world-th sample from this rank; rank 0 returns them all, in order."""
+        from stages.rl.logprobs import Sample
+
+        samples = [Sample(**s) for s in payload["samples"]]
+        mine = samples[self.rank :: self.world]
+        size = self.cfg.micro_train_batch_size
+        busiest = -(-len(samples) // self.world)
+        passes = -(-busiest // size)  # ZeRO-3: every rank in every pass
+        scored = reference_logprobs(self.module, mine, self.device, self.cfg, self.pad_id, passes)
+        if self.world == 1:
+            return scored
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * self.world
+        # under NCCL the objects travel on torch.cuda.current_device(), which the caller must
+        # set (torch/distributed/distributed_c10d.py, all_gather_object): run_role does
+        dist.all_gather_object(parts, scored)
+        out: list[list[float]] = [[] for _ in samples]
+        for r, part in enumerate(parts):
+            out[r :: self.world] = part
+        return out if self.rank == 0 else None
+
+
+if __name__ == "__main__":
+    from stages.rl.actor import run_role
+
+    exit_now(run_role(None, log, RefRank, lambda r: {"ref_logprobs": r.ref_logprobs}))
