@@ -198,8 +198,19 @@ class DeepSpeedTrainer:
         )
 
     def begin_micro(self, boundary: bool) -> None:
-        """Tell DeepSpeed whether this micro batch ends the step (before its forward)."""
+        """Tell DeepSpeed whether this micro batch ends the step, and that a forward begins
+        (before its forward)."""
         self.engine.set_gradient_accumulation_boundary(boundary)
+        # deepspeed 0.19 runtime/engine.py `forward` first calls a ZeRO optimizer's
+        # clear_backward_seen_flag: ZeRO-3 counts its micro steps there (stage3.py: at micro
+        # step 0 a gradient partition is copied, later ones are added), ZeRO-1/2 clears the
+        # last backward's accumulation. The rl ranks call the module itself (only completion
+        # positions go through the head), so without this every micro batch of a ZeRO-3 step
+        # overwrote the one before. Twice (here, then engine.forward) is harmless: the flag
+        # it clears is set again only by a backward.
+        clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
+        if clear is not None:
+            clear()
 
     def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
         return self.engine(**inputs).logits  # type: ignore[no-any-return]
