@@ -263,35 +263,13 @@ class Actor:
         return str(output)
 
     def offload(self, payload: Any) -> str:
-        """Move the optimizer states off the GPU while the engine generates (hybrid engine)."""
-        if not self.device.startswith("cuda"):
-            return "skipped: on the CPU the optimizer states already live in host memory"
-        engine = getattr(self.trainer, "engine", None)
-        if engine is not None and hasattr(engine, "offload_states"):
-            engine.offload_states()
-            return "offloaded through DeepSpeed"
-        moved = _move_optimizer(self.trainer.optimizer, "cpu")
-        return f"moved {moved} bytes of optimizer state to the host"
+        """The optimizer side off the GPU while the engine generates (hybrid engine; how:
+        `stages.lib.sleep`); what moved."""
+        return str(self.trainer.offload())
 
     def reload(self, payload: Any) -> str:
-        if not self.device.startswith("cuda"):
-            return "skipped: on the CPU the optimizer states already live in host memory"
-        engine = getattr(self.trainer, "engine", None)
-        if engine is not None and hasattr(engine, "reload_states"):
-            engine.reload_states()
-            return "reloaded through DeepSpeed"
-        moved = _move_optimizer(self.trainer.optimizer, self.device)
-        return f"moved {moved} bytes of optimizer state back"
-
-
-def _move_optimizer(optimizer: Any, device: str) -> int:
-    moved = 0
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if hasattr(value, "to") and hasattr(value, "numel"):
-                state[key] = value.to(device)
-                moved += value.numel() * value.element_size()
-    return moved
+        """The optimizer side back on the GPU before the next update."""
+        return str(self.trainer.reload())
 
 
 def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:

@@ -6,7 +6,8 @@ environment; the critic's ranks form their own torch.distributed job, on the cri
 role's devices. Output: answers to the stage's requests: `values` (the value of the state
 before each completion token), `train` (the clipped value loss over the batch,
 `ppo_epochs` passes, one optimizer step per `train_batch_size` samples, per-token losses
-over the step's token count), `save`, `stop`.
+over the step's token count), `offload`/`reload` (the optimizer side, for the hybrid
+engine, as the actor's), `save`, `stop`.
 """
 
 from __future__ import annotations
@@ -130,6 +131,14 @@ class CriticRank:
         dist.all_reduce(reduced)
         return float(reduced.item())
 
+    def offload(self, payload: Any) -> str:
+        """The optimizer side off the GPU while the engine generates (as the actor's)."""
+        return str(self.trainer.offload())
+
+    def reload(self, payload: Any) -> str:
+        """The optimizer side back on the GPU before the next update."""
+        return str(self.trainer.reload())
+
     def save(self, payload: dict[str, Any]) -> str:
         root = f"{self.spec.stage_dir}/critic_checkpoints"
         self.trainer.save(root, payload["tag"])
@@ -144,7 +153,13 @@ if __name__ == "__main__":
             None,
             log,
             CriticRank,
-            lambda c: {"values": c.values, "train": c.train, "save": c.save},
+            lambda c: {
+                "values": c.values,
+                "train": c.train,
+                "save": c.save,
+                "offload": c.offload,
+                "reload": c.reload,
+            },
             seed_offset=1,
         )
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from stages.lib.sleep import sleep_method
+
 if TYPE_CHECKING:
     from stages.rl import RLConfig
 
@@ -114,7 +116,7 @@ def account(
         )
         if ds
         else no_ds,
-        "deepspeed_enable_sleep": _sleep(cfg.deepspeed_enable_sleep, device, cfg.async_train),
+        "deepspeed_enable_sleep": _sleep(cfg, trainer, device),
         "bf16": (A, "the actor trains in bfloat16" if cfg.bf16 else "fp32")
         if ds or not cfg.bf16
         else (A, "torch autocast to bfloat16"),
@@ -129,14 +131,17 @@ def account(
     return how
 
 
-def _sleep(wanted: bool, device: str, overlapped: bool) -> tuple[str, str]:
-    if not wanted:
+def _sleep(cfg: RLConfig, trainer: str, device: str) -> tuple[str, str]:
+    """What leaves the GPU while the engine generates, for each trained role."""
+    if not cfg.deepspeed_enable_sleep:
         return A, "off: the optimizer states stay where they are"
-    if device == "cpu":
-        return S, "on the CPU the optimizer states already live in host memory"
-    if overlapped:
+    if cfg.async_train:
         return S, "async_train: the actor trains while the engine generates, so its states stay"
-    return A, "the actor's optimizer states leave the GPU while the engine generates"
+    way = sleep_method(trainer, cfg.zero_stage, cfg.adam_offload, device)
+    roles = "the actor and the critic" if cfg.algorithm == "ppo" else "the actor"
+    if not way.moves:
+        return S, f"{roles}: {way.how}"
+    return A, f"{roles}, while the engine generates, back before each update: {way.how}"
 
 
 def _backend(cfg: RLConfig, device: str) -> tuple[str, str]:
