@@ -14,20 +14,26 @@ batch, because dynamic batching gives steps a varying number of them; the loss
 the caller passes is already scaled (DeepSpeed's own 1/accumulation scaling
 is off). On GPU with `adam_offload`, DeepSpeed's CPU Adam is used instead of
 torch's (torch's AdamW on offloaded fp32 states would be slow at scale).
+
+`offload()` and `reload()` move the optimizer side off the GPU and back (the hybrid
+engine's `deepspeed_enable_sleep`) by the method `stages.lib.sleep` chooses; a checkpoint
+saved while the states are away brings them back for the save.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
 from stages.lib.schedule import lr_factor, warmup_steps
+from stages.lib.sleep import Sleep, sleep_method
 
 
 class OptimizerSettings(Protocol):
@@ -77,7 +83,101 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     ]
 
 
-class TorchTrainer:
+class HostStates:
+    """Tensors parked in host memory by swapping their storage (`tensor.data`), the way
+    DeepSpeed's `offload_states` moves its own: whoever holds a tensor (an optimizer's
+    state, its parameter groups) sees it move, and the optimizer's state keeps its keys
+    (nothing extra lands in a checkpoint). Host buffers (pinned with CUDA) are kept and
+    reused at the next offload."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.parked: list[tuple[torch.Tensor, torch.device]] = []
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def offload(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Copy each tensor into its host buffer and point it there; the bytes moved."""
+        moved = 0
+        for t in tensors:
+            buf = self.buffers.get(id(t))
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+                self.buffers[id(t)] = buf
+            buf.copy_(t.data)
+            self.parked.append((t, t.device))
+            t.data = buf
+            moved += t.numel() * t.element_size()
+        return moved
+
+    def reload(self) -> int:
+        """Every parked tensor back on its device, in fresh memory; the bytes moved."""
+        moved = 0
+        for t, device in self.parked:
+            t.data = t.data.to(device, copy=True, non_blocking=self.pin)
+            moved += t.numel() * t.element_size()
+        if self.pin:
+            torch.cuda.synchronize()
+        self.parked = []
+        return moved
+
+
+def optimizer_tensors(optimizer: Any, module: torch.nn.Module) -> list[torch.Tensor]:
+    """What an optimizer owns beyond the model: the tensors of its state (Adam's moments),
+    and the parameters it steps that are not the model's (fp32 master copies)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # a DeepSpeed wrapper's torch optimizer
+    own = {id(p) for p in module.parameters()}
+    out = [p for g in inner.param_groups for p in g["params"] if id(p) not in own]
+    out += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
+    return out
+
+
+class Sleeper:
+    """The offload/reload bookkeeping both trainers share."""
+
+    sleep: Sleep
+    asleep: bool = False
+
+    def offload(self) -> str:
+        """The optimizer side off the GPU (hybrid engine); what moved."""
+        if not self.sleep.moves or self.asleep:
+            return f"skipped: {self.sleep.how}" if not self.sleep.moves else "already offloaded"
+        moved = self._offload()
+        self.asleep = True
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # give the blocks back for the engine's process
+        return f"{self.sleep.how}" + (f" ({moved} bytes)" if moved else "")
+
+    def reload(self) -> str:
+        """The optimizer side back on the GPU before the next update."""
+        if not self.asleep:
+            return (
+                "skipped: nothing offloaded" if self.sleep.moves else f"skipped: {self.sleep.how}"
+            )
+        moved = self._reload()
+        self.asleep = False
+        return "reloaded" + (f" ({moved} bytes)" if moved else "")
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        """The states on the GPU for the duration (a checkpoint saved while they are away)."""
+        was = self.asleep
+        if was:
+            self.reload()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload()
+
+    def _offload(self) -> int:
+        raise NotImplementedError
+
+    def _reload(self) -> int:
+        raise NotImplementedError
+
+
+class TorchTrainer(Sleeper):
     """Plain torch: AdamW, gradients all-reduced by hand at each step when world > 1."""
 
     name = "torch"
@@ -90,6 +190,8 @@ class TorchTrainer:
         )
         self.scheduler = _scheduler(self.optimizer, cfg, total)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.sleep = sleep_method("torch", 0, False, device)
+        self.host = HostStates(pin=device.startswith("cuda"))
 
     def begin_micro(self, boundary: bool) -> None:
         """Nothing to do: gradients are reduced in `step`."""
@@ -127,7 +229,17 @@ class TorchTrainer:
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
+    def _offload(self) -> int:
+        return self.host.offload(optimizer_tensors(self.optimizer, self.module))
+
+    def _reload(self) -> int:
+        return self.host.reload()
+
     def save(self, root: str, tag: str) -> None:
+        with self.awake():
+            self._save(root, tag)
+
+    def _save(self, root: str, tag: str) -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
             state = {
                 "model": self.module.state_dict(),
@@ -149,7 +261,7 @@ class TorchTrainer:
         yield self.module
 
 
-class DeepSpeedTrainer:
+class DeepSpeedTrainer(Sleeper):
     """DeepSpeed's engine with the generated ds_config (ZeRO 0-3, offload, bf16)."""
 
     name = "deepspeed"
@@ -178,6 +290,8 @@ class DeepSpeedTrainer:
         )
         self.module = self.engine.module
         self.zero3 = cfg.zero_stage == 3
+        self.sleep = sleep_method("deepspeed", cfg.zero_stage, cfg.adam_offload, device)
+        self.host = HostStates(pin=device.startswith("cuda"))
         # DeepSpeed keeps the gradient norm only through a ZeRO, fp16 or bf16 optimizer (the
         # same test as its own clipping of plain fp32 gradients): otherwise step() measures it
         e = self.engine
@@ -198,8 +312,19 @@ class DeepSpeedTrainer:
         )
 
     def begin_micro(self, boundary: bool) -> None:
-        """Tell DeepSpeed whether this micro batch ends the step (before its forward)."""
+        """Tell DeepSpeed whether this micro batch ends the step, and that a forward begins
+        (before its forward)."""
         self.engine.set_gradient_accumulation_boundary(boundary)
+        # deepspeed 0.19 runtime/engine.py `forward` first calls a ZeRO optimizer's
+        # clear_backward_seen_flag: ZeRO-3 counts its micro steps there (stage3.py: at micro
+        # step 0 a gradient partition is copied, later ones are added), ZeRO-1/2 clears the
+        # last backward's accumulation. The rl ranks call the module itself (only completion
+        # positions go through the head), so without this every micro batch of a ZeRO-3 step
+        # overwrote the one before. Twice (here, then engine.forward) is harmless: the flag
+        # it clears is set again only by a backward.
+        clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
+        if clear is not None:
+            clear()
 
     def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
         return self.engine(**inputs).logits  # type: ignore[no-any-return]
@@ -223,7 +348,32 @@ class DeepSpeedTrainer:
         return float(self.scheduler.get_last_lr()[0])
 
     def save(self, root: str, tag: str) -> None:
-        self.engine.save_checkpoint(root, tag=tag, save_latest=False)
+        with self.awake():
+            self.engine.save_checkpoint(root, tag=tag, save_latest=False)
+
+    def _offload(self) -> int:
+        """By `self.sleep.method` (`stages.lib.sleep`: what DeepSpeed 0.19 offers where)."""
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum as Device
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+        method, opt = self.sleep.method, self.engine.optimizer
+        if method == "trainer":  # ZeRO-0: torch AdamW, or the bf16 wrapper's fp32 copies too
+            return self.host.offload(optimizer_tensors(opt, self.module))
+        if method == "deepspeed":  # ZeRO-1/2: stage_1_and_2.py offload_states, any optimizer
+            states = [State.hp_params, State.optim_states, State.lp_grads]
+            self.engine.offload_states(include=states, device=Device.cpu, pin_memory=True)
+            return 0
+        # ZeRO-3: stage3.py asserts FusedAdam only for hp_params and optim_states; those two
+        # are moved here as it moves them (their storage swapped), the rest by DeepSpeed
+        moved = self.host.offload([*opt.fp32_partitioned_groups_flat, *_state_tensors(opt)])
+        states = [State.lp_grads, State.contiguous_grad_buffer]
+        self.engine.offload_states(include=states, device=Device.cpu, pin_memory=True)
+        return moved
+
+    def _reload(self) -> int:
+        if self.sleep.method != "trainer":
+            self.engine.reload_states()
+        return self.host.reload()
 
     def load(self, root: str, tag: str) -> None:
         path, _ = self.engine.load_checkpoint(root, tag=tag)
@@ -241,3 +391,9 @@ class DeepSpeedTrainer:
         params = list(self.module.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             yield self.module
+
+
+def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors of a DeepSpeed ZeRO optimizer's inner torch optimizer's state."""
+    inner = optimizer.optimizer
+    return [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]

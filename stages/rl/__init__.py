@@ -126,7 +126,7 @@ class RLConfig(StageConfig):
     )
     deepspeed_enable_sleep: bool = Field(
         False,
-        description="Move the actor's optimizer states off the GPU while the engine generates.",
+        description="Move the actor's and critic's optimizer states off the GPU while the engine generates (synchronous steps on GPU).",
     )
     bf16: bool = Field(False, description="Train in bfloat16 (fp32 otherwise).")
     vllm_sync_backend: Literal["nccl", "gloo", "disk"] = Field(
@@ -217,6 +217,17 @@ class RLConfig(StageConfig):
                     f"async_train ({ctx.source('async_train')}) cannot run with vllm_enable_sleep "
                     f"({ctx.source('backend.vllm_enable_sleep')}): the engines must stay awake to "
                     "generate while the actor trains; turn one of them off",
+                )
+            )
+        if self.async_train and self.deepspeed_enable_sleep and ctx.gpus > 0:
+            out.append(
+                ctx.error(
+                    "async_train",
+                    f"async_train ({ctx.source('async_train')}) cannot run with "
+                    f"deepspeed_enable_sleep ({ctx.source('deepspeed_enable_sleep')}) on GPUs: "
+                    "the actor trains while the engines generate, so its optimizer states "
+                    "cannot leave the GPU for them (the memory plan would count them gone); "
+                    "turn one of them off",
                 )
             )
         if self.rollout_batch_size * self.num_repeats < self.micro_train_batch_size:

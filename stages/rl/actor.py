@@ -60,7 +60,6 @@ class Actor:
             self.trainer.load(f"{spec.stage_dir}/checkpoints", spec.resume_tag)
             log.info("resumed the actor from %s", spec.resume_tag)
         self.publisher: Any = None
-        self.offloaded: dict[int, Any] = {}
 
     # --- requests ----------------------------------------------------------------------
     def train(self, payload: dict[str, Any]) -> dict[str, float]:
@@ -90,33 +89,28 @@ class Actor:
             out["grad_norm"] = sum(norms) / len(norms)
         return out
 
-    def _micros(self, mine: list[Any]) -> list[list[Any]]:
-        """This rank's samples in micro batches: a count each, or a token budget each."""
-        size = self.cfg.micro_train_batch_size
-        if not self.cfg.use_dynamic_batch:
-            return [mine[i : i + size] for i in range(0, len(mine), size)]
-        mine = sorted(mine, key=lambda s: len(s.ids))
-        budget = size * max(1, sum(len(s.ids) for s in mine) // max(len(mine), 1))
-        micros: list[list[Any]] = [[]]
-        for s in mine:
-            if micros[-1] and (len(micros[-1]) + 1) * len(s.ids) > budget:
-                micros.append([])
-            micros[-1].append(s)
-        return micros
+    def _micros(self, chunk: list[Any]) -> list[list[Any]]:
+        """This rank's micro batches of the step `chunk`, as many as every other rank's (an
+        empty one is a dummy pass: `stages.rl.micro`)."""
+        from stages.rl.micro import plan_micros
+
+        size, dynamic = self.cfg.micro_train_batch_size, self.cfg.use_dynamic_batch
+        return plan_micros(chunk, self.world, size, dynamic)[self.rank]
 
     def _update(self, chunk: list[Any]) -> tuple[dict[str, float], float | None]:
-        """One optimizer step over `chunk` (this rank takes every world-th sample)."""
+        """One optimizer step over `chunk` (this rank takes every world-th sample, in as many
+        forward/backward passes as every other rank)."""
         import torch
 
         from stages.rl.logprobs import completion_logprobs
         from stages.rl.loss import clipped_policy_loss, kl_k3
 
         norm = sum(s.completion_len for s in chunk)  # the step's tokens, over all ranks
-        mine = chunk[self.rank :: self.world]
-        micros = self._micros(mine) if mine else [chunk[:1]]  # a rank with nothing: weight 0
-        weight = self.world / norm if mine else 0.0
+        micros = self._micros(chunk)
         sums = torch.zeros(4, dtype=torch.float64)
-        for i, micro in enumerate(micros):
+        for i, planned in enumerate(micros):
+            micro = planned or chunk[:1]  # a dummy pass keeps the ranks in step: weight 0
+            weight = self.world / norm if planned else 0.0
             self.trainer.begin_micro(i == len(micros) - 1)
             new, ent = completion_logprobs(
                 self.trainer.module, micro, self.device, self.cfg.temperature, self.pad_id, True
@@ -134,7 +128,7 @@ class Actor:
                 kl = kl_k3(new_t, self._reference(micro)).sum()
                 loss = loss + self.cfg.kl_coef * kl
             self.trainer.backward(loss * weight)
-            n = float(new_t.numel()) if mine else 0.0
+            n = float(new_t.numel()) if planned else 0.0
             sums += torch.tensor(
                 [
                     loss.item() * (n > 0),
@@ -270,35 +264,13 @@ class Actor:
         return str(output)
 
     def offload(self, payload: Any) -> str:
-        """Move the optimizer states off the GPU while the engine generates (hybrid engine)."""
-        if not self.device.startswith("cuda"):
-            return "skipped: on the CPU the optimizer states already live in host memory"
-        engine = getattr(self.trainer, "engine", None)
-        if engine is not None and hasattr(engine, "offload_states"):
-            engine.offload_states()
-            return "offloaded through DeepSpeed"
-        moved = _move_optimizer(self.trainer.optimizer, "cpu")
-        return f"moved {moved} bytes of optimizer state to the host"
+        """The optimizer side off the GPU while the engine generates (hybrid engine; how:
+        `stages.lib.sleep`); what moved."""
+        return str(self.trainer.offload())
 
     def reload(self, payload: Any) -> str:
-        if not self.device.startswith("cuda"):
-            return "skipped: on the CPU the optimizer states already live in host memory"
-        engine = getattr(self.trainer, "engine", None)
-        if engine is not None and hasattr(engine, "reload_states"):
-            engine.reload_states()
-            return "reloaded through DeepSpeed"
-        moved = _move_optimizer(self.trainer.optimizer, self.device)
-        return f"moved {moved} bytes of optimizer state back"
-
-
-def _move_optimizer(optimizer: Any, device: str) -> int:
-    moved = 0
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if hasattr(value, "to") and hasattr(value, "numel"):
-                state[key] = value.to(device)
-                moved += value.numel() * value.element_size()
-    return moved
+        """The optimizer side back on the GPU before the next update."""
+        return str(self.trainer.reload())
 
 
 def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:

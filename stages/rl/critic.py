@@ -6,7 +6,8 @@ environment; the critic's ranks form their own torch.distributed job, on the cri
 role's devices. Output: answers to the stage's requests: `values` (the value of the state
 before each completion token), `train` (the clipped value loss over the batch,
 `ppo_epochs` passes, one optimizer step per `train_batch_size` samples, per-token losses
-over the step's token count), `save`, `stop`.
+over the step's token count), `offload`/`reload` (the optimizer side, for the hybrid
+engine, as the actor's), `save`, `stop`.
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ class CriticRank:
         return out
 
     def train(self, payload: dict[str, Any]) -> dict[str, float]:
-        import torch
-
-        from stages.rl.logprobs import Sample, completion_values
-        from stages.rl.ppo import value_loss
+        """`ppo_epochs` passes over the batch; one optimizer step per `train_batch_size`
+        samples, in as many forward/backward passes on every rank (`stages.rl.micro`);
+        returns the value loss per token over all ranks."""
+        from stages.rl.logprobs import Sample
 
         samples = [Sample(**s) for s in payload["samples"]]
         rng = random.Random(self.cfg.seed * 7_919 + payload["step"])
@@ -87,26 +88,56 @@ class CriticRank:
             rng.shuffle(order)
             for lo in range(0, len(order), self.cfg.train_batch_size):
                 chunk = [samples[i] for i in order[lo : lo + self.cfg.train_batch_size]]
-                norm = sum(s.completion_len for s in chunk)
-                mine = chunk[self.rank :: self.world]
-                micros = [
-                    mine[i : i + self.cfg.micro_train_batch_size]
-                    for i in range(0, len(mine), self.cfg.micro_train_batch_size)
-                ] or [chunk[:1]]
-                weight = self.world / norm if mine else 0.0
-                for i, micro in enumerate(micros):
-                    self.trainer.begin_micro(i == len(micros) - 1)
-                    values = torch.cat(
-                        completion_values(self.trainer.module, micro, self.device, self.pad_id)
-                    )
-                    old = torch.tensor([v for s in micro for v in s.old_values], device=self.device)
-                    ret = torch.tensor([v for s in micro for v in s.returns], device=self.device)
-                    loss = value_loss(values, old, ret, self.cfg.eps_clip).sum()
-                    self.trainer.backward(loss * weight)
-                    total += loss.item() if mine else 0.0
-                self.trainer.step()
-                tokens += norm
-        return {"value_loss": total / max(tokens, 1)}
+                total += self._update(chunk)
+                tokens += sum(s.completion_len for s in chunk)
+        return {"value_loss": self._sum_over_ranks(total) / max(tokens, 1)}
+
+    def _update(self, chunk: list[Any]) -> float:
+        """One optimizer step over `chunk`; returns this rank's summed value loss. Per-token
+        losses are divided by the step's token count over all ranks (the trainer averages
+        gradients over ranks, hence the factor `world`)."""
+        import torch
+
+        from stages.rl.logprobs import completion_values
+        from stages.rl.micro import plan_micros
+        from stages.rl.ppo import value_loss
+
+        norm = sum(s.completion_len for s in chunk)
+        size, dynamic = self.cfg.micro_train_batch_size, self.cfg.use_dynamic_batch
+        micros = plan_micros(chunk, self.world, size, dynamic)[self.rank]
+        total = 0.0
+        for i, planned in enumerate(micros):
+            micro = planned or chunk[:1]  # a dummy pass keeps the ranks in step: weight 0
+            self.trainer.begin_micro(i == len(micros) - 1)
+            values = torch.cat(
+                completion_values(self.trainer.module, micro, self.device, self.pad_id)
+            )
+            old = torch.tensor([v for s in micro for v in s.old_values], device=self.device)
+            ret = torch.tensor([v for s in micro for v in s.returns], device=self.device)
+            loss = value_loss(values, old, ret, self.cfg.eps_clip).sum()
+            self.trainer.backward(loss * (self.world / norm if planned else 0.0))
+            total += loss.item() if planned else 0.0
+        self.trainer.step()
+        return total
+
+    def _sum_over_ranks(self, value: float) -> float:
+        """`value` summed over the critic's ranks (NCCL reduces device tensors only)."""
+        if self.world == 1:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        reduced = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(reduced)
+        return float(reduced.item())
+
+    def offload(self, payload: Any) -> str:
+        """The optimizer side off the GPU while the engine generates (as the actor's)."""
+        return str(self.trainer.offload())
+
+    def reload(self, payload: Any) -> str:
+        """The optimizer side back on the GPU before the next update."""
+        return str(self.trainer.reload())
 
     def save(self, payload: dict[str, Any]) -> str:
         root = f"{self.spec.stage_dir}/critic_checkpoints"
@@ -122,7 +153,13 @@ if __name__ == "__main__":
             None,
             log,
             CriticRank,
-            lambda c: {"values": c.values, "train": c.train, "save": c.save},
+            lambda c: {
+                "values": c.values,
+                "train": c.train,
+                "save": c.save,
+                "offload": c.offload,
+                "reload": c.reload,
+            },
             seed_offset=1,
         )
     )

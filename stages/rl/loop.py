@@ -86,8 +86,8 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
         if batch.samples:
             t = time.perf_counter()
             c.rest_engine()  # the hybrid engine: vLLM sleeps while the actor trains
-            if c.sleeps:  # and the actor's optimizer states come back to the GPU
-                c.request("reload")
+            if c.sleeps:  # and the actor's and critic's optimizer states come back to the GPU
+                trained_states(c, "reload")
             if cfg.kl_coef > 0:  # the ref role's ranks score the batch (when it has its own)
                 batch.samples = c.with_reference(batch.samples)
             if cfg.algorithm == "ppo":
@@ -107,7 +107,7 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
             sync = c.sync(c.version + 1)
         if not queue and step < c.total:
             if c.sleeps:  # off the GPU while the engine generates
-                c.request("offload")
+                trained_states(c, "offload")
             queue.append(c.generate(step + 1))
         if step % cfg.eval_every == 0 or step == c.total:
             held_out = c.evaluate()
@@ -128,6 +128,16 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
             c.save(step)
     c.save(c.total)
     return records
+
+
+def trained_states(c: Controller, kind: str) -> None:
+    """The hybrid engine: `offload` the actor's and the critic's optimizer states from the
+    GPU, or `reload` them; both roles at once, each answering when its ranks are done."""
+    if c.critic is not None:
+        c.critic.send(kind)
+    c.request(kind)
+    if c.critic is not None:
+        c.critic.receive(kind, timeout_s=600, alive=c.actor_alive)
 
 
 def _row(

@@ -258,7 +258,7 @@ class Controller:
         return self.actor_thread.is_alive()
 
     def _account(self, trainer: str, device: str, world: int, sync: str) -> None:
-        self.how = account(self.cfg, trainer, device, world, sync)
+        self.how = account(self.cfg, trainer, device, world, sync, self.engine.where)
 
     # --- the loop ---------------------------------------------------------------------
     def request(self, kind: str, payload: Any = None) -> Any:

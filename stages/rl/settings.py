@@ -8,7 +8,10 @@ new setting cannot be resolved and then ignored.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from stages.lib.sleep import sleep_method
 
 if TYPE_CHECKING:
     from stages.rl import RLConfig
@@ -17,9 +20,15 @@ A, S = "applied", "skipped"
 
 
 def account(
-    cfg: RLConfig, trainer: str, device: str, world: int, sync: str
+    cfg: RLConfig,
+    trainer: str,
+    device: str,
+    world: int,
+    sync: str,
+    engines: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, tuple[str, str]]:
-    """Every field of `cfg` with its status in a run with these decisions."""
+    """Every field of `cfg` with its status in a run with these decisions (`engines`: where
+    each engine started)."""
     ds = trainer == "deepspeed"
     no_ds = (S, "plain torch trains the actor (deepspeed is not installed or trainer: torch)")
     how: dict[str, tuple[str, str]] = {
@@ -33,7 +42,7 @@ def account(
         "output": (A, "the final checkpoint"),
         "model": (A, "the actor's and the engine's starting weights"),
         "verifier": (A, f"scores every sample ({cfg.verifier.kind})"),
-        "backend": _backend(cfg, device),
+        "backend": _backend(cfg, device, engines),
         "num_repeats": (A, "samples per prompt (the group)"),
         "rollout_batch_size": (A, "prompts per step"),
         "train_batch_size": (A, "samples per optimizer step"),
@@ -114,7 +123,7 @@ def account(
         )
         if ds
         else no_ds,
-        "deepspeed_enable_sleep": _sleep(cfg.deepspeed_enable_sleep, device, cfg.async_train),
+        "deepspeed_enable_sleep": _sleep(cfg, trainer, device),
         "bf16": (A, "the actor trains in bfloat16" if cfg.bf16 else "fp32")
         if ds or not cfg.bf16
         else (A, "torch autocast to bfloat16"),
@@ -129,23 +138,38 @@ def account(
     return how
 
 
-def _sleep(wanted: bool, device: str, overlapped: bool) -> tuple[str, str]:
-    if not wanted:
+def _sleep(cfg: RLConfig, trainer: str, device: str) -> tuple[str, str]:
+    """What leaves the GPU while the engine generates, for each trained role."""
+    if not cfg.deepspeed_enable_sleep:
         return A, "off: the optimizer states stay where they are"
-    if device == "cpu":
-        return S, "on the CPU the optimizer states already live in host memory"
-    if overlapped:
+    if cfg.async_train:
         return S, "async_train: the actor trains while the engine generates, so its states stay"
-    return A, "the actor's optimizer states leave the GPU while the engine generates"
+    way = sleep_method(trainer, cfg.zero_stage, cfg.adam_offload, device)
+    roles = "the actor and the critic" if cfg.algorithm == "ppo" else "the actor"
+    if not way.moves:
+        return S, f"{roles}: {way.how}"
+    return A, f"{roles}, while the engine generates, back before each update: {way.how}"
 
 
-def _backend(cfg: RLConfig, device: str) -> tuple[str, str]:
+def _started(engines: Sequence[Mapping[str, Any]]) -> str:
+    nodes = list(dict.fromkeys(str(e.get("node")) for e in engines if e.get("node")))
+    return f" on {len(nodes)} node(s) ({', '.join(nodes)})" if nodes else ""
+
+
+def _backend(cfg: RLConfig, device: str, engines: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     b = cfg.backend
     if b.kind != "vllm":
+        if len(engines) > 1:
+            return A, (
+                f"{len(engines)} local engines{_started(engines)}, one per worker of the vllm "
+                "role (the controller's own and one in each other worker's task), weights from "
+                "the actor"
+            )
         return A, "local engine in the stage's process, weights from the actor"
     gpu = device != "cpu"
+    started = len(engines) or getattr(b, "vllm_num_engines", 1)
     parts = [
-        f"{getattr(b, 'vllm_num_engines', 1)} vLLM server(s), tensor-parallel "
+        f"{started} vLLM server(s) started{_started(engines)}, tensor-parallel "
         f"{getattr(b, 'vllm_tensor_parallel_size', 1)}",
         "prefix caching on" if getattr(b, "enable_prefix_caching", False) else "no prefix cache",
         f"gpu_memory_utilization {getattr(b, 'vllm_gpu_memory_utilization', 0)}"

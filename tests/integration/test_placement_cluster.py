@@ -281,3 +281,5 @@ def test_ppo_roles_each_span_two_workers_of_a_six_node_loopback_cluster(tmp_path
     first, last = metrics[:5], metrics[-5:]
     assert sum(r["reward_mean"] for r in last) > sum(r["reward_mean"] for r in first)
     assert all(r["probe_diff"] <= 1e-4 for r in metrics)  # both engines matched the actor
+    settings = json.loads((tmp_path / "runs/ppo/rl/settings.json").read_text())
+    assert settings["backend"]["how"].startswith("2 local engines on 2 node(s) (node0, node1)")

@@ -180,5 +180,9 @@ def test_the_vllm_role_on_two_workers_starts_a_server_on_each_and_syncs_and_prob
     rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["probe_diff"] <= 1e-4 for r in rows)  # both servers, after every sync
+    settings = json.loads((stage / "settings.json").read_text())
+    assert settings["backend"]["how"].startswith(
+        "2 vLLM server(s) started on 2 node(s) (node0, node1)"
+    )
     assert (stage / "vllm.log").stat().st_size > 0 and (stage / "vllm.1.log").stat().st_size > 0
     assert _ours(tmp_path) == [], "a vLLM server outlived its stage"

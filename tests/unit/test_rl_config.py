@@ -140,3 +140,27 @@ def test_a_reward_role_another_stage_uses_is_not_the_rl_stages_concern(tmp_path:
     """
     roles = build(tmp_path, text).resolved.roles
     assert {r: a.gpus for r, a in roles.items()} == {"vllm": 2, "actor": 2, "reward": 2}
+
+
+def test_async_with_a_sleeping_trainer_on_gpus_is_refused_and_on_the_cpu_skipped(tmp_path: Path):
+    text = """\
+        name: p
+        profile: high-performance
+        cluster: {{gpus: {gpus}, gpus_per_node: 8}}
+        stages:
+          rl:
+            kind: rl
+            resources: {{gpus: {gpus}}}
+            config:
+              input: prompts.jsonl
+              async_train: true
+    """
+    assert errors(tmp_path, text.format(gpus=2)) == [
+        "p.yaml:10:20: stages.rl.config.async_train: async_train (p.yaml:10:20) cannot run with "
+        "deepspeed_enable_sleep (profile high-performance: hybrid engine: DeepSpeed frees its "
+        "memory while generation runs) on GPUs: the actor trains while the engines generate, so "
+        "its optimizer states cannot leave the GPU for them (the memory plan would count them "
+        "gone); turn one of them off",
+    ]
+    text = text.replace("resources: {{gpus: {gpus}}}", "resources: {{}}")
+    assert build(tmp_path, text.format(gpus=0)).as_dict()["stages"]["rl"]["config"]["async_train"]

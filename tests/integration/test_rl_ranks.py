@@ -1,0 +1,150 @@
+"""The rl stage's trained ranks for real: ZeRO-3 actor and critic ranks over gloo, driven
+through their channel as the stage drives them, on steps whose samples do not divide
+evenly over the ranks (before equal micro-batch counts, the rank with one pass more waited
+forever in ZeRO-3's gathers). A hang fails the request's time bound, and the ranks are
+stopped. The 3-rank ZeRO-3 run's loss and gradient norm equal those of one plain rank
+(ZeRO-0): the same per-token losses over the same token count, and every micro batch's
+gradient kept (ZeRO-3 used to keep only each rank's last one)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stages.lib.config import TinyModel
+from stages.lib.ds_config import build_ds_config
+from stages.lib.launch import Ranks, launch
+from stages.rl import RLConfig
+from stages.rl.channel import StageEnd
+from stages.rl.spec import ActorSpec
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BOUND_S = 180  # a train request answered later than this is a hang
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from stages.lib.model import build_tiny_model
+
+    out = tmp_path_factory.mktemp("ranks") / "tiny"
+    spec = TinyModel(hidden_size=32, num_layers=2, num_heads=2, vocab_size=VOCAB)
+    build_tiny_model(
+        spec, [f"{a} + {b} = {a + b}" for a in range(20) for b in range(20)], str(out), 0
+    )
+    return str(out)
+
+
+def samples(n: int) -> list[dict[str, Any]]:
+    """`n` samples of varying length, with what both the actor and the critic train on."""
+    rng = random.Random(7)
+    out = []
+    for i in range(n):
+        prompt, answer = rng.randint(3, 8), rng.randint(2, 6)
+        out.append(
+            {
+                "ids": tuple(rng.randrange(3, VOCAB) for _ in range(prompt + answer)),
+                "prompt_len": prompt,
+                "old_logprobs": tuple(-5.7 for _ in range(answer)),  # ~ log(1/300): ratio ~ 1
+                "advantage": 1.0 if i % 2 else -1.0,
+                "returns": tuple(rng.uniform(-1, 1) for _ in range(answer)),
+                "old_values": tuple(0.0 for _ in range(answer)),
+            }
+        )
+    return out
+
+
+def run_role(
+    tmp: Path, model: str, module: str, world: int, dynamic: bool, n: int = 7, zero: int = 3
+) -> dict[str, Any]:
+    """Start `world` ranks of `module` (ZeRO `zero`, CPU), train on `n` samples in steps of 4
+    (7 on 3 ranks at micro 1: 2/1/1, then 1/1/1 samples), stop them; the train reply."""
+    cfg = RLConfig(
+        zero_stage=zero,
+        micro_train_batch_size=1,
+        train_batch_size=4,
+        use_dynamic_batch=dynamic,
+        learning_rate=0.01,
+        eps_clip=0.99,
+        algorithm="ppo",
+    )
+    end = StageEnd()
+    spec = ActorSpec(
+        config=cfg,
+        model_dir=model,
+        stage_dir=str(tmp),
+        device="cpu",
+        trainer="deepspeed",
+        ds_config=build_ds_config(cfg, world, model_dir=model),
+        threads=1,
+        channel=end.address,
+        authkey=end.authkey.hex(),
+        sync_backend="gloo",
+        sync_store="",
+        resume_tag=None,
+        total_updates=2,
+    )
+    spec.write(str(tmp / "spec.json"))
+    done = threading.Event()
+    failures: list[BaseException] = []
+
+    def ranks() -> None:
+        try:
+            launch(
+                module,
+                str(tmp / "spec.json"),
+                Ranks(world=world),
+                "cpu",
+                1,
+                str(tmp / "ranks.log"),
+                logging.getLogger("test"),
+                should_stop=lambda: "the test is over" if done.is_set() else None,
+            )
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=ranks, daemon=True)
+    thread.start()
+    try:
+        end.accept(thread.is_alive, timeout_s=BOUND_S)
+        payload = {"step": 1, "samples": samples(n)}
+        reply: dict[str, Any] = end.request("train", payload, BOUND_S, thread.is_alive)
+        end.request("stop", None, 60, thread.is_alive)
+        thread.join(timeout=60)  # the ranks exit after answering `stop`
+    finally:
+        done.set()  # a hung rank is killed here
+        thread.join(timeout=60)
+        end.close()
+    assert not failures, failures
+    return reply
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["count", "dynamic"])
+def test_zero3_actor_on_three_ranks_finishes_an_uneven_step_with_one_ranks_loss(
+    tmp_path: Path, model_dir: str, dynamic: bool
+):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "three").mkdir()
+    one = run_role(tmp_path / "one", model_dir, "stages.rl.actor", 1, dynamic, zero=0)
+    three = run_role(tmp_path / "three", model_dir, "stages.rl.actor", 3, dynamic)
+    assert three["updates"] == one["updates"] == 2
+    assert three["tokens"] == one["tokens"]
+    for key in ("loss", "entropy", "grad_norm"):
+        assert three[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+
+
+def test_zero3_critic_on_three_ranks_finishes_an_uneven_step_with_one_ranks_loss(
+    tmp_path: Path, model_dir: str
+):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "three").mkdir()
+    one = run_role(tmp_path / "one", model_dir, "stages.rl.critic", 1, False, zero=0)
+    three = run_role(tmp_path / "three", model_dir, "stages.rl.critic", 3, False)
+    assert one["value_loss"] > 0
+    assert three["value_loss"] == pytest.approx(one["value_loss"], rel=1e-4)
