@@ -33,9 +33,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING, Any
 
 from stages.lib.rank import MARK, PARENT_ENV
+
+if TYPE_CHECKING:
+    from engine.stage import StageContext
 
 TAIL_LINES = 40
 
@@ -70,6 +73,38 @@ class Ranks:
 
 
 MALLOC_TRIM_THRESHOLD = 65536
+
+
+def rank_table(ctx: StageContext, role: str | None = None) -> list[dict[str, Any]]:
+    """Every rank of a job placed on the stage's slots (of `role` only, when given): one per
+    device, numbered task by task (the first task holding devices has ranks 0..n-1, and so
+    on), each with its node rank among those tasks, local rank, node, worker and device."""
+    out: list[dict[str, Any]] = []
+    node_rank = -1
+    for node, worker in ctx.tasks:
+        devices = sorted(
+            {
+                d
+                for s in ctx.slots
+                if (role is None or s.role == role) and (s.node, s.worker) == (node, worker)
+                for d in s.devices
+            }
+        )
+        if not devices:
+            continue
+        node_rank += 1
+        for local, device in enumerate(devices):
+            out.append(
+                {
+                    "rank": len(out),
+                    "node_rank": node_rank,
+                    "local_rank": local,
+                    "node": node,
+                    "worker": worker,
+                    "device": device,
+                }
+            )
+    return out
 
 
 def rank_env(

@@ -33,32 +33,9 @@ def worker_host(worker: str | None) -> str:
 
 def role_table(ctx: StageContext, role: str) -> list[dict[str, Any]]:
     """Every rank of `role`: one per device the placement gives it, task by task."""
-    out: list[dict[str, Any]] = []
-    node_rank = -1
-    for node, worker in ctx.tasks:
-        devices = sorted(
-            {
-                d
-                for s in ctx.slots
-                if s.role == role and (s.node, s.worker) == (node, worker)
-                for d in s.devices
-            }
-        )
-        if not devices:
-            continue
-        node_rank += 1
-        for local, device in enumerate(devices):
-            out.append(
-                {
-                    "rank": len(out),
-                    "node_rank": node_rank,
-                    "local_rank": local,
-                    "node": node,
-                    "worker": worker,
-                    "device": device,
-                }
-            )
-    return out
+    from stages.lib.launch import rank_table
+
+    return rank_table(ctx, role)
 
 
 def role_workers(ctx: StageContext, role: str) -> list[str | None]:

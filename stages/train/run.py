@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from stages.lib.ds_config import build_ds_config
 from stages.lib.jsonl import write_json
-from stages.lib.launch import Ranks, launch
+from stages.lib.launch import Ranks, launch, rank_table
 from stages.train import ckpt as train_ckpt
 from stages.train.data import dpo_pairs, read_rows, samples_of
 from stages.train.spec import WorkerSpec
@@ -121,28 +121,6 @@ def _check_data(cfg: TrainConfig) -> list[dict[str, Any]]:
         dpo_pairs(rows)
     samples_of(rows, cfg.target if cfg.algorithm == "sft" else "completion", str(cfg.input))
     return rows
-
-
-def rank_table(ctx: StageContext) -> list[dict[str, Any]]:
-    """Every rank of the job: one per device of the stage's placement, numbered task by task
-    (the node of task 0 holds ranks 0..n-1, and so on)."""
-    out: list[dict[str, Any]] = []
-    for node_rank, (node, worker) in enumerate(ctx.tasks):
-        devices = sorted(
-            {d for s in ctx.slots if (s.node, s.worker) == (node, worker) for d in s.devices}
-        )
-        for local, device in enumerate(devices):
-            out.append(
-                {
-                    "rank": len(out),
-                    "node_rank": node_rank,
-                    "local_rank": local,
-                    "node": node,
-                    "worker": worker,
-                    "device": device,
-                }
-            )
-    return out
 
 
 def rank_layout(cfg: TrainConfig, ctx: StageContext) -> tuple[Ranks, Literal["cpu", "cuda"]]:
