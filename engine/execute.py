@@ -142,7 +142,7 @@ class _Run:
             tasks = list(dict.fromkeys((s.node, s.worker) for s in slots))
         futures = set()
         for rank, (_, worker) in enumerate(tasks):
-            held = sum(len(s.devices) for s in slots if s.worker == worker)
+            held = held_gpus(slots, worker)
             future = self.cluster.client.submit(
                 run_packed_stage,
                 pickle.dumps(replace(base, node_rank=rank)),
@@ -165,6 +165,13 @@ class _Run:
         for key in self.devices(name):
             if self.busy.get(key) == name:
                 del self.busy[key]
+
+
+def held_gpus(slots: Any, worker: str | None) -> int:
+    """The GPUs a stage's task on `worker` holds: its slots' distinct devices there. Roles
+    colocated on one device (`colocate`) share it: counting each role's slot would ask Dask
+    for more GPUs than the worker has, and the task would wait forever."""
+    return len({d for s in slots if s.worker == worker for d in s.devices})
 
 
 def prepare(plan: Plan, options: RunOptions, report: RunReport) -> tuple[dict[str, str], list[str]]:

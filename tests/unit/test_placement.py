@@ -266,3 +266,20 @@ def test_a_stage_beside_a_chain_takes_the_other_node_and_the_chain_keeps_its_own
     assert where(p, "x") == [("node0", tuple(range(8)), None)]
     assert {where(p, n)[0][0] for n in names} == {"node1"}
     assert p.waits == {}
+
+
+def test_colocated_roles_ask_dask_for_each_device_once():
+    """`colocate: all` on one GPU: the vllm and actor slots name the same device; the task
+    asks the worker for 1 GPU, not 2 (a worker offering GPU=1 never ran it: the rl stage
+    waited forever on the first real GPU run)."""
+    from engine.execute import held_gpus
+
+    w, other = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
+    slots = (
+        Slot("n0", w, (0,), "vllm"),
+        Slot("n0", w, (0,), "actor"),
+        Slot("n0", other, (0, 1), "critic"),
+    )
+    assert held_gpus(slots, w) == 1
+    assert held_gpus(slots, other) == 2
+    assert held_gpus((*slots[:2], Slot("n0", w, (1,), "ref")), w) == 2
