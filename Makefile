@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: install install-slurm stop-slurm install-vllm quickstart test test-fast test-vllm lint fmt schemas bench bench-rl bench-rl-setup clean
+.PHONY: install install-slurm stop-slurm install-vllm quickstart test test-fast test-vllm test-gpu lint fmt schemas bench bench-rl bench-rl-setup clean
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,11 @@ stop-slurm:
 
 test-vllm: install install-vllm
 	$(PY) -m pytest -m vllm
+
+# on a machine with CUDA (a GPU build of torch: pip's default torch wheel on Linux): the
+# `gpu`-marked tests, each skipped where fewer GPUs are visible than it needs
+test-gpu: install
+	$(PY) -m pytest -m gpu -v -rs
 
 quickstart: install
 	$(VENV)/bin/pipe run pipelines/quickstart.yaml
