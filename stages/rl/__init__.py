@@ -237,9 +237,36 @@ class RLConfig(StageConfig):
                     f"larger than a step's {self.rollout_batch_size * self.num_repeats} samples",
                 )
             )
+        out += self._check_sync(ctx)
         # refusals of the run path known from the config alone (tests/unit/test_refusals.py)
         out += check_verifier(self.verifier, ctx)
         return out
+
+    def _check_sync(self, ctx: ResolveContext) -> list[Diagnostic]:
+        """Which weight-sync backend will run, where it is not the one asked for on GPUs
+        (`stages.rl.sync_plan`): the local engine colocated with the actor gets gloo."""
+        from stages.rl.sync_plan import choose_sync
+
+        engine = ctx.roles.get("vllm")
+        actor = ctx.roles.get("actor")
+        if not isinstance(self.backend, LocalBackend) or not (engine and actor):
+            return []
+        choice = choose_sync(
+            self.vllm_sync_backend,
+            vllm=False,
+            actor_gpu=actor.gpus > 0,
+            engine_gpu=engine.gpus > 0,
+            shared_gpu="actor" in engine.colocated_with,
+        )
+        if choice.reason is None or not (actor.gpus and engine.gpus):
+            return []
+        return [
+            ctx.warning(
+                "vllm_sync_backend",
+                f"{self.vllm_sync_backend} ({ctx.source('vllm_sync_backend')}) will not run, "
+                f"{choice.backend} will: {choice.reason}",
+            )
+        ]
 
 
 def engine_context(ctx: ResolveContext) -> ResolveContext:

@@ -180,7 +180,7 @@ class Actor:
 
     def sync(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Publish the weights (rank 0 sends, every rank gathers), then score the probe."""
-        from stages.rl.sync import make_publisher, sync_file
+        from stages.rl.sync import make_publisher, sync_file, wire_dtype
 
         start = time.perf_counter()
         if self.rank == 0 and self.publisher is None:
@@ -191,6 +191,7 @@ class Actor:
                 sync_file(spec.stage_dir),
                 spec.config.sync_timeout_s,
                 spec.sync_world,
+                wire_dtype(self.cfg.bf16),
             )
             module = self.trainer.module
             once = {id(p): n for n, p in module.named_parameters()}

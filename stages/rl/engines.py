@@ -165,7 +165,7 @@ def host_engine(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     from stages.lib.devices import torch_device
     from stages.rl.channel import connect
     from stages.rl.engine import LocalEngine
-    from stages.rl.sync import make_receiver
+    from stages.rl.sync import make_receiver, wire_dtype
 
     assert ctx.link is not None
     torch.set_num_threads(cfg.num_threads)
@@ -183,6 +183,7 @@ def host_engine(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
         world=spec["world"],
         rank=spec["rank"],
         store_address=spec["store"] or None,
+        wire=wire_dtype(cfg.bf16),
     )
     conn = connect(spec["channel"], spec["authkey"])
     where = {"node": node, "worker": worker, "devices": list(ctx.devices("vllm"))}

@@ -120,7 +120,7 @@ class Controller:
         from stages.rl.channel import StageEnd
         from stages.rl.engine import LocalEngine
         from stages.rl.spec import ActorSpec
-        from stages.rl.sync import make_receiver, sync_file
+        from stages.rl.sync import make_receiver, sync_file, wire_dtype
 
         cfg = self.cfg
         model_dir = self._model_dir()
@@ -134,18 +134,21 @@ class Controller:
         fingerprint = self._fingerprint(world, trainer)
         tag, start = self._resume(fingerprint)
         self.fingerprint = fingerprint
-        sync = cfg.vllm_sync_backend
-        if sync == "nccl" and device == "cpu":
-            sync = "gloo"
         from stages.lib.devices import torch_device
+        from stages.lib.launch import rank_table
+        from stages.rl.sync_plan import choose_sync, shared_gpu
 
         engine_device = torch_device(self.ctx, "vllm")
-        if sync == "nccl" and not engine_device.startswith("cuda"):
-            sync = "gloo"  # the engine has no GPU: NCCL cannot reach it
         vllm = isinstance(cfg.backend, VLLMBackend)
-        if vllm:
-            sync = "disk"  # vLLM servers reload what the actor writes (stages.rl.vllm_engine)
-        self.sync_kind = sync
+        rank0 = next(((r["worker"], r["device"]) for r in rank_table(self.ctx, "actor")), None)
+        self.sync_choice = choose_sync(
+            cfg.vllm_sync_backend,
+            vllm=vllm,
+            actor_gpu=device != "cpu",
+            engine_gpu=engine_device.startswith("cuda"),
+            shared_gpu=shared_gpu(rank0, self.ctx.slots),
+        )
+        self.sync_kind = sync = self.sync_choice.backend
         self.host = host_of(self.ctx)
         self.channel = StageEnd(self.host)
         sync_path = sync_file(self.dir)
@@ -164,6 +167,7 @@ class Controller:
                 engine_device,
                 host=self.host,
                 world=sync_world,
+                wire=wire_dtype(cfg.bf16),
             )
         )
         join = {  # what the engines of other workers need to join the sync
@@ -226,7 +230,7 @@ class Controller:
         self.probe = probe_ids(
             tok, self.data.prompts[0], str(row.get(cfg.verifier.answer_field, ""))
         )
-        self._account(trainer, device, world, sync)
+        self._account(trainer, device, world)
         # the actor's optimizer states leave the GPU while the engine generates (sync steps)
         self.sleeps = cfg.deepspeed_enable_sleep and device == "cuda" and not cfg.async_train
         self.sync(self.version)  # the engine takes the actor's weights (a checkpoint's too)
@@ -257,8 +261,8 @@ class Controller:
             return self.roles.remote_alive()
         return self.actor_thread.is_alive()
 
-    def _account(self, trainer: str, device: str, world: int, sync: str) -> None:
-        self.how = account(self.cfg, trainer, device, world, sync, self.engine.where)
+    def _account(self, trainer: str, device: str, world: int) -> None:
+        self.how = account(self.cfg, trainer, device, world, self.sync_choice, self.engine.where)
 
     # --- the loop ---------------------------------------------------------------------
     def request(self, kind: str, payload: Any = None) -> Any:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.sleep import sleep_method
+from stages.rl.sync_plan import SyncChoice
 
 if TYPE_CHECKING:
     from stages.rl import RLConfig
@@ -24,7 +25,7 @@ def account(
     trainer: str,
     device: str,
     world: int,
-    sync: str,
+    sync: SyncChoice,
     engines: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, tuple[str, str]]:
     """Every field of `cfg` with its status in a run with these decisions (`engines`: where
@@ -127,7 +128,7 @@ def account(
         "bf16": (A, "the actor trains in bfloat16" if cfg.bf16 else "fp32")
         if ds or not cfg.bf16
         else (A, "torch autocast to bfloat16"),
-        "vllm_sync_backend": _sync(cfg.vllm_sync_backend, sync, cfg.backend.kind == "vllm"),
+        "vllm_sync_backend": _sync(sync, cfg.bf16),
         "sync_timeout_s": (A, "a weight sync past it fails the step"),
         "num_processes": (A, f"{world} actor rank(s) on the CPU")
         if device == "cpu"
@@ -186,19 +187,12 @@ def _backend(cfg: RLConfig, device: str, engines: Sequence[Mapping[str, Any]]) -
     return A, "; ".join(parts)
 
 
-def _sync(wanted: str, used: str, vllm: bool = False) -> tuple[str, str]:
-    if wanted == used:
-        return A, f"weights reach the engine over {used}, checked by a probe after every sync"
-    if vllm:
-        return S, (
-            f"vLLM's {wanted} transfer needs its trainer-side engine in the actor's interpreter, "
-            "where vLLM is not installed; the servers reload the weights from disk (checked by "
-            "a probe on every server after every sync)"
-        )
-    return S, (
-        f"{wanted} needs GPUs on both ends; this run has none, so {used} carries the weights "
-        "(checked by a probe after every sync)"
-    )
+def _sync(choice: SyncChoice, bf16: bool) -> tuple[str, str]:
+    wire = "bfloat16" if bf16 else "float32"
+    ran = f"weights reach the engine over {choice.backend} in {wire}, checked by a probe after every sync"
+    if choice.reason is None:
+        return A, ran
+    return S, f"{choice.reason} ({ran})"
 
 
 def _kl(coef: float, algorithm: str) -> tuple[str, str]:

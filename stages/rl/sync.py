@@ -14,6 +14,14 @@ may repack weights), a mismatch fails the step naming the engine.
   records why).
 - `disk`: rank 0 writes safetensors atomically, the engine reloads them parameter by
   parameter.
+
+Weights travel in one dtype both ends know (`wire_dtype`: bfloat16 when the actor trains in
+bf16, float32 otherwise): the publisher casts each tensor to it, each receiver allocates its
+buffer in it and copies into the engine's parameter (casting to the engine's own dtype). A
+broadcast needs equal byte counts on every rank: DeepSpeed holds a bf16 actor's weights in
+bf16 while the local engine keeps fp32, so sending "as they are" into `empty_like(param)`
+put 2N bytes into a 4N buffer (garbage on gloo: the probe failed at step 0 on CPU and
+sampling met NaN probabilities on an H100; undefined under NCCL).
 """
 
 from __future__ import annotations
@@ -27,6 +35,12 @@ from typing import Any, Protocol
 import torch
 
 PROBE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+
+
+def wire_dtype(bf16: bool) -> torch.dtype:
+    """The dtype the weights travel in: the actor's compute precision (a bf16 actor's
+    weights are bf16 under DeepSpeed, or rounded to bf16 by the torch trainer's autocast)."""
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 class SyncFailed(RuntimeError):
@@ -73,16 +87,22 @@ class GroupPublisher:
     engines)."""
 
     def __init__(
-        self, store_address: str, timeout_s: float, nccl: bool = False, world: int = 2
+        self,
+        store_address: str,
+        timeout_s: float,
+        nccl: bool = False,
+        world: int = 2,
+        wire: torch.dtype = torch.float32,
     ) -> None:
         store = _client_store(store_address, world, timeout_s)
         self.pg = _pg(store, 0, world, timeout_s, nccl)
         self.device = "cuda" if nccl else "cpu"
+        self.wire = wire
         self.aliases: dict[str, str] = {}  # unused: the engine's own model ties its weights
 
     def publish(self, params: Iterator[tuple[str, torch.Tensor]]) -> None:
         for _, tensor in params:
-            self.pg.broadcast(tensor.detach().to(self.device).contiguous(), 0).wait()
+            self.pg.broadcast(tensor.detach().to(self.device, self.wire).contiguous(), 0).wait()
 
 
 class GroupReceiver:
@@ -100,10 +120,12 @@ class GroupReceiver:
         world: int = 2,
         rank: int = 1,
         store_address: str | None = None,
+        wire: torch.dtype = torch.float32,
     ) -> None:
         import torch.distributed as dist
 
         self.name = name
+        self.wire = wire
         self.timeout_s, self.nccl, self.device = timeout_s, nccl, device
         self.world, self.rank = world, rank
         if store_address is None:
@@ -128,7 +150,8 @@ class GroupReceiver:
             self.pg = _pg(self.store, self.rank, self.world, self.timeout_s, self.nccl)
         with torch.no_grad():
             for _, param in model.named_parameters():
-                buf = torch.empty_like(param, device=self.device if self.nccl else "cpu")
+                where = self.device if self.nccl else "cpu"
+                buf = torch.empty(param.shape, dtype=self.wire, device=where)
                 try:
                     self.pg.broadcast(buf, 0).wait()
                 except RuntimeError as exc:
@@ -143,14 +166,15 @@ class DiskPublisher:
     written under each of its names (`aliases`: name -> the name it is stored under): vLLM's
     CPU build keeps its own copy of a tied output head, which reloads only by its name."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, wire: torch.dtype = torch.float32) -> None:
         self.path = path
+        self.wire = wire
         self.aliases: dict[str, str] = {}
 
     def publish(self, params: Iterator[tuple[str, torch.Tensor]]) -> None:
         from safetensors.torch import save_file
 
-        tensors = {name: t.detach().cpu().contiguous().clone() for name, t in params}
+        tensors = {name: t.detach().to("cpu", self.wire).contiguous().clone() for name, t in params}
         for alias, name in self.aliases.items():
             if name in tensors:
                 tensors[alias] = tensors[name].clone()
@@ -192,11 +216,12 @@ def make_receiver(
     world: int = 2,
     rank: int = 1,
     store_address: str | None = None,
+    wire: torch.dtype = torch.float32,
 ) -> Receiver:
     """The engine's side of `kind` (gloo, nccl or disk) for an engine on `device`: group
     rank `rank` of `world` (1 + engines); rank 1 hosts the store on `host` (its `address`
     is where the actor's rank 0 and the other engines join), the others join
-    `store_address`."""
+    `store_address`. Weights arrive in `wire` (`wire_dtype`)."""
     if kind == "disk":
         return DiskReceiver(name, path)
     return GroupReceiver(
@@ -208,16 +233,22 @@ def make_receiver(
         world=world,
         rank=rank,
         store_address=store_address,
+        wire=wire,
     )
 
 
 def make_publisher(
-    kind: str, store_address: str, path: str, timeout_s: float, world: int = 2
+    kind: str,
+    store_address: str,
+    path: str,
+    timeout_s: float,
+    world: int = 2,
+    wire: torch.dtype = torch.float32,
 ) -> Publisher:
-    """The actor's side of `kind`: group rank 0 of `world` (1 + engines)."""
+    """The actor's side of `kind`: group rank 0 of `world` (1 + engines), sending in `wire`."""
     if kind == "disk":
-        return DiskPublisher(path)
-    return GroupPublisher(store_address, timeout_s, nccl=kind == "nccl", world=world)
+        return DiskPublisher(path, wire)
+    return GroupPublisher(store_address, timeout_s, nccl=kind == "nccl", world=world, wire=wire)
 
 
 def verify(

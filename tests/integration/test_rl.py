@@ -246,8 +246,8 @@ def test_every_resolved_setting_is_applied_or_skipped_with_a_reason(
         assert settings["vllm_sync_backend"] == {
             "value": "nccl",
             "status": "skipped",
-            "how": "nccl needs GPUs on both ends; this run has none, so gloo carries the weights "
-            "(checked by a probe after every sync)",
+            "how": "nccl needs GPUs on both ends; this run has none there, so gloo carries them "
+            "(weights reach the engine over gloo in float32, checked by a probe after every sync)",
         }
 
 

@@ -1,0 +1,70 @@
+"""Weights travel in one dtype both ends know: a bf16 actor into an fp32 engine over a real
+gloo group (the actor's rank 0 and the engine in two threads of this process)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny(seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+def _sync(actor: torch.nn.Module, engine: torch.nn.Module, bf16: bool) -> None:
+    from stages.rl.sync import GroupPublisher, GroupReceiver, wire_dtype
+
+    wire = wire_dtype(bf16)
+    receiver = GroupReceiver("local-0", 30.0, host="127.0.0.1", world=2, wire=wire)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            GroupPublisher(receiver.address, 30.0, world=2, wire=wire).publish(
+                (n, p.data) for n, p in actor.named_parameters()
+            )
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    receiver.apply(engine)
+    sender.join(60)
+    assert not errors and not sender.is_alive()
+
+
+def test_bf16_actor_into_fp32_engine_probe_passes():
+    from stages.rl.logprobs import Sample, completion_logprobs
+    from stages.rl.sync import PROBE_TOLERANCE, verify
+
+    actor, engine = _tiny(0, torch.bfloat16), _tiny(1, torch.float32)
+    _sync(actor, engine, bf16=True)
+    for (name, a), (_, e) in zip(actor.named_parameters(), engine.named_parameters(), strict=True):
+        assert e.dtype == torch.float32, name
+        assert torch.equal(e, a.float()), name  # bf16 values, exactly, in the fp32 engine
+    probe = Sample(ids=(1, 5, 9, 2, 7, 3, 11, 4), prompt_len=3)
+    with torch.no_grad():
+        mine = [float(x) for x in completion_logprobs(actor, [probe], "cpu", 1.0, 0)[0][0]]
+        theirs = [float(x) for x in completion_logprobs(engine, [probe], "cpu", 1.0, 0)[0][0]]
+    worst = verify("local-0", theirs, mine, "bf16", 1)
+    assert worst <= PROBE_TOLERANCE["bf16"]
+
+
+def test_fp32_sync_is_exact():
+    actor, engine = _tiny(0, torch.float32), _tiny(1, torch.float32)
+    _sync(actor, engine, bf16=False)
+    for (_, a), (_, e) in zip(actor.named_parameters(), engine.named_parameters(), strict=True):
+        assert torch.equal(a, e)
