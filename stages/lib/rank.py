@@ -44,10 +44,24 @@ def setup(rank: int, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def collective_timeout_s() -> float:
+    """How long one collective of the ranks may take before it fails its rank (and the
+    launcher the stage): 30 minutes, long enough for a 70B model's gathers at a save;
+    `PIPE_COLLECTIVE_TIMEOUT_S` overrides it. DeepSpeed's default is 10 minutes and torch's
+    10 (NCCL) or 30 (gloo): given explicitly so every backend waits the same. The ranks'
+    idle wait between two requests is not a collective (`stages.lib.serve`), so the
+    controller generating, evaluating or saving for longer kills nothing."""
+    return float(os.environ.get("PIPE_COLLECTIVE_TIMEOUT_S", 1800))
+
+
 def init_distributed(trainer: str, device: str, world: int) -> None:
-    """The process group of this rank (from the environment): gloo on CPU, NCCL on GPU."""
+    """The process group of this rank (from the environment): gloo on CPU, NCCL on GPU, with
+    an explicit timeout (`collective_timeout_s`)."""
+    import datetime
+
     import torch.distributed as dist
 
+    timeout = datetime.timedelta(seconds=collective_timeout_s())
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if trainer == "deepspeed":
         import deepspeed
@@ -57,9 +71,9 @@ def init_distributed(trainer: str, device: str, world: int) -> None:
             # (~40 s on a fresh machine); only tensor-parallel inference calls it, not training
             with contextlib.suppress(Exception):
                 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
     elif world > 1:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
 
 
 def load_model(model_dir: str, ds_config: dict[str, Any] | None, dtype: Any = None) -> Any:

@@ -276,14 +276,13 @@ class Actor:
 
 def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:
     """Answer requests with `handlers` until `stop`: rank 0 receives each and passes it on
-    to the other ranks, every rank runs it, rank 0 replies."""
-    import torch.distributed as dist
+    to the other ranks (through the store, not a collective: `stages.lib.serve`), every rank
+    runs it, rank 0 replies."""
+    from stages.lib.serve import Requests
 
+    requests = Requests(world, conn)
     while True:
-        message: list[Any] = [conn.recv() if conn is not None else None]
-        if world > 1:
-            dist.broadcast_object_list(message, src=0)
-        kind, payload = message[0]
+        kind, payload = requests.next()
         if kind == "stop":
             if conn is not None:
                 conn.send(("ok", None))

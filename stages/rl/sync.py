@@ -63,11 +63,25 @@ class Receiver(Protocol):
     def apply(self, model: torch.nn.Module) -> None: ...
 
 
+NCCL_ENV = {
+    # read by ProcessGroupNCCL's constructor, so set before the sync group is built: a wait
+    # past the group's timeout raises in the waiting thread (the step fails with SyncFailed,
+    # the stage retries) instead of returning at once and leaving the watchdog to act, and
+    # the watchdog aborts the communicator without tearing the process down (on the engine's
+    # side that process is the Dask worker: the controller and the vLLM servers with it).
+    # torch 2.13's defaults: no blocking wait, error handling 3 (tear down).
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+}
+
+
 def _pg(store: Any, rank: int, world: int, timeout_s: float, nccl: bool) -> Any:
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if nccl:
+        for key, value in NCCL_ENV.items():
+            os.environ.setdefault(key, value)  # a user's own setting stays
         options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world, options)  # type: ignore[attr-defined]

@@ -8,9 +8,12 @@ gradient kept (ZeRO-3 used to keep only each rank's last one)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,16 @@ def run_role(
 ) -> dict[str, Any]:
     """Start `world` ranks of `module` (ZeRO `zero`, CPU), train on `n` samples in steps of 4
     (7 on 3 ranks at micro 1: 2/1/1, then 1/1/1 samples), stop them; the train reply."""
+    with serving(tmp, model, module, world, dynamic, zero) as request:
+        return request("train", {"step": 1, "samples": samples(n)})  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def serving(
+    tmp: Path, model: str, module: str, world: int, dynamic: bool = False, zero: int = 3
+) -> Iterator[Callable[[str, Any], Any]]:
+    """`world` ranks of `module` answering the requests sent through the yielded function
+    (each bounded by BOUND_S); stopped at the end, a hung rank killed."""
     cfg = RLConfig(
         zero_stage=zero,
         micro_train_batch_size=1,
@@ -113,8 +126,7 @@ def run_role(
     thread.start()
     try:
         end.accept(thread.is_alive, timeout_s=BOUND_S)
-        payload = {"step": 1, "samples": samples(n)}
-        reply: dict[str, Any] = end.request("train", payload, BOUND_S, thread.is_alive)
+        yield lambda kind, payload: end.request(kind, payload, BOUND_S, thread.is_alive)
         end.request("stop", None, 60, thread.is_alive)
         thread.join(timeout=60)  # the ranks exit after answering `stop`
     finally:
@@ -122,7 +134,6 @@ def run_role(
         thread.join(timeout=60)
         end.close()
     assert not failures, failures
-    return reply
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["count", "dynamic"])
@@ -148,3 +159,20 @@ def test_zero3_critic_on_three_ranks_finishes_an_uneven_step_with_one_ranks_loss
     three = run_role(tmp_path / "three", model_dir, "stages.rl.critic", 3, False)
     assert one["value_loss"] > 0
     assert three["value_loss"] == pytest.approx(one["value_loss"], rel=1e-4)
+
+
+def test_ranks_idle_past_the_collective_timeout_still_serve(
+    tmp_path: Path, model_dir: str, monkeypatch: pytest.MonkeyPatch
+):
+    """The ranks wait for the next request while the controller generates, evaluates or
+    saves, for as long as that takes: not inside a collective (DeepSpeed's 10-minute default
+    killed them there). Here a 2 s collective timeout and a 6 s pause between requests."""
+    monkeypatch.setenv("PIPE_COLLECTIVE_TIMEOUT_S", "2")
+    probe = {"ids": (5, 6, 7, 8, 9), "prompt_len": 2}
+    with serving(tmp_path, model_dir, "stages.rl.actor", 2, zero=0) as request:
+        first = request("probe", probe)
+        time.sleep(6)
+        assert request("probe", probe) == first
+        time.sleep(3)
+        reply = request("train", {"step": 1, "samples": samples(4)})
+    assert reply["updates"] == 1
