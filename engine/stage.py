@@ -221,6 +221,17 @@ class Slot:
         }
 
 
+# what stage code registered to release when the stage running in this process ends
+STAGE_END: list[Callable[[], None]] = []
+
+
+def at_stage_end(release: Callable[[], None]) -> None:
+    """Run `release` at the end of every stage in this worker process from now on (e.g. a
+    cache of models on a GPU: the next stage there may need that memory)."""
+    if release not in STAGE_END:
+        STAGE_END.append(release)
+
+
 class NodeLink(Protocol):
     """How the tasks of a stage that spans nodes reach each other (Dask variables)."""
 

@@ -22,13 +22,14 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.fsio import atomic_write_text, exists, makedirs, remove
-from engine.stage import Slot, StageConfig, StageContext, StageKind
+from engine.stage import STAGE_END, Slot, StageConfig, StageContext, StageKind
 
 STAMP = ".pipe-stage.json"
 LOG_TOPIC = "pipe-log"
@@ -230,6 +231,8 @@ def run_stage(payload: StagePayload) -> TaskResult:
             if link is not None:
                 link.abort(f"task {payload.node_rank} on {_address(worker)} failed: {exc}")
             raise
+        finally:
+            release_stage_memory()
         if not isinstance(metrics, dict):
             metrics = {"result": metrics}
         end = time.time()
@@ -260,3 +263,23 @@ def run_stage(payload: StagePayload) -> TaskResult:
 
 def _address(worker: Any) -> str:
     return str(worker.address) if worker is not None else "local"
+
+
+def release_stage_memory() -> None:
+    """At a stage's end, in the long-lived worker: what the stage's code registered with
+    `engine.stage.at_stage_end` runs (the local generator's model cache empties), then, when
+    this process used CUDA, the cached blocks go back to the driver. The next stage on this
+    GPU may be a vLLM server, whose start checks that its share of the GPU is free. torch is
+    not imported here: a stage that never loaded it has nothing on a GPU."""
+    import gc
+
+    for release in list(STAGE_END):
+        try:
+            release()
+        except Exception:  # a release that fails must not fail a finished stage
+            logging.getLogger("pipe.task").exception("releasing a stage's memory failed")
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+

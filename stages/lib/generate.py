@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.stage import at_stage_end
 from stages.lib.prompt import Prompt, format_prompt
 
 log = logging.getLogger("pipe.stages.lib.generate")
@@ -60,9 +61,15 @@ def load(model_dir: str, device: str = "cpu") -> tuple[Any, Any]:
     model.to(device)
     model.eval()
     _CACHE[key] = (model, tokenizer)
+    at_stage_end(release)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return model, tokenizer
+
+
+def release() -> None:
+    """Drop the cached models (at a stage's end: `engine.stage.at_stage_end`)."""
+    _CACHE.clear()
 
 
 def _mtime(path: str) -> float:
