@@ -282,4 +282,3 @@ def release_stage_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
