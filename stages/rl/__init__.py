@@ -237,10 +237,25 @@ class RLConfig(StageConfig):
                     f"larger than a step's {self.rollout_batch_size * self.num_repeats} samples",
                 )
             )
-        out += self._check_sync(ctx)
+        out += self._check_sync(ctx) + self._note_sleep(ctx)
         # refusals of the run path known from the config alone (tests/unit/test_refusals.py)
         out += check_verifier(self.verifier, ctx)
         return out
+
+    def _note_sleep(self, ctx: ResolveContext) -> list[Diagnostic]:
+        """What `deepspeed_enable_sleep` will move off the actor's GPUs, and how, under the
+        resolved trainer and ZeRO stage (`stages.lib.sleep`: DeepSpeed's offload_states
+        exists only for ZeRO-1/2, and asks for FusedAdam at ZeRO-3)."""
+        from stages.lib.sleep import sleep_method
+
+        actor = ctx.roles.get("actor")
+        if not (self.deepspeed_enable_sleep and actor and actor.gpus) or self.async_train:
+            return []
+        trainer = "torch" if self.trainer == "torch" else "deepspeed"
+        how = sleep_method(trainer, self.zero_stage, self.adam_offload, "cuda").how
+        zero = f"ZeRO-{self.zero_stage}" + (" with adam_offload" if self.adam_offload else "")
+        where = f"{trainer} at {zero}" if trainer == "deepspeed" else "plain torch"
+        return [ctx.error("deepspeed_enable_sleep", f"{where}: {how}", "note")]
 
     def _check_sync(self, ctx: ResolveContext) -> list[Diagnostic]:
         """Which weight-sync backend will run, where it is not the one asked for on GPUs

@@ -143,3 +143,47 @@ def test_the_loop_offloads_both_roles_while_generating_and_reloads_both_before_t
     quiet = Stage(tmp_path, sleeps=False)
     run_steps(quiet, 0, None)
     assert [kind for _, kind in quiet.log if kind in ("offload", "reload")] == []
+
+
+PLAN = """\
+    name: hp
+    cluster: {{scheduler: local, workers: 1, gpus: 2, gpus_per_node: 2}}
+    resources: {{ratio: {{vllm: 1, actor: 1}}}}
+    stages:
+      rl:
+        kind: rl
+        config:
+          input: prompts.jsonl
+          model: {{hidden_size: 32, num_layers: 1, num_heads: 2, vocab_size: 300}}
+          verifier: {{kind: regex, pattern: "[0-9]"}}
+          deepspeed_enable_sleep: true
+          zero_stage: {zero}
+          adam_offload: {offload}
+"""
+
+
+@pytest.mark.parametrize(
+    ("zero", "offload", "says"),
+    [
+        (0, "false", "deepspeed at ZeRO-0: Adam moments (and bf16's fp32 master weights) moved"),
+        (1, "false", "deepspeed at ZeRO-1: fp32 master weights, Adam states and gradient"),
+        (2, "false", "deepspeed at ZeRO-2: fp32 master weights, Adam states and gradient"),
+        (3, "false", "deepspeed at ZeRO-3: gradient partitions and buckets moved by DeepSpeed"),
+        (3, "true", "deepspeed at ZeRO-3 with adam_offload: nothing of the optimizer on the GPU"),
+    ],
+)
+def test_plan_says_what_sleep_moves_never_attribute_error_or_fusedadam_assert(
+    tmp_path, zero: int, offload: str, says: str
+):
+    """DeepSpeed's offload_states exists only on the ZeRO optimizers and asserts FusedAdam at
+    ZeRO-3: `pipe plan` says which method each ZeRO stage gets (the CPU round trips of those
+    methods on a real DeepSpeed engine: tests/integration/test_rl_sleep.py)."""
+    import textwrap
+
+    from tests.conftest import run_cli
+
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "p.yaml").write_text(textwrap.dedent(PLAN.format(zero=zero, offload=offload)))
+    result = run_cli("plan", "p.yaml", cwd=tmp_path)
+    assert result.exit_code == 0, result.stderr
+    assert f"p.yaml:11:31: note: stages.rl.config.deepspeed_enable_sleep: {says}" in (result.stderr)
