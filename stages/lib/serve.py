@@ -7,7 +7,8 @@ default store (the rendezvous TCP store) under `pipe-req-<n>`; every other rank 
 that key in slices of `POLL_S`, for as long as it takes (the controller may generate,
 evaluate or save for an hour between two requests: a collective would fail its ranks after
 its timeout, DeepSpeed's 10 minutes by default), reads it and counts itself read; rank 0
-deletes a request's keys once every rank has read it. A rank whose parent dies ends (the
+deletes a request's keys once every rank has read it, and before it stops (the store lives
+in its process) waits until every rank has read `stop`. A rank whose parent dies ends (the
 rank's `die_with_parent`); a store that cannot be reached raises.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from typing import Any
 
 POLL_S = 30.0
@@ -46,6 +48,18 @@ class Requests:
         message = pickle.loads(self.store.get(key))
         self.store.add(f"pipe-read-{self.n}", 1)
         return message
+
+    def read_by_all(self, timeout_s: float = 60.0) -> bool:
+        """Rank 0, before it exits (the store lives in its process): whether every other rank
+        has read the last request, waiting up to `timeout_s` for them."""
+        if self.store is None or self.conn is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while self.store.add(f"pipe-read-{self.n}", 0) < self.world - 1:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _wait(self, key: str) -> None:
         import torch.distributed as dist

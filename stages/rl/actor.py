@@ -113,7 +113,13 @@ class Actor:
             weight = self.world / norm if planned else 0.0
             self.trainer.begin_micro(i == len(micros) - 1)
             new, ent = completion_logprobs(
-                self.trainer.module, micro, self.device, self.cfg.temperature, self.pad_id, True
+                self.trainer.module,
+                micro,
+                self.device,
+                self.cfg.temperature,
+                self.pad_id,
+                True,
+                self.trainer,  # the top-level forward: DeepSpeed's engine, or torch's autocast
             )
             new_t = torch.cat(new)
             old = torch.tensor([lp for s in micro for lp in s.old_logprobs], device=self.device)
@@ -230,6 +236,7 @@ class Actor:
                 self.device,
                 1.0,  # the probe checks weights: the model's own distribution on both sides
                 self.pad_id,
+                call=self.trainer,
             )
         return [float(x) for x in lp[0]]
 
@@ -284,6 +291,7 @@ def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:
     while True:
         kind, payload = requests.next()
         if kind == "stop":
+            requests.read_by_all()
             if conn is not None:
                 conn.send(("ok", None))
             return
