@@ -2,10 +2,9 @@
 
 Input: the model, the resolved optimizer settings (any config with the fields
 of `OptimizerSettings`: the train and rl kinds' configs), the ds_config dict (DeepSpeed)
-and the run's total steps. Output: a `Trainer` whose `forward`, `backward`
-and `step` run one optimizer step as a series of micro batches, which saves
-and loads resumable checkpoints, and which hands rank 0 the full weights for
-the final Hugging Face checkpoint.
+and the run's total steps. Output: a `Trainer` whose call (the model's top-level forward),
+`backward` and `step` run one optimizer step as a series of micro batches, which saves and
+loads resumable checkpoints, and hands rank 0 the full weights for the final checkpoint.
 
 Both use torch's AdamW (betas 0.9/0.95) with the schedule of
 `stages.lib.schedule`, gradient clipping at 1.0, and gradients averaged over
@@ -15,9 +14,8 @@ the caller passes is already scaled (DeepSpeed's own 1/accumulation scaling
 is off). On GPU with `adam_offload`, DeepSpeed's CPU Adam is used instead of
 torch's (torch's AdamW on offloaded fp32 states would be slow at scale).
 
-`offload()` and `reload()` move the optimizer side off the GPU and back (the hybrid
-engine's `deepspeed_enable_sleep`) by the method `stages.lib.sleep` chooses; a checkpoint
-saved while the states are away brings them back for the save.
+`offload()` and `reload()` move the optimizer side off the GPU and back (`stages.lib.sleep`
+chooses how); a checkpoint saved while the states are away brings them back for the save.
 """
 
 from __future__ import annotations
@@ -132,10 +130,13 @@ def optimizer_tensors(optimizer: Any, module: torch.nn.Module) -> list[torch.Ten
 
 
 class Sleeper:
-    """The offload/reload bookkeeping both trainers share."""
+    """What both trainers share: a forward's logits, the offload/reload bookkeeping."""
 
     sleep: Sleep
     asleep: bool = False
+
+    def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
+        return self(**inputs).logits  # type: ignore[no-any-return,operator]
 
     def offload(self) -> str:
         """The optimizer side off the GPU (hybrid engine); what moved."""
@@ -196,9 +197,10 @@ class TorchTrainer(Sleeper):
     def begin_micro(self, boundary: bool) -> None:
         """Nothing to do: gradients are reduced in `step`."""
 
-    def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
+    def __call__(self, **inputs: Any) -> Any:
+        """The model's top-level forward, under bf16 autocast when training in bf16."""
         with self._autocast():
-            return self.module(**inputs).logits  # type: ignore[no-any-return]
+            return self.module(**inputs)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if not self.bf16:
@@ -316,18 +318,17 @@ class DeepSpeedTrainer(Sleeper):
         (before its forward)."""
         self.engine.set_gradient_accumulation_boundary(boundary)
         # deepspeed 0.19 runtime/engine.py `forward` first calls a ZeRO optimizer's
-        # clear_backward_seen_flag: ZeRO-3 counts its micro steps there (stage3.py: at micro
-        # step 0 a gradient partition is copied, later ones are added), ZeRO-1/2 clears the
-        # last backward's accumulation. The rl ranks call the module itself (only completion
-        # positions go through the head), so without this every micro batch of a ZeRO-3 step
-        # overwrote the one before. Twice (here, then engine.forward) is harmless: the flag
-        # it clears is set again only by a backward.
+        # clear_backward_seen_flag: ZeRO-3 counts its micro steps there (stage3.py: micro step
+        # 0 copies a gradient partition, later ones add). The rl ranks' passes go through
+        # engine.forward (`__call__`) and so clear it too; here as well for a pass that does
+        # not. Twice is harmless: only a backward sets the flag again.
         clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
         if clear is not None:
             clear()
 
-    def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
-        return self.engine(**inputs).logits  # type: ignore[no-any-return]
+    def __call__(self, **inputs: Any) -> Any:
+        """The top-level forward through DeepSpeed's engine (ZeRO-3's trace starts there)."""
+        return self.engine(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)

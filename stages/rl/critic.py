@@ -37,6 +37,12 @@ def build_critic(model_dir: str, ds_config: dict[str, Any] | None) -> Any:
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
 
+        def forward(self, input_ids: Any, attention_mask: Any, rows: Any, cols: Any) -> Any:
+            """The value of the states at (rows, cols): the decoder over the whole batch,
+            the head over those positions alone."""
+            hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask)
+            return self.value_head(hidden.last_hidden_state[rows, cols]).squeeze(-1)
+
         def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
             self.decoder.gradient_checkpointing_enable(**kwargs)
 
@@ -70,7 +76,9 @@ class CriticRank:
                 chunk = samples[lo : lo + size]
                 out += [
                     v.tolist()
-                    for v in completion_values(self.trainer.module, chunk, self.device, self.pad_id)
+                    for v in completion_values(
+                        self.trainer.module, chunk, self.device, self.pad_id, self.trainer
+                    )
                 ]
         return out
 
@@ -110,7 +118,9 @@ class CriticRank:
             micro = planned or chunk[:1]  # a dummy pass keeps the ranks in step: weight 0
             self.trainer.begin_micro(i == len(micros) - 1)
             values = torch.cat(
-                completion_values(self.trainer.module, micro, self.device, self.pad_id)
+                completion_values(
+                    self.trainer.module, micro, self.device, self.pad_id, self.trainer
+                )
             )
             old = torch.tensor([v for s in micro for v in s.old_values], device=self.device)
             ret = torch.tensor([v for s in micro for v in s.returns], device=self.device)

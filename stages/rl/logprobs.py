@@ -4,16 +4,21 @@ Input: a causal LM and samples (token ids of prompt + completion, and where the
 completion starts). Output: per sample, the log-probability of each completion token
 under `softmax(logits / temperature)`, and the sampling entropy at those positions.
 
-Only completion positions go through the output layer: the decoder runs over the whole
-sequence, the vocabulary projection over the answer tokens alone. The actor (with
-gradients, through its trainer's module) and the engine (for the probe after a sync)
-call the same code, so equal weights give equal numbers.
+Every pass goes through the model's top-level forward (through the trainer, where there is
+one: DeepSpeed's engine forward, the torch trainer's bf16 autocast): ZeRO-3's trace and
+prefetch start at the root module's forward hook, DeepSpeed's forward prologue clears the
+ZeRO optimizers' backward flags, and autocast applies only there. The vocabulary projection
+runs over the positions from the batch's first completion token on (transformers'
+`logits_to_keep`, the last K positions), not over the prompts. The actor (with gradients),
+the reference and the engine (for the probe after a sync) call the same code, so equal
+weights give equal numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,14 +72,15 @@ def completion_logprobs(
     temperature: float,
     pad_id: int,
     with_entropy: bool = False,
+    call: Callable[..., Any] | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Per-sample completion log-probabilities (with gradients when enabled), and the mean
-    entropy over every completion token (without gradients) when asked for."""
+    entropy over every completion token (without gradients) when asked for. `call` runs the
+    forward (a trainer: its engine or autocast); the module itself otherwise."""
     ids, mask, r, c = _gather(samples, device, pad_id)
-    decoder = module.get_decoder()  # type: ignore[operator]
-    head = module.get_output_embeddings()  # type: ignore[operator]
-    hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
-    logits = head(hidden[r, c])
+    start = int(c.min()) if len(c) else ids.shape[1] - 1  # the first position scored
+    out = (call or module)(input_ids=ids, attention_mask=mask, logits_to_keep=ids.shape[1] - start)
+    logits = out.logits[r, c - start]
     lp = token_logprobs(logits, ids[r, c + 1], temperature)
     ent = None
     if with_entropy:
@@ -85,10 +91,14 @@ def completion_logprobs(
 
 
 def completion_values(
-    critic: torch.nn.Module, samples: Sequence[Sample], device: str, pad_id: int
+    critic: torch.nn.Module,
+    samples: Sequence[Sample],
+    device: str,
+    pad_id: int,
+    call: Callable[..., Any] | None = None,
 ) -> list[torch.Tensor]:
-    """The critic's value of the state before each completion token, per sample."""
+    """The critic's value of the state before each completion token, per sample, through
+    its top-level forward (`call`: its trainer)."""
     ids, mask, r, c = _gather(samples, device, pad_id)
-    hidden = critic.decoder(input_ids=ids, attention_mask=mask).last_hidden_state  # type: ignore[operator]
-    values = critic.value_head(hidden[r, c]).squeeze(-1).float()  # type: ignore[operator]
+    values = (call or critic)(input_ids=ids, attention_mask=mask, rows=r, cols=c).float()
     return list(torch.split(values, [s.completion_len for s in samples]))
