@@ -118,12 +118,17 @@ def generate_with(
     seed: int,
     batch_size: int,
     logprobs: bool = False,
+    lockstep: bool = False,
 ) -> list[list[Generation]]:
     """`generate` with a model and tokenizer already in memory (e.g. inside a training loop).
 
     With `logprobs`, each sample carries its token ids and each token's log-probability
     under the sampling distribution (`softmax(logits / temperature)`; greedy: T = 1), and
-    the prompt's token ids: what an RL update needs of the behaviour policy.
+    the prompt's token ids: what an RL update needs of the behaviour policy. With
+    `lockstep`, every batch runs all `max_new_tokens` decode steps over all its rows
+    (tokens after an end-of-sequence are dropped from the answers): ranks of a ZeRO-3 model
+    given as many prompts then run exactly as many forward passes, each of which gathers
+    the parameters together, whatever their answers.
     """
     import torch
 
@@ -148,6 +153,7 @@ def generate_with(
             max_new_tokens=max_new_tokens,
             rng=rng,
             logprobs=logprobs,
+            lockstep=lockstep,
         )
         for j, i in enumerate(chunk):
             for new, lps in rows[j * num_samples : (j + 1) * num_samples]:
@@ -195,16 +201,20 @@ def _decode(
     max_new_tokens: int,
     rng: Any,
     logprobs: bool = False,
+    lockstep: bool = False,
 ) -> list[tuple[list[int], list[float]]]:
     """New tokens (and, with `logprobs`, their log-probabilities) for each prompt, `repeats`
     rows per prompt (prompt-major).
 
     The prompts are prefilled once (left-padded), the KV cache is repeated for
-    the samples, and rows that emit an end-of-sequence token leave the batch.
+    the samples, and rows that emit an end-of-sequence token leave the batch (with
+    `lockstep` they stay, and every step runs: see `generate_with`).
     """
     import torch
 
-    with torch.inference_mode():
+    # no_grad under lockstep: ZeRO-3 gathers parameters in the forward, and inference-mode
+    # tensors must not become a trained parameter's storage
+    with torch.no_grad() if lockstep else torch.inference_mode():
         cache, logits, mask = _prefill(model, ids, pad, repeats)
         last = mask.sum(-1) - 1
         alive = torch.arange(logits.shape[0], device=logits.device)
@@ -220,7 +230,9 @@ def _decode(
                 chosen = torch.log_softmax(logits / scale, dim=-1).gather(1, token[:, None])
                 for row, lp in zip(alive.tolist(), chosen.squeeze(1).tolist(), strict=True):
                     lps[row].append(lp)
-            keep = ~torch.isin(token, eos_t)
+            keep = torch.ones_like(token, dtype=torch.bool)
+            if not lockstep:
+                keep = ~torch.isin(token, eos_t)
             if n == max_new_tokens - 1 or not bool(keep.any()):
                 break
             if not bool(keep.all()):

@@ -29,24 +29,33 @@ class HeldOut:
         self.prompts = [r["messages"] if "messages" in r else r["prompt"] for r in self.rows]
         self.verify = make_verifier(cfg.verifier)
 
-    def accuracy(self, module: Any) -> float:
-        """Greedy accuracy of `module` (put in eval mode for the moment, then back)."""
+    def accuracy(self, module: Any, rank: int = 0, world: int = 1) -> tuple[int, int]:
+        """Right greedy answers and prompts scored by this rank of `world` (`module` in eval
+        mode for the moment): every world-th prompt from `rank` on, as many prompts on every
+        rank (a short share repeats its first, unscored) and generated in lockstep, so the
+        ranks of a ZeRO-3 model run the same forward passes (each gathers the weights
+        together; rank 0 generating alone waited for the others forever)."""
         from stages.lib.generate import generate_with
 
+        mine = list(range(rank, len(self.prompts), world))
+        share = -(-len(self.prompts) // world)
+        padded = mine + [mine[0] if mine else 0] * (share - len(mine))
         module.eval()
         try:
             gens = generate_with(
                 module,
                 self.tokenizer,
-                self.prompts,
+                [self.prompts[i] for i in padded],
                 num_samples=1,
                 temperature=0.0,
                 top_p=1.0,
                 max_new_tokens=self.cfg.eval_max_tokens,
                 seed=0,
                 batch_size=256,
+                lockstep=world > 1,
             )
         finally:
             module.train()
-        scores = [float(self.verify(r, g[0].text)) for r, g in zip(self.rows, gens, strict=True)]
-        return sum(s >= 1.0 for s in scores) / max(len(scores), 1)
+        scored = zip(mine, gens[: len(mine)], strict=True)  # the padding is not scored
+        right = sum(float(self.verify(self.rows[i], g[0].text)) >= 1.0 for i, g in scored)
+        return right, len(mine)

@@ -193,15 +193,17 @@ class Loop:
         return c
 
     def _held_out(self) -> float:
-        """Held-out greedy accuracy: rank 0 generates (under ZeRO-3 with the weights gathered
-        on every rank for the moment); every rank gets the figure."""
+        """Held-out greedy accuracy: every rank generates its share of the prompts with the
+        model as it is (under ZeRO-3 each forward gathers the weights on all ranks, which
+        therefore run in lockstep: `HeldOut.accuracy`), the counts summed over the ranks;
+        every rank gets the figure."""
         assert self.held_out is not None
-        with self.trainer.full_weights() as module:
-            score = self.held_out.accuracy(module) if self.rank == 0 else 0.0
+        right, total = self.held_out.accuracy(self.trainer.module, self.rank, self.world)
         if self.world > 1:
-            shared = torch.tensor([score], dtype=torch.float64, device=self.device)
-            dist.broadcast(shared, 0)
-            score = float(shared.item())
+            shared = torch.tensor([right, total], dtype=torch.float64, device=self.device)
+            dist.all_reduce(shared)
+            right, total = int(shared[0].item()), int(shared[1].item())
+        score = right / max(total, 1)
         if self.rank == 0:
             log.info("step %d: held-out accuracy %.3f", self.counters.step, score)
         return score

@@ -298,3 +298,34 @@ def test_ranks_die_with_the_stage_process(tmp_path: Path):
         proc.wait()
     gone, alive = psutil.wait_procs(ranks, timeout=10)
     assert alive == [] and len(gone) == 1
+
+
+@pytest.mark.timeout(400)
+def test_zero3_two_rank_held_out_eval_bf16_finishes(tmp_path: Path):
+    """ZeRO-3 over two ranks, bf16, held-out scoring every 3 steps: each rank generates its
+    share of the prompts in lockstep (each forward gathers the weights on both ranks; rank 0
+    generating alone inside a gather waited for rank 1 forever), the counts summed."""
+    data = additions(tmp_path / "train.jsonl", 64)
+    held = additions(tmp_path / "held.jsonl", 9, seed=1)  # 5 prompts on rank 0, 4 on rank 1
+    stage = tmp_path / "train"
+    model = {**TINY, "hidden_size": 160, "num_heads": 4}  # weights big enough to be split
+    cfg = config(
+        data,
+        stage,
+        model=model,
+        zero_stage=3,
+        bf16=True,
+        num_processes=2,
+        micro_train_batch_size=4,
+        max_steps=6,
+        eval_input=str(held),
+        eval_steps=3,
+        eval_max_tokens=4,
+        verifier={"kind": "regex", "pattern": "[0-9]"},
+    )
+    metrics = run_train(cfg, context(stage))
+    assert (metrics["zero_stage"], metrics["world_size"]) == (3, 2)
+    scored = [r for r in losses(stage) if r.get("eval_accuracy") is not None]
+    assert [r["step"] for r in scored] == [3, 6]
+    # a share of 9 prompts: a multiple of 1/9
+    assert all(round(r["eval_accuracy"] * 9, 6).is_integer() for r in scored)
