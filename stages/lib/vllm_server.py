@@ -61,14 +61,18 @@ NOT_INSTALLED = "vLLM is not installed: run `make install-vllm`"
 CPU_KVCACHE_GIB = "1"
 
 
-def find_vllm_python() -> str:
-    """The interpreter that runs vLLM: `$PIPE_VLLM_PYTHON`, `.venv-vllm`, or this one."""
+def find_vllm_python(gpus: int = 0) -> str:
+    """The interpreter that runs vLLM: `$PIPE_VLLM_PYTHON`, `.venv-vllm` (vLLM's CPU build,
+    `make install-vllm`), or this one; for servers on GPUs (`gpus` > 0) this interpreter's
+    own vLLM comes before `.venv-vllm`, which cannot use them."""
     configured = os.environ.get(PYTHON_ENV)
     if configured:
         found = shutil.which(configured)
         if found is None:
             raise RuntimeError(f"{PYTHON_ENV}='{configured}' is not an executable interpreter")
         return found
+    if gpus > 0 and importable_here():
+        return sys.executable
     venv = REPO / ".venv-vllm" / "bin" / "python"
     if venv.exists():
         return str(venv)
@@ -208,7 +212,7 @@ def vllm_servers(
     to `log_file` (`vllm.log`, then `vllm.1.log`, ...; default a file in $TMPDIR named
     after the port). `extra_args` go to every server.
     """
-    python = find_vllm_python()
+    python = find_vllm_python(gpus)
     slices = device_slices(backend, gpus, devices)
     started = time.monotonic()
     with ExitStack() as stack:

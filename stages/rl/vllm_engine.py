@@ -52,6 +52,22 @@ SPEC_TIMEOUT_S = 900.0
 HOLD_S = 7 * 24 * 3600.0  # a worker's servers run until the controller says stop
 
 
+def context_len(cfg: RLConfig) -> int:
+    """The servers' context: the longest prompt + answer trained on (`max_length`) plus an
+    answer's tokens, so a prompt of up to `max_length` tokens is still served."""
+    return cfg.max_length + cfg.max_output_tokens
+
+
+def server_args(bf16: bool, gpu: bool, max_model_len: int | None) -> list[str]:
+    """What the rl stage adds to each server's command line: the training precision,
+    sampled log-probabilities under the temperature, and on GPUs the context length."""
+    args = ["--dtype", "bfloat16" if bf16 else "float32"]
+    args += ["--logprobs-mode", "processed_logprobs"]
+    if gpu and max_model_len:
+        args += ["--max-model-len", str(max_model_len)]
+    return args
+
+
 @contextmanager
 def start_servers(
     backend: VLLMBackend,
@@ -62,11 +78,15 @@ def start_servers(
     log_file: str,
     secret: str,
     host: str | None = None,
+    max_model_len: int | None = None,
 ) -> Iterator[list[str]]:
     """This worker's servers of the `vllm` role: one per tensor-parallel slice of `devices`
     (the backend's `vllm_num_engines` on a CPU run); yields their base URLs. Devices a
     worker declares on a machine without CUDA (a loopback cluster standing in for nodes)
-    get as many CPU servers, the device ids recorded but not handed to vLLM."""
+    get as many CPU servers, the device ids recorded but not handed to vLLM. On GPUs the
+    context is `max_model_len` (the stage's prompt + answer lengths: `context_len`), not the
+    checkpoint's own maximum, whose KV cache may not fit the servers' share of the GPU (vLLM
+    refuses to start then); on the CPU `--max-model-len auto` fits it to the cache."""
     import torch
 
     from stages.lib.vllm_server import vllm_servers
@@ -78,8 +98,7 @@ def start_servers(
         if not torch.cuda.is_available():
             update["vllm_tensor_parallel_size"] = 1
             devices = []
-    args = ["--dtype", "bfloat16" if bf16 else "float32"]
-    args += ["--logprobs-mode", "processed_logprobs"]
+    args = server_args(bf16, bool(devices), max_model_len)
     with vllm_servers(
         backend.model_copy(update=update),
         gpus=len(devices),
@@ -130,6 +149,7 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
         secret=secret,
         where={"node": here[0], "worker": here[1], "devices": devices},
         remote=remote,
+        max_model_len=context_len(cfg),
     )
 
 
@@ -153,6 +173,7 @@ def host_servers(cfg: RLConfig, ctx: StageContext) -> None:
         log_file=f"{ctx.stage_dir.rstrip('/')}/vllm.{ctx.node_rank}.log",
         secret=spec["secret"],
         host=worker_host(worker),
+        max_model_len=context_len(cfg),
     ) as urls:
         place = {"node": node, "worker": worker, "devices": devices, "urls": urls}
         ctx.link.publish(f"vllm-{node}-{worker}", json.dumps(place))
@@ -180,6 +201,7 @@ class VLLMEngine:
         secret: str,
         where: dict[str, Any] | None = None,
         remote: Callable[[], list[dict[str, Any]]] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         """Start this worker's servers on `devices`, then take the URLs of the servers the
         role's other workers started (`remote()`: their records, each with `urls`); every
@@ -202,7 +224,13 @@ class VLLMEngine:
         try:
             urls = self._stack.enter_context(
                 start_servers(
-                    backend, model_dir, devices, bf16=bf16, log_file=log_file, secret=secret
+                    backend,
+                    model_dir,
+                    devices,
+                    bf16=bf16,
+                    log_file=log_file,
+                    secret=secret,
+                    max_model_len=max_model_len,
                 )
             )
             places = [{**(where or {}), "urls": urls}, *(remote() if remote else [])]

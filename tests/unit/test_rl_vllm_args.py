@@ -1,0 +1,42 @@
+"""GPU vLLM servers of the rl stage get `--max-model-len` from the stage's lengths: a
+long-context checkpoint served at its own maximum needs a KV cache that a 0.5 share of the
+GPU may not hold, and vLLM refuses to start. On the CPU `--max-model-len auto` stays."""
+
+from __future__ import annotations
+
+from stages.lib.config import VLLMBackend
+from stages.lib.vllm_server import server_command
+from stages.rl import RLConfig
+from stages.rl.vllm_engine import context_len, server_args
+
+
+def test_gpu_vllm_servers_get_max_model_len_from_the_stage_lengths():
+    cfg = RLConfig(max_length=1024, max_output_tokens=256)
+    assert context_len(cfg) == 1280
+    gpu = server_args(True, True, context_len(cfg))
+    backend = VLLMBackend(kind="vllm", model="m")
+    cmd = server_command(backend, python="python", port=1, gpus=1, extra_args=gpu)
+    assert cmd[cmd.index("--max-model-len") + 1] == "1280"
+    assert cmd.count("--max-model-len") == 1
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    cpu = server_command(
+        backend, python="python", port=1, gpus=0, extra_args=server_args(False, False, 1280)
+    )
+    assert cpu[cpu.index("--max-model-len") + 1] == "auto" and cpu.count("--max-model-len") == 1
+
+
+def test_gpu_servers_prefer_this_interpreters_vllm_over_the_cpu_build(monkeypatch, tmp_path):
+    import sys
+
+    from stages.lib import vllm_server
+
+    monkeypatch.delenv(vllm_server.PYTHON_ENV, raising=False)
+    venv = tmp_path / ".venv-vllm" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text("")
+    monkeypatch.setattr(vllm_server, "REPO", tmp_path)
+    monkeypatch.setattr(vllm_server, "importable_here", lambda: True)
+    assert vllm_server.find_vllm_python(gpus=1) == sys.executable
+    assert vllm_server.find_vllm_python(gpus=0) == str(venv / "python")
+    monkeypatch.setattr(vllm_server, "importable_here", lambda: False)
+    assert vllm_server.find_vllm_python(gpus=1) == str(venv / "python")
