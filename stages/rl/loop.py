@@ -72,6 +72,12 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
     records: list[dict[str, Any]] = []
     if start >= c.total:
         return records
+    # the hybrid engine, in the order the memory plan counts: the trained roles' optimizer
+    # states are off the GPU whenever the engine holds its memory (weights and KV cache),
+    # and the engine sleeps before they come back: offload -> [engine wakes] sync -> generate
+    # -> engine sleeps -> reload -> train -> offload -> ...
+    if c.sleeps:
+        trained_states(c, "offload")
     queue: deque[Batch] = deque([c.generate(start + 1)])
     held_out = first_eval
     step = start
@@ -104,10 +110,10 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
             if c.critic is not None:
                 stats |= c.critic.receive("train", timeout_s=3600, alive=c.actor_alive)
             train_s = time.perf_counter() - t
+            if c.sleeps:  # off the GPU before the engine wakes (weights, then KV cache) to sync
+                trained_states(c, "offload")
             sync = c.sync(c.version + 1)
         if not queue and step < c.total:
-            if c.sleeps:  # off the GPU while the engine generates
-                trained_states(c, "offload")
             queue.append(c.generate(step + 1))
         if step % cfg.eval_every == 0 or step == c.total:
             held_out = c.evaluate()

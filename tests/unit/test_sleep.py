@@ -107,6 +107,7 @@ class Stage:
         return Batch(step, [0], [sample], [[1.0]], 1, 0.1, self.version, 1)
 
     def sync(self, version: int) -> dict[str, Any]:
+        self.log.append(("engine", "wake and sync"))
         self.version = version
         return {"sync_s": 0.0, "probe_diff": 0.0, "probe_logprob": None}
 
@@ -121,25 +122,30 @@ class Stage:
         return True
 
     def rest_engine(self) -> None:
-        pass
+        self.log.append(("engine", "sleep"))
 
     def save(self, step: int) -> None:
         pass
 
 
-def test_the_loop_offloads_both_roles_while_generating_and_reloads_both_before_training(
-    tmp_path: Path,
-):
+def test_hybrid_order_offload_before_engine_wakes(tmp_path: Path):
+    """The memory plan counts the optimizer states off the GPU whenever the engine holds its
+    memory: they leave before the engine wakes for the sync (its KV cache with it) and come
+    back only after it sleeps. (The KV cache woke before the actor offloaded.)"""
     stage = Stage(tmp_path, sleeps=True)
     run_steps(stage, 0, None)
-    step = [
+    offload = [("critic", "offload"), ("actor", "offload")]
+    train = [
+        ("engine", "sleep"),
         ("critic", "reload"),
         ("actor", "reload"),
         ("actor", "train"),
         ("critic", "train"),
+        *offload,
+        ("engine", "wake and sync"),
     ]
-    between = [("critic", "offload"), ("actor", "offload"), ("engine", "generate")]
-    assert stage.log == [("engine", "generate"), *step, *between, *step, *between, *step]
+    generate = [("engine", "generate")]
+    assert stage.log == [*offload, *generate, *train, *generate, *train, *generate, *train]
     quiet = Stage(tmp_path, sleeps=False)
     run_steps(quiet, 0, None)
     assert [kind for _, kind in quiet.log if kind in ("offload", "reload")] == []
