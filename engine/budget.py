@@ -77,11 +77,12 @@ def stage_memory(
     node), the peak on each kind of device, and the host bytes on each node."""
     per_role: dict[str, tuple[MemoryNeed, Estimate]] = {}
     guests: dict[str, list[tuple[MemoryNeed, Estimate]]] = {}  # loaded in another role's ranks
+    own = st.role or st.kind
     for need in config.memory_needs():
-        role = need.role or st.role or st.kind
-        mine = [s for s in slots if s.role in (role, None)]
-        host = need.inside if need.inside and not mine else ""  # loaded in that role's ranks
-        mine = mine or [s for s in slots if host and s.role == host]
+        role = need.role or own
+        mine = [s for s in slots if (s.role or own) == role]
+        host = need.inside.replace("stage", own) if need.inside and not mine else ""
+        mine = mine or [s for s in slots if host and (s.role or own) == host]  # in its ranks
         dp = sum(len(s.devices) for s in mine) or max(st.gpus, 1)
         device = _smallest(cluster.gpu_memory(s.node, s.worker) for s in mine)
         est = estimate(need, dp, cluster.gpus_per_node, device)

@@ -82,7 +82,9 @@ class MemoryNeed:
     utilization: float = 0.9  # engine: vllm_gpu_memory_utilization
     sleep: bool = False  # trainer: deepspeed_enable_sleep; engine: vllm_enable_sleep
     overlap_comm: bool = False  # trainer: two reduce buckets instead of one
-    inside: str = ""  # the role whose processes load it when its own role has no devices
+    # the role whose processes load it when its own role has no devices ("stage": the stage's
+    # own ranks, whatever role it is placed as)
+    inside: str = ""
 
 
 @dataclass(frozen=True)

@@ -77,14 +77,18 @@ def init_distributed(trainer: str, device: str, world: int) -> None:
 
 
 def load_model(model_dir: str, ds_config: dict[str, Any] | None, dtype: Any = None) -> Any:
-    """The causal LM of `model_dir` in `dtype` (default fp32, to train). Under ZeRO-3 it is built inside
+    """The causal LM of `model_dir` in `dtype` (default: bf16 when DeepSpeed trains in bf16,
+    which casts the module to bf16 and keeps its fp32 master copies from those values anyway,
+    so every ZeRO-0/1/2 rank's host copy is half the fp32 one; fp32 otherwise, also for the
+    torch trainer, whose bf16 is autocast over fp32 weights). Under ZeRO-3 it is built inside
     DeepSpeed's `zero.Init`, so each parameter is partitioned as soon as it is made, and the
     checkpoint's tensors are read one at a time on rank 0 and scattered (what Hugging
     Face's DeepSpeed integration does): no rank ever holds the whole model."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    dtype = dtype or torch.float32
+    bf16 = bool((ds_config or {}).get("bf16", {}).get("enabled"))
+    dtype = dtype or (torch.bfloat16 if bf16 else torch.float32)
     if not ds_config or ds_config.get("zero_optimization", {}).get("stage") != 3:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:

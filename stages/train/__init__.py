@@ -135,8 +135,14 @@ class TrainConfig(StageConfig):
         return out
 
     def memory_needs(self) -> list[MemoryNeed]:
-        """The trainer's weights, gradients, optimizer states and activations."""
-        return [trainer_memory(self, self.model, self.max_length)]
+        """The trainer's weights, gradients, optimizer states and activations; with DPO the
+        frozen reference too, whole and in fp32 on every rank's device, as the ranks load it
+        (`stages.train.worker`)."""
+        needs = [trainer_memory(self, self.model, self.max_length)]
+        if self.algorithm == "dpo":
+            model = self.model if isinstance(self.model, str) else self.model.model_dump()
+            needs.append(MemoryNeed("dpo_reference", "frozen", model, inside="stage"))
+        return needs
 
     def memory_changes(self) -> list[tuple[str, Any]]:
         return trainer_memory_changes(self)

@@ -177,3 +177,23 @@ def test_a_dask_worker_reports_its_hosts_memory():
         view = view_from_workers(Cluster(client).worker_info(), 8)
     (node,) = view.nodes()
     assert view.host_memory(node) == psutil.virtual_memory().total
+
+
+def test_dpo_reference_counted_in_memory_plan(project):
+    """DPO's ranks each load the frozen reference whole, in fp32, on their device: the plan
+    counts it beside the policy (it was counted nowhere, so a DPO run fit on paper only):
+    the 7B fine-tune that fits in 53.6 GB needs 27.0 GB more with DPO and is refused."""
+    (project / "dpo.yaml").write_text(
+        SFT_7B.replace("ft7b", "dpo7b").replace(
+            "model: llama7b,", "model: llama7b, algorithm: dpo, target: completion,"
+        )
+    )
+    cluster = nodes_file(project / "c.yaml", [None, None])
+    assert run_cli("validate", "p7.yaml", "--cluster", cluster).exit_code == 0
+    refused = run_cli("validate", "dpo.yaml", "--cluster", cluster)
+    assert refused.exit_code == 2
+    assert refused.stderr.startswith(
+        "dpo.yaml:6:16: stages.sft: needs 80.6 GB per GPU (actor: weights 13.5 GB, gradients "
+        "2.5 GB, optimizer 5.1 GB, activations 30.9 GB, buffers 1.7 GB; dpo_reference: weights "
+        "27.0 GB), the GPUs have 80.0 GB"
+    ), refused.stderr
