@@ -257,10 +257,9 @@ class TorchTrainer(Sleeper):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
-    @contextlib.contextmanager
-    def full_weights(self) -> Iterator[torch.nn.Module]:
-        """The model with its complete weights (every rank holds them already)."""
-        yield self.module
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """None: every rank holds the whole model already (`save_pretrained` as it is)."""
+        return None
 
 
 class DeepSpeedTrainer(Sleeper):
@@ -381,17 +380,13 @@ class DeepSpeedTrainer(Sleeper):
         if path is None:
             raise RuntimeError(f"deepspeed could not load the checkpoint {root}/{tag}")
 
-    @contextlib.contextmanager
-    def full_weights(self) -> Iterator[torch.nn.Module]:
-        """The model with its complete weights; under ZeRO-3 gathered on every rank for the duration."""
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Under ZeRO-3 (every rank calls it) the whole model's weights in host memory on rank
+        0, gathered one module at a time (DeepSpeed's consolidated state dict: no rank holds
+        the whole model on its GPU); None on the other ranks and without ZeRO-3."""
         if not self.zero3:
-            yield self.module
-            return
-        import deepspeed
-
-        params = list(self.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            yield self.module
+            return None
+        return self.engine._zero3_consolidated_16bit_state_dict()  # type: ignore[no-any-return]
 
 
 def _state_tensors(optimizer: Any) -> list[torch.Tensor]:

@@ -256,17 +256,13 @@ class Actor:
         """The Hugging Face checkpoint at `output` (written beside it, then renamed in)."""
         output = self.cfg.output
         tmp = f"{output.rstrip('/')}.tmp-{os.getpid()}"
-        with self.trainer.full_weights() as module:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-                module.save_pretrained(tmp)
-                for name in os.listdir(self.spec.model_dir):
-                    if "token" in name or name in (
-                        "special_tokens_map.json",
-                        "chat_template.jinja",
-                    ):
-                        shutil.copy(f"{self.spec.model_dir}/{name}", f"{tmp}/{name}")
+        state = self.trainer.full_state_dict()  # under ZeRO-3 on rank 0 only, module by module
         if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.trainer.module.save_pretrained(tmp, state_dict=state)
+            for name in os.listdir(self.spec.model_dir):
+                if "token" in name or name in ("special_tokens_map.json", "chat_template.jinja"):
+                    shutil.copy(f"{self.spec.model_dir}/{name}", f"{tmp}/{name}")
             shutil.rmtree(output, ignore_errors=True)
             os.replace(tmp, output)
         return str(output)

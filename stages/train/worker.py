@@ -54,11 +54,11 @@ def _save_final(trainer: Any, tokenizer: Any, output: str, rank: int) -> None:
     import torch.distributed as dist
 
     tmp = f"{output.rstrip('/')}.tmp-{os.getpid()}"
-    with trainer.full_weights() as module:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            module.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+    state = trainer.full_state_dict()  # every rank takes part under ZeRO-3
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        trainer.module.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
     if rank == 0:
         shutil.rmtree(output, ignore_errors=True)
         os.replace(tmp, output)

@@ -329,3 +329,10 @@ def test_zero3_two_rank_held_out_eval_bf16_finishes(tmp_path: Path):
     assert [r["step"] for r in scored] == [3, 6]
     # a share of 9 prompts: a multiple of 1/9
     assert all(round(r["eval_accuracy"] * 9, 6).is_integer() for r in scored)
+    # the final checkpoint, gathered module by module onto rank 0 alone: whole tensors, trained
+    from safetensors.torch import load_file
+
+    saved = load_file(str(stage / "checkpoint" / "model.safetensors"))
+    init = load_file(str(stage / "init_model" / "model.safetensors"))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in init.items()}
+    assert any(not saved[k].float().equal(init[k].float()) for k in init)
