@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
+from engine.stage import visible_names
 from stages.lib.config import VLLMBackend
 from stages.lib.generate import Generation
 from stages.lib.prompt import Prompt, format_prompt
@@ -49,7 +50,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("pipe.rl")
 REQUESTS_PER_SERVER = 16
 SPEC_TIMEOUT_S = 900.0
+MEMORY_CALL_S = 600.0  # a server's sleep or wake: host <-> GPU copies of its weights
 HOLD_S = 7 * 24 * 3600.0  # a worker's servers run until the controller says stop
+
+
+def engine_devices(ctx: StageContext) -> list[str]:
+    """The `vllm` role's devices on this worker as its CUDA_VISIBLE_DEVICES names them (GPU
+    or MIG UUIDs where it lists those: a raw id would name another device, or none)."""
+    return visible_names(ctx.devices("vllm"))
 
 
 def context_len(cfg: RLConfig) -> int:
@@ -138,7 +146,7 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
             if link is not None
         ]
 
-    devices = [str(d) for d in ctx.devices("vllm")]
+    devices = engine_devices(ctx)
     return VLLMEngine(
         model_dir,
         cfg.backend,
@@ -164,7 +172,7 @@ def host_servers(cfg: RLConfig, ctx: StageContext) -> None:
     assert ctx.link is not None and isinstance(cfg.backend, VLLMBackend)
     node, worker = ctx.tasks[ctx.node_rank]
     spec = json.loads(ctx.link.lookup("vllm-spec", timeout_s=SPEC_TIMEOUT_S))
-    devices = [str(d) for d in ctx.devices("vllm")]
+    devices = engine_devices(ctx)
     with start_servers(
         cfg.backend,
         spec["model_dir"],
@@ -360,14 +368,16 @@ class VLLMEngine:
             self._post(f"{url}/reset_prefix_cache", None, self.timeout_s)
 
     def sleep(self) -> None:
-        """Weights to host memory, KV cache freed (GPU, `vllm_enable_sleep`)."""
+        """Weights to host memory, KV cache freed (GPU, `vllm_enable_sleep`). Not part of a
+        sync: bounded by `MEMORY_CALL_S`, not `sync_timeout_s` (copying a large model's
+        weights to host memory can take longer than a sync of a small one)."""
         for url in self.urls:
-            self._post(f"{url}/sleep?level=1", None, self.timeout_s)
+            self._post(f"{url}/sleep?level=1", None, MEMORY_CALL_S)
 
     def wake(self, tags: str) -> None:
-        """`weights` before a sync, `kv_cache` after it."""
+        """`weights` before a sync, `kv_cache` after it (bounded by `MEMORY_CALL_S`)."""
         for url in self.urls:
-            self._post(f"{url}/wake_up?tags={tags}", None, self.timeout_s)
+            self._post(f"{url}/wake_up?tags={tags}", None, MEMORY_CALL_S)
 
 
 class VLLMDiskReceiver:

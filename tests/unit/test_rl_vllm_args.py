@@ -40,3 +40,26 @@ def test_gpu_servers_prefer_this_interpreters_vllm_over_the_cpu_build(monkeypatc
     assert vllm_server.find_vllm_python(gpus=0) == str(venv / "python")
     monkeypatch.setattr(vllm_server, "importable_here", lambda: False)
     assert vllm_server.find_vllm_python(gpus=1) == str(venv / "python")
+
+
+def test_rl_engines_get_the_workers_device_names_not_raw_ids(monkeypatch):
+    """A worker that lists its GPUs by UUID (MIG slices) must hand vLLM those names."""
+    import logging
+
+    from engine.stage import Slot, StageContext
+    from stages.rl.vllm_engine import engine_devices
+
+    w = "tcp://127.0.0.1:1"
+    ctx = StageContext(
+        "rl",
+        "rl",
+        "/tmp/s",
+        "/tmp",
+        "/tmp",
+        log=logging.getLogger("t"),
+        slots=(Slot("n0", w, (0,), "actor"), Slot("n0", w, (1,), "vllm")),
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-aaa,MIG-bbb")
+    assert engine_devices(ctx) == ["MIG-bbb"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert engine_devices(ctx) == ["1"]
