@@ -15,11 +15,14 @@ rank's `die_with_parent`); a store that cannot be reached raises.
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import time
 from typing import Any
 
-POLL_S = 30.0
+# one wait on the store lasts this long, then the next begins (torch logs each one that
+# times out: once an hour); a rank 0 that dies breaks the wait at once (the store is its)
+POLL_S = float(os.environ.get("PIPE_REQUEST_POLL_S", 3600))
 
 
 class Requests:

@@ -168,6 +168,7 @@ def test_ranks_idle_past_the_collective_timeout_still_serve(
     saves, for as long as that takes: not inside a collective (DeepSpeed's 10-minute default
     killed them there). Here a 2 s collective timeout and a 6 s pause between requests."""
     monkeypatch.setenv("PIPE_COLLECTIVE_TIMEOUT_S", "2")
+    monkeypatch.setenv("PIPE_REQUEST_POLL_S", "1")  # rank 1's waits time out and go on
     probe = {"ids": (5, 6, 7, 8, 9), "prompt_len": 2}
     with serving(tmp_path, model_dir, "stages.rl.actor", 2, zero=0) as request:
         first = request("probe", probe)
