@@ -8,7 +8,8 @@ returns its statistics), `sync` (publish the weights to the engine, then score t
 `probe`, `save` (a resumable checkpoint), `offload`/`reload` (the optimizer states, for
 the hybrid engine), `final` (the Hugging Face checkpoint at `output`), `stop`.
 
-Rank 0 talks to the stage and passes each request on to the other ranks; every rank
+Rank 0 talks to the stage and passes each request on to the other ranks (through the
+rendezvous store, not a collective: they may wait for hours, `stages.lib.serve`); every rank
 trains on its share of each optimizer step's samples (gradients averaged by the
 trainer), and per-token losses are divided by the step's token count over all ranks.
 """
