@@ -79,3 +79,51 @@ def dask_cluster(workers: Sequence[SimWorker], cwd: Path) -> Iterator[str]:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def pipe_run(
+    cwd: Path, text: str, *args: str, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    """`pipe run p.yaml ARGS` in `cwd` of the pipeline `text` (dedented), one torch thread."""
+    import textwrap
+
+    (cwd / "p.yaml").write_text(textwrap.dedent(text))
+    return subprocess.run(
+        [sys.executable, "-m", "engine.cli", "run", "p.yaml", *args],
+        cwd=cwd,
+        env={**ENV, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_rank(module: str, device: str, *args: str) -> dict[str, object]:
+    """`python -m MODULE ARGS` as rank 0 of a one-rank job (DeepSpeed's CPU accelerator on
+    the CPU); the JSON of the line it prints starting with `RESULT `."""
+    import json
+
+    env = {
+        **ENV,
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
+    result: dict[str, object] = json.loads(lines[0].removeprefix("RESULT "))
+    return result

@@ -10,15 +10,11 @@ bf16 weights broadcast into an fp32 engine (NaN probabilities at the first sampl
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.cluster import pipe_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.slow]
 
@@ -79,22 +75,9 @@ TRAIN = """\
 """
 
 
-def _run(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
-    (tmp_path / "p.yaml").write_text(textwrap.dedent(text))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "engine.cli", "run", "p.yaml"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-
-
 @pytest.mark.parametrize(("bf16", "zero"), [("false", 0), ("true", 3)])
 def test_one_gpu_colocated_high_performance_grpo(tmp_path: Path, bf16: str, zero: int):
-    proc = _run(tmp_path, RL.format(bf16=bf16, zero=zero))
+    proc = pipe_run(tmp_path, RL.format(bf16=bf16, zero=zero))
     assert proc.returncode == 0, proc.stderr[-4000:]
     stage = tmp_path / "runs/gpu1/rl"
     rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
@@ -112,7 +95,7 @@ def test_one_gpu_colocated_high_performance_grpo(tmp_path: Path, bf16: str, zero
 
 
 def test_one_gpu_train_bf16_zero3_held_out_then_evaluate(tmp_path: Path):
-    proc = _run(tmp_path, TRAIN)
+    proc = pipe_run(tmp_path, TRAIN)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((tmp_path / "runs/gpu1/sft/train_result.json").read_text())
     assert result["step"] == 10, result

@@ -7,14 +7,12 @@ ZeRO-3 over two ranks met NaN probabilities at the first sampling (on an H100 to
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.cluster import pipe_run
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -25,17 +23,7 @@ from rl_bf16 import PIPELINE  # noqa: E402  (the benchmark's pipeline, fewer ste
 
 @pytest.mark.parametrize(("zero", "ranks"), [(0, 1), (3, 2)])
 def test_bf16_grpo_every_probe_passes(tmp_path: Path, zero: int, ranks: int):
-    text = PIPELINE.format(bf16="true", zero=zero, ranks=ranks, steps=3)
-    (tmp_path / "p.yaml").write_text(textwrap.dedent(text))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "run", "p.yaml"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    proc = pipe_run(tmp_path, PIPELINE.format(bf16="true", zero=zero, ranks=ranks, steps=3))
     assert proc.returncode == 0, proc.stderr[-4000:]
     stage = tmp_path / "runs/bf16/rl"
     rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]

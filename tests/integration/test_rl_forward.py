@@ -5,39 +5,17 @@ old path), is recorded."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from stages.lib.launch import free_port
-from tests.conftest import ROOT
+from tests.cluster import run_rank
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def forward_rank(device: str, *extra: str) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-    }
-    if device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-    args = [sys.executable, "-m", "tests.forward_rank", device, *extra]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(lines[0].removeprefix("RESULT "))
-    return result
+    return run_rank("tests.forward_rank", device, device, *extra)
 
 
 def test_actor_forward_runs_zero3_hooks_with_equal_logprobs():

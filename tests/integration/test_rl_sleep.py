@@ -5,39 +5,17 @@ On the CPU the GPU's methods move states between two places in host memory; on C
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from stages.lib.launch import free_port
-from tests.conftest import ROOT
+from tests.cluster import run_rank
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def sleep_rank(zero: int, bf16: bool, device: str) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-    }
-    if device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-    args = [sys.executable, "-m", "tests.sleep_rank", str(zero), str(int(bf16)), device]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(lines[0].removeprefix("RESULT "))
-    return result
+    return run_rank("tests.sleep_rank", device, str(zero), str(int(bf16)), device)
 
 
 @pytest.mark.parametrize(
