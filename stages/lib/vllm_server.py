@@ -59,6 +59,12 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "PIPE_VLLM_PYTHON"
 NOT_INSTALLED = "vLLM is not installed: run `make install-vllm`"
 CPU_KVCACHE_GIB = "1"
+# What makes an fp32 engine on GPU compute in fp32: Triton's `tl.dot` (vLLM's Triton
+# attention) defaults fp32 inputs to TF32 (10-bit mantissa) unless TRITON_F32_DEFAULT says
+# "ieee"; vLLM's GPU worker passes VLLM_FLOAT32_MATMUL_PRECISION to
+# torch.set_float32_matmul_precision ("highest" is its default; pinned against an
+# environment that lowers it). A TF32 engine misses the fp32 probe tolerance (1e-4).
+FP32_EXACT_ENV = {"TRITON_F32_DEFAULT": "ieee", "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
 
 
 def find_vllm_python(gpus: int = 0) -> str:
@@ -130,13 +136,15 @@ def server_env(
     secret: str,
     base: Mapping[str, str] | None = None,
     dev_mode: bool = False,
+    extra_env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The server's environment: `base` (default: ours) plus the secret every request must
     bear, our tree on PYTHONPATH (for its middleware), and what the device needs.
 
     `devices` are the GPU ids the engine may use; empty means a CPU run. `dev_mode` opens
     vLLM's development endpoints (`/collective_rpc`, `/reset_prefix_cache`, `/sleep`):
-    what an rl stage's weight sync drives; they too require the secret.
+    what an rl stage's weight sync drives; they too require the secret. `extra_env` is
+    set last (the caller's precision settings: `FP32_EXACT_ENV`).
     """
     if not secret:
         raise ValueError("a vLLM server needs a secret (stages.lib.vllm_auth.new_secret)")
@@ -153,6 +161,7 @@ def server_env(
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra_env or {})
     return env
 
 
@@ -204,13 +213,15 @@ def vllm_servers(
     dev_mode: bool = False,
     secret: str,
     host: str = HOST,
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[list[str]]:
     """Serve `backend` with `vllm_num_engines` servers (one per tensor-parallel group of
     `devices` when given) on `host`; yield their base URLs ("http://HOST:PORT/v1").
 
     Every request to them must bear `secret` (`vllm_auth.bearer(secret)`). Engine i logs
     to `log_file` (`vllm.log`, then `vllm.1.log`, ...; default a file in $TMPDIR named
-    after the port). `extra_args` go to every server.
+    after the port). `extra_args` go to every server's command line, `extra_env` to every
+    server's environment.
     """
     python = find_vllm_python(gpus)
     slices = device_slices(backend, gpus, devices)
@@ -227,7 +238,9 @@ def vllm_servers(
                 host=host,
                 extra_args=extra_args,
             )
-            env = server_env(backend, devices=devices, secret=secret, dev_mode=dev_mode)
+            env = server_env(
+                backend, devices=devices, secret=secret, dev_mode=dev_mode, extra_env=extra_env
+            )
             path = _log_path(log_file, i, port)
             server = start_server(cmd, env, port=port, log_path=path, log=log, host=host)
             stack.callback(stop_server, server, log)

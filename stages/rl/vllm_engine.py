@@ -94,10 +94,11 @@ def start_servers(
     get as many CPU servers, the device ids recorded but not handed to vLLM. On GPUs the
     context is `max_model_len` (the stage's prompt + answer lengths: `context_len`), not the
     checkpoint's own maximum, whose KV cache may not fit the servers' share of the GPU (vLLM
-    refuses to start then); on the CPU `--max-model-len auto` fits it to the cache."""
+    refuses to start then); on the CPU `--max-model-len auto` fits it to the cache. An fp32
+    engine on GPUs computes in fp32, not TF32 (`FP32_EXACT_ENV`): the probe's 1e-4 holds."""
     import torch
 
-    from stages.lib.vllm_server import vllm_servers
+    from stages.lib.vllm_server import FP32_EXACT_ENV, vllm_servers
 
     tp = backend.vllm_tensor_parallel_size
     update: dict[str, Any] = {"model": model_dir}
@@ -107,6 +108,7 @@ def start_servers(
             update["vllm_tensor_parallel_size"] = 1
             devices = []
     args = server_args(bf16, bool(devices), max_model_len)
+    fp32_gpu = bool(devices) and not bf16
     with vllm_servers(
         backend.model_copy(update=update),
         gpus=len(devices),
@@ -117,6 +119,7 @@ def start_servers(
         dev_mode=True,
         secret=secret,
         host=host or "127.0.0.1",
+        extra_env=FP32_EXACT_ENV if fp32_gpu else None,
     ) as urls:
         yield urls
 

@@ -1,6 +1,8 @@
-"""GPU vLLM servers of the rl stage get `--max-model-len` from the stage's lengths: a
-long-context checkpoint served at its own maximum needs a KV cache that a 0.5 share of the
-GPU may not hold, and vLLM refuses to start. On the CPU `--max-model-len auto` stays."""
+"""What the rl stage's vLLM servers are started with: on GPUs `--max-model-len` from the
+stage's lengths (a long-context checkpoint served at its own maximum needs a KV cache that a
+0.5 share of the GPU may not hold, and vLLM refuses to start; on the CPU `--max-model-len
+auto` stays), the workers' device names, their own interpreter's vLLM, and full fp32 for an
+fp32 engine."""
 
 from __future__ import annotations
 
@@ -63,3 +65,41 @@ def test_rl_engines_get_the_workers_device_names_not_raw_ids(monkeypatch):
     assert engine_devices(ctx) == ["MIG-bbb"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert engine_devices(ctx) == ["1"]
+
+
+def test_fp32_gpu_engines_compute_in_fp32_not_tf32(monkeypatch, tmp_path):
+    """Triton's fp32 dot defaults to TF32: an fp32 engine on GPU would miss the probe's 1e-4.
+    The servers' environment pins full fp32 there (and only there: bf16 and CPU untouched)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from stages.lib import vllm_server
+    from stages.rl.vllm_engine import start_servers
+
+    started: list[dict[str, str]] = []
+
+    def start_server(cmd, env, *, port, log_path, log, host):  # no process: record its env
+        started.append(env)
+        return SimpleNamespace(url=f"http://{host}:{port}/v1")
+
+    monkeypatch.setattr(vllm_server, "start_server", start_server)
+    monkeypatch.setattr(vllm_server, "wait_healthy", lambda *a, **k: None)
+    monkeypatch.setattr(vllm_server, "stop_server", lambda *a, **k: None)
+    monkeypatch.setattr(vllm_server, "find_vllm_python", lambda gpus=0: "python")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    backend = VLLMBackend(kind="vllm", model="m")
+    cases = [(False, ["0"]), (True, ["0"]), (False, [])]
+    for bf16, devices in cases:
+        with start_servers(
+            backend, "m", devices, bf16=bf16, log_file=str(tmp_path / "v.log"), secret="s"
+        ):
+            pass
+    fp32_gpu, bf16_gpu, fp32_cpu = started
+    assert {k: fp32_gpu[k] for k in vllm_server.FP32_EXACT_ENV} == {
+        "TRITON_F32_DEFAULT": "ieee",
+        "VLLM_FLOAT32_MATMUL_PRECISION": "highest",
+    }
+    assert fp32_gpu["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "TRITON_F32_DEFAULT" not in bf16_gpu and "TRITON_F32_DEFAULT" not in fp32_cpu
