@@ -136,6 +136,11 @@ class RLConfig(StageConfig):
     sync_timeout_s: float = Field(
         120.0, gt=0, description="A weight sync taking longer fails the step."
     )
+    sync_bucket_mb: int = Field(
+        256,
+        gt=0,
+        description="Weights travel to the engines (nccl, gloo) in buckets of this many MiB: the sending rank holds one bucket beyond its own shard.",
+    )
     num_processes: int = Field(
         1, gt=0, description="Actor ranks on CPU (on GPU: one per actor GPU)."
     )
@@ -259,16 +264,15 @@ class RLConfig(StageConfig):
 
     def _check_sync(self, ctx: ResolveContext) -> list[Diagnostic]:
         """Which weight-sync backend will run, where it is not the one asked for on GPUs
-        (`stages.rl.sync_plan`): the local engine colocated with the actor gets gloo."""
+        (`stages.rl.sync_plan`): an engine colocated with the actor gets gloo."""
         from stages.rl.sync_plan import choose_sync
 
         engine = ctx.roles.get("vllm")
         actor = ctx.roles.get("actor")
-        if not isinstance(self.backend, LocalBackend) or not (engine and actor):
+        if not (engine and actor):
             return []
         choice = choose_sync(
             self.vllm_sync_backend,
-            vllm=False,
             actor_gpu=actor.gpus > 0,
             engine_gpu=engine.gpus > 0,
             shared_gpu="actor" in engine.colocated_with,

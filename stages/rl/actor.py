@@ -192,13 +192,14 @@ class Actor:
         start = time.perf_counter()
         if self.rank == 0 and self.publisher is None:
             spec = self.spec
-            self.publisher = make_publisher(
+            self.publisher = make_publisher(  # vLLM's group: its address and size come now
                 spec.sync_backend,
-                spec.sync_store,
+                payload.get("store") or spec.sync_store,
                 sync_file(spec.stage_dir),
                 spec.config.sync_timeout_s,
-                spec.sync_world,
+                payload.get("world") or spec.sync_world,
                 wire_dtype(self.cfg.bf16),
+                self.cfg.sync_bucket_mb,
             )
             module = self.trainer.module
             once = {id(p): n for n, p in module.named_parameters()}
@@ -208,12 +209,20 @@ class Actor:
                 if once.get(id(p), n) != n
             }
         if self.rank == 0:
-            self.publisher.publish(self.params())
+            self.publisher.publish(self.params(), self.shapes())
         else:
             for _ in self.params():  # take part in each gather
                 pass
         probe = self.probe(payload["probe"])
-        return {"probe": probe, "seconds": time.perf_counter() - start}
+        stats = self.publisher.stats if self.rank == 0 else {}
+        return {"probe": probe, "seconds": time.perf_counter() - start, **stats}
+
+    def shapes(self) -> list[tuple[str, list[int]]]:
+        """Each parameter's full shape, in `params` order (ZeRO-3 keeps it as `ds_shape`)."""
+        return [
+            (name, list(getattr(p, "ds_shape", p.shape)))
+            for name, p in self.trainer.module.named_parameters()
+        ]
 
     def ref_logprobs(self, payload: dict[str, Any]) -> list[list[float]]:
         """The frozen reference's log-probabilities of each sample's completion, when it

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from stages.rl.records import append_metrics
 
+SYNC_PARTS = ("sync_gather_s", "sync_send_s", "sync_load_s")  # the sync's parts, per step
+
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.rl import RLConfig
@@ -180,6 +182,8 @@ def _row(
         "gen_s": round(batch.gen_s, 4),
         "train_s": round(train_s, 4),
         "sync_s": round(sync["sync_s"], 4),
+        **{k: round(sync.get(k, 0.0), 4) for k in SYNC_PARTS},
+        "sync_bytes": int(sync.get("sync_bytes", 0)),
         "probe_diff": sync["probe_diff"],
         "probe_logprob": sync["probe_logprob"],  # the engine's, after the sync
         "tokens_per_s": round(batch.tokens / max(batch.gen_s, 1e-9), 1),

@@ -143,7 +143,6 @@ class Controller:
         rank0 = next(((r["worker"], r["device"]) for r in rank_table(self.ctx, "actor")), None)
         self.sync_choice = choose_sync(
             cfg.vllm_sync_backend,
-            vllm=vllm,
             actor_gpu=device != "cpu",
             engine_gpu=engine_device.startswith("cuda"),
             shared_gpu=shared_gpu(rank0, self.ctx.slots),
@@ -242,10 +241,21 @@ class Controller:
         return samples if self.ref is None else self.ref.score(samples)
 
     def _vllm_engine(self, model_dir: str, sync_path: str) -> Any:
-        from stages.rl.vllm_engine import VLLMDiskReceiver, start_vllm
+        from stages.rl.vllm_engine import start_vllm
+        from stages.rl.vllm_sync import VLLMDiskReceiver, VLLMGroupReceiver
 
         engine = start_vllm(self.cfg, self.ctx, model_dir, f"{self.dir}/vllm.log")
-        self.receiver = VLLMDiskReceiver(engine, sync_path)
+        try:
+            self.receiver = (
+                VLLMDiskReceiver(engine, sync_path)
+                if self.sync_kind == "disk"
+                else VLLMGroupReceiver(
+                    engine, self.host, self.cfg.sync_timeout_s, nccl=self.sync_kind == "nccl"
+                )
+            )
+        except BaseException:
+            engine.close()
+            raise
         # the hybrid engine: vLLM's weights and KV cache leave the GPU while the actor trains
         self.engine_sleeps = engine.sleeping_allowed and not self.cfg.async_train
         return engine
@@ -284,7 +294,7 @@ class Controller:
 
         start = time.perf_counter()
         probe = {"ids": self.probe[0], "prompt_len": self.probe[1]}
-        self.channel.send("sync", {"probe": probe})
+        self.channel.send("sync", {"probe": probe, **getattr(self.receiver, "group", {})})
         if self.engine_asleep:
             self.engine.wake("weights")
         pulls = getattr(self.receiver, "pulls", False)  # disk: read once the actor has written
@@ -303,8 +313,13 @@ class Controller:
         for name, mine in self.engine.scores(Sample(*self.probe)).items():  # every engine
             diff = max(diff, verify(name, mine, reply["probe"], precision, version))
         self.version = version
+        got = getattr(self.receiver, "stats", {})
         return {
             "sync_s": time.perf_counter() - start,
+            "sync_gather_s": reply.get("gather_s", 0.0),
+            "sync_send_s": reply.get("send_s", 0.0),
+            "sync_load_s": got.get("load_s", 0.0),
+            "sync_bytes": int(reply.get("bytes", 0)),
             "probe_diff": diff,
             "probe_logprob": sum(mine),
         }

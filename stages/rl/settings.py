@@ -130,6 +130,9 @@ def account(
         else (A, "torch autocast to bfloat16"),
         "vllm_sync_backend": _sync(sync, cfg.bf16),
         "sync_timeout_s": (A, "a weight sync past it fails the step"),
+        "sync_bucket_mb": (A, f"weights broadcast in buckets of {cfg.sync_bucket_mb} MiB")
+        if sync.backend != "disk"
+        else (S, "disk: one file, no buckets"),
         "num_processes": (A, f"{world} actor rank(s) on the CPU")
         if device == "cpu"
         else (S, f"one actor rank per GPU: {world}"),
@@ -189,7 +192,12 @@ def _backend(cfg: RLConfig, device: str, engines: Sequence[Mapping[str, Any]]) -
 
 def _sync(choice: SyncChoice, bf16: bool) -> tuple[str, str]:
     wire = "bfloat16" if bf16 else "float32"
-    ran = f"weights reach the engine over {choice.backend} in {wire}, checked by a probe after every sync"
+    how = (
+        "through a safetensors file every engine reloads"
+        if choice.backend == "disk"
+        else f"over {choice.backend}, one broadcast to every engine at once, no file written,"
+    )
+    ran = f"weights reach the engine {how} in {wire}, checked by a probe after every sync"
     if choice.reason is None:
         return A, ran
     return S, f"{choice.reason} ({ran})"

@@ -8,8 +8,10 @@ may repack weights), a mismatch fails the step naming the engine.
 
 - `gloo`: one process group of actor rank 0 (group rank 0) and every engine (ranks 1..E:
   the controller's own engine, which hosts the TCP store, then the engines other tasks
-  host), on the controller's reachable address; each parameter is broadcast once to all
-  engines at once, in `named_parameters` order; a sync past `timeout_s` raises.
+  host; with vLLM servers every worker of every server, `stages.rl.vllm_sync`), on the
+  controller's reachable address; the parameters are broadcast once to all engines at
+  once, in buckets of `sync_bucket_mb` (`stages.lib.weight_group`: the same protocol into
+  a local engine and into vLLM's workers); a sync past `timeout_s` raises.
 - `nccl`: the same on CUDA tensors (GPU only; on a CPU run the stage uses gloo instead and
   records why).
 - `disk`: rank 0 writes safetensors atomically, the engine reloads them parameter by
@@ -34,6 +36,8 @@ from typing import Any, Protocol
 
 import torch
 
+from stages.lib import weight_group
+
 PROBE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 
@@ -52,53 +56,29 @@ class Publisher(Protocol):
 
     aliases: dict[str, str]
 
-    def publish(self, params: Iterator[tuple[str, torch.Tensor]]) -> None: ...
+    stats: dict[str, float]  # the last publish: gather_s, send_s, bytes
+
+    def publish(
+        self, params: Iterator[tuple[str, torch.Tensor]], shapes: list[tuple[str, list[int]]]
+    ) -> None: ...
 
 
 class Receiver(Protocol):
     """The engine's side."""
 
     name: str
+    stats: dict[str, float]  # the last apply: load_s (and recv_s, bytes where it receives)
 
     def apply(self, model: torch.nn.Module) -> None: ...
 
 
-NCCL_ENV = {
-    # read by ProcessGroupNCCL's constructor, so set before the sync group is built: a wait
-    # past the group's timeout raises in the waiting thread (the step fails with SyncFailed,
-    # the stage retries) instead of returning at once and leaving the watchdog to act, and
-    # the watchdog aborts the communicator without tearing the process down (on the engine's
-    # side that process is the Dask worker: the controller and the vLLM servers with it).
-    # torch 2.13's defaults: no blocking wait, error handling 3 (tear down).
-    "TORCH_NCCL_BLOCKING_WAIT": "1",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-}
-
-
-def _pg(store: Any, rank: int, world: int, timeout_s: float, nccl: bool) -> Any:
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if nccl:
-        for key, value in NCCL_ENV.items():
-            os.environ.setdefault(key, value)  # a user's own setting stays
-        options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world, options)  # type: ignore[attr-defined]
-    return dist.ProcessGroupGloo(store, rank, world, timeout)
-
-
-def _client_store(address: str, world: int, timeout_s: float) -> Any:
-    import torch.distributed as dist
-
-    host, port = address.rsplit(":", 1)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.TCPStore(host, int(port), world, False, timeout=timeout)  # type: ignore[attr-defined]
+NCCL_ENV = weight_group.NCCL_ENV
+_pg = weight_group.process_group
 
 
 class GroupPublisher:
     """gloo or nccl: actor rank 0 is rank 0 of a group with every engine (`world` = 1 +
-    engines)."""
+    engine ranks), sending in buckets of `bucket_mb`."""
 
     def __init__(
         self,
@@ -107,16 +87,28 @@ class GroupPublisher:
         nccl: bool = False,
         world: int = 2,
         wire: torch.dtype = torch.float32,
+        bucket_mb: int = weight_group.BUCKET_MB,
     ) -> None:
-        store = _client_store(store_address, world, timeout_s)
+        store = weight_group.client_store(store_address, world, timeout_s)
         self.pg = _pg(store, 0, world, timeout_s, nccl)
         self.device = "cuda" if nccl else "cpu"
         self.wire = wire
-        self.aliases: dict[str, str] = {}  # unused: the engine's own model ties its weights
+        self.bucket_bytes = bucket_mb << 20
+        self.aliases: dict[str, str] = {}  # tied weights: vLLM's CPU build reloads each name
+        self.stats: dict[str, float] = {}
 
-    def publish(self, params: Iterator[tuple[str, torch.Tensor]]) -> None:
-        for _, tensor in params:
-            self.pg.broadcast(tensor.detach().to(self.device, self.wire).contiguous(), 0).wait()
+    def publish(
+        self, params: Iterator[tuple[str, torch.Tensor]], shapes: list[tuple[str, list[int]]]
+    ) -> None:
+        self.stats = weight_group.send(
+            self.pg,
+            params,
+            shapes,
+            wire=self.wire,
+            device=self.device,
+            bucket_bytes=self.bucket_bytes,
+            aliases=self.aliases,
+        )
 
 
 class GroupReceiver:
@@ -153,26 +145,32 @@ class GroupReceiver:
             )
             self.address = f"{host}:{self.store.port}"
         else:
-            self.store = _client_store(store_address, world, timeout_s)
+            self.store = weight_group.client_store(store_address, world, timeout_s)
             self.address = store_address
         self.pg: Any = None
+        self.stats: dict[str, float] = {}
 
     def apply(self, model: torch.nn.Module) -> None:
         if self.pg is None:  # the first sync: the actor joins the group then
             if self.nccl:
                 torch.cuda.set_device(torch.device(self.device))
             self.pg = _pg(self.store, self.rank, self.world, self.timeout_s, self.nccl)
+        where = self.device if self.nccl else "cpu"
+        params = dict(model.named_parameters(remove_duplicate=False))  # tied: every name
+        stats: dict[str, float] = {}
+        start = time.perf_counter()
         with torch.no_grad():
-            for _, param in model.named_parameters():
-                where = self.device if self.nccl else "cpu"
-                buf = torch.empty(param.shape, dtype=self.wire, device=where)
-                try:
-                    self.pg.broadcast(buf, 0).wait()
-                except RuntimeError as exc:
-                    raise SyncFailed(
-                        f"engine '{self.name}': weights did not arrive: {exc}"
-                    ) from None
-                param.copy_(buf)
+            try:
+                for name, tensor in weight_group.receive(self.pg, where, stats):
+                    if name not in params:
+                        raise SyncFailed(f"engine '{self.name}': no parameter '{name}'")
+                    params[name].copy_(tensor)  # cast to the engine's own dtype
+            except RuntimeError as exc:
+                if isinstance(exc, SyncFailed):
+                    raise
+                raise SyncFailed(f"engine '{self.name}': weights did not arrive: {exc}") from None
+        total = time.perf_counter() - start
+        self.stats = {**stats, "load_s": max(0.0, total - stats.get("recv_s", 0.0))}
 
 
 class DiskPublisher:
@@ -184,18 +182,28 @@ class DiskPublisher:
         self.path = path
         self.wire = wire
         self.aliases: dict[str, str] = {}
+        self.stats: dict[str, float] = {}
 
-    def publish(self, params: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def publish(
+        self, params: Iterator[tuple[str, torch.Tensor]], shapes: list[tuple[str, list[int]]]
+    ) -> None:
         from safetensors.torch import save_file
 
+        start = time.perf_counter()
         tensors = {name: t.detach().to("cpu", self.wire).contiguous().clone() for name, t in params}
         for alias, name in self.aliases.items():
             if name in tensors:
                 tensors[alias] = tensors[name].clone()
+        gathered = time.perf_counter()
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = f"{self.path}.tmp-{os.getpid()}"
         save_file(tensors, tmp)
         os.replace(tmp, self.path)
+        self.stats = {
+            "gather_s": gathered - start,
+            "send_s": time.perf_counter() - gathered,  # the write
+            "bytes": float(os.path.getsize(self.path)),
+        }
 
 
 class DiskReceiver:
@@ -205,13 +213,16 @@ class DiskReceiver:
 
     def __init__(self, name: str, path: str) -> None:
         self.name, self.path = name, path
+        self.stats: dict[str, float] = {}
 
     def apply(self, model: torch.nn.Module) -> None:
         from safetensors import safe_open
 
+        start = time.perf_counter()
         with torch.no_grad(), safe_open(self.path, framework="pt") as f:  # type: ignore[no-untyped-call]
             for name, param in model.named_parameters():
                 param.copy_(f.get_tensor(name))
+        self.stats = {"load_s": time.perf_counter() - start}
 
 
 def sync_file(stage_dir: str) -> str:
@@ -258,11 +269,15 @@ def make_publisher(
     timeout_s: float,
     world: int = 2,
     wire: torch.dtype = torch.float32,
+    bucket_mb: int = weight_group.BUCKET_MB,
 ) -> Publisher:
-    """The actor's side of `kind`: group rank 0 of `world` (1 + engines), sending in `wire`."""
+    """The actor's side of `kind`: group rank 0 of `world` (1 + engine ranks), sending in
+    `wire`, in buckets of `bucket_mb`."""
     if kind == "disk":
         return DiskPublisher(path, wire)
-    return GroupPublisher(store_address, timeout_s, nccl=kind == "nccl", world=world, wire=wire)
+    return GroupPublisher(
+        store_address, timeout_s, nccl=kind == "nccl", world=world, wire=wire, bucket_mb=bucket_mb
+    )
 
 
 def verify(

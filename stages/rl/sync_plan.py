@@ -1,12 +1,13 @@
 """Which weight-sync backend runs, and why: one rule for `pipe plan` and the run.
 
-Input: the backend asked for (`vllm_sync_backend`), the engine kind, whether the actor and
+Input: the backend asked for (`vllm_sync_backend`), whether the actor and
 the engines are on GPUs, and whether actor rank 0 shares a GPU with an engine. Output: a
 `SyncChoice`, the backend that runs and, when it is not the one asked for, the reason
 (`settings.json` records it; the plan warns with it). Light (no torch): the plan reads it.
 
-- vLLM servers: `disk` (the servers reload the file the actor writes; a collective into
-  vLLM's own workers is not built yet).
+- vLLM servers and local engines alike: `gloo` and `nccl` are a collective into the
+  engines (into vLLM's own workers through our worker extension), `disk` the explicit
+  choice of a file; never a silent fallback to it.
 - `nccl` needs a GPU at both ends; otherwise `gloo`.
 - `nccl` with actor rank 0 and an engine on one GPU (`colocate` putting the local engine
   with the actor, as the high-performance profile does): NCCL refuses two ranks of one
@@ -39,17 +40,10 @@ class SyncChoice:
 
 
 def choose_sync(
-    wanted: Backend, *, vllm: bool, actor_gpu: bool, engine_gpu: bool, shared_gpu: bool
+    wanted: Backend, *, actor_gpu: bool, engine_gpu: bool, shared_gpu: bool
 ) -> SyncChoice:
-    """The backend for `wanted` given where the actor's rank 0 and the engines are."""
-    if vllm:
-        if wanted == "disk":
-            return SyncChoice("disk")
-        return SyncChoice(
-            "disk",
-            f"vLLM's {wanted} transfer needs its trainer-side engine in the actor's interpreter, "
-            "where vLLM is not installed; the servers reload the weights from disk",
-        )
+    """The backend for `wanted` given where the actor's rank 0 and the engines are (vLLM
+    servers and local engines alike)."""
     if wanted != "nccl":
         return SyncChoice(wanted)
     if not (actor_gpu and engine_gpu):

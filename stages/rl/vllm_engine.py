@@ -10,13 +10,12 @@ other workers start the servers on their own devices (`host_servers`, in the sta
 there), bound to the worker's reachable address, and publish their URLs through the
 link; the controller reaches, syncs and probes every server alike.
 
-Weights: the actor's rank 0 writes them to `<stage>/sync/model.safetensors` (the disk
-sync) and every server reloads them in place (`reload_weights` through vLLM's
-`/collective_rpc`) and drops its prefix cache, then the probe is scored on every server.
-Those are development endpoints: the servers run with `VLLM_SERVER_DEV_MODE=1`, bound to
-127.0.0.1. vLLM's NCCL and IPC weight transfer need its trainer-side engine in the
-actor's interpreter, where vLLM is not installed (it pins its own torch); a run that
-asks for nccl or gloo with vLLM engines syncs through disk and records why.
+Weights (`stages.rl.vllm_sync`): a gloo or NCCL group from actor rank 0 into every
+server's workers, through our worker extension (`--worker-extension-cls`,
+`stages.lib.vllm_ext`) and vLLM's `/collective_rpc`; or, with `disk`, a safetensors file
+every server reloads. Either way each server then drops its prefix cache and scores the
+probe. Those are development endpoints (`VLLM_SERVER_DEV_MODE=1`); every request bears
+the run's secret.
 
 Log-probabilities: the servers run with `--logprobs-mode processed_logprobs`, so a
 sampled token's log-probability is taken under the temperature-scaled distribution, as
@@ -68,9 +67,12 @@ def context_len(cfg: RLConfig) -> int:
 
 def server_args(bf16: bool, gpu: bool, max_model_len: int | None) -> list[str]:
     """What the rl stage adds to each server's command line: the training precision,
-    sampled log-probabilities under the temperature, and on GPUs the context length."""
+    sampled log-probabilities under the temperature, the weight-sync worker extension, and
+    on GPUs the context length."""
+    from stages.lib.vllm_ext import EXTENSION
+
     args = ["--dtype", "bfloat16" if bf16 else "float32"]
-    args += ["--logprobs-mode", "processed_logprobs"]
+    args += ["--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION]
     if gpu and max_model_len:
         args += ["--max-model-len", str(max_model_len)]
     return args
@@ -264,11 +266,20 @@ class VLLMEngine:
     def close(self) -> None:
         self._stack.close()
 
+    def healthy(self, url: str) -> bool:
+        """Whether the server at `url` answers `GET /health` (its engine core alive)."""
+        req = urllib.request.Request(f"{url}/health", headers=self._headers)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
     def load(self, receiver: Any) -> None:
         """The weights into every server (the receiver reloads each)."""
         receiver.apply(None)
 
-    def _post(self, url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
+    def post(self, url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
         data = json.dumps(body or {}).encode()
         req = urllib.request.Request(url, data=data, headers=self._headers)
         try:
@@ -314,7 +325,7 @@ class VLLMEngine:
             }
             if temperature > 0:
                 body |= {"seed": seed + i, "logprobs": 0}
-            data = self._post(f"{self.urls[i % len(self.urls)]}/v1/completions", body)
+            data = self.post(f"{self.urls[i % len(self.urls)]}/v1/completions", body)
             choices = sorted(data["choices"], key=lambda c: c["index"])
             return [self._generation(c, encoded[i]) for c in choices]
 
@@ -351,7 +362,7 @@ class VLLMEngine:
                 "temperature": 1.0,
                 "prompt_logprobs": 0,
             }
-            data = self._post(f"{url}/v1/completions", body, self.timeout_s)
+            data = self.post(f"{url}/v1/completions", body, self.timeout_s)
             rows = data["choices"][0]["prompt_logprobs"]
             out[name] = [
                 float(rows[k][str(tok)]["logprob"])
@@ -363,36 +374,21 @@ class VLLMEngine:
     def reload(self, weights_dir: str) -> None:
         """Every server takes the weights in `weights_dir` (safetensors, the model's names)."""
         for url in self.urls:
-            self._post(
+            self.post(
                 f"{url}/collective_rpc",
                 {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}},
                 self.timeout_s,
             )
-            self._post(f"{url}/reset_prefix_cache", None, self.timeout_s)
+            self.post(f"{url}/reset_prefix_cache", None, self.timeout_s)
 
     def sleep(self) -> None:
         """Weights to host memory, KV cache freed (GPU, `vllm_enable_sleep`). Not part of a
         sync: bounded by `MEMORY_CALL_S`, not `sync_timeout_s` (copying a large model's
         weights to host memory can take longer than a sync of a small one)."""
         for url in self.urls:
-            self._post(f"{url}/sleep?level=1", None, MEMORY_CALL_S)
+            self.post(f"{url}/sleep?level=1", None, MEMORY_CALL_S)
 
     def wake(self, tags: str) -> None:
         """`weights` before a sync, `kv_cache` after it (bounded by `MEMORY_CALL_S`)."""
         for url in self.urls:
-            self._post(f"{url}/wake_up?tags={tags}", None, MEMORY_CALL_S)
-
-
-class VLLMDiskReceiver:
-    """The disk sync into vLLM servers: the actor writes the file, the servers reload it."""
-
-    pulls = True
-
-    def __init__(self, engine: VLLMEngine, path: str) -> None:
-        self.engine, self.path = engine, path
-        self.name = engine.name
-
-    def apply(self, model: Any) -> None:
-        import os
-
-        self.engine.reload(os.path.dirname(self.path))
+            self.post(f"{url}/wake_up?tags={tags}", None, MEMORY_CALL_S)

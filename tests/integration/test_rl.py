@@ -114,6 +114,7 @@ def test_a_sync_that_moves_no_weights_fails_within_one_step_naming_the_engine(
     from engine.stage import StageContext
     from stages.dataset import DatasetConfig
     from stages.dataset.run import run_dataset
+    from stages.lib.weight_group import receive
     from stages.rl import RLConfig
     from stages.rl import sync as rl_sync
     from stages.rl.run import run_rl
@@ -122,8 +123,8 @@ def test_a_sync_that_moves_no_weights_fails_within_one_step_naming_the_engine(
         def apply(self, model: torch.nn.Module) -> None:
             if self.pg is None:
                 self.pg = rl_sync._pg(self.store, self.rank, self.world, self.timeout_s, False)
-            for _, param in model.named_parameters():
-                self.pg.broadcast(torch.empty_like(param), 0).wait()  # received, never applied
+            for _ in receive(self.pg, "cpu", {}):  # received, never applied
+                pass
 
     monkeypatch.setattr(
         rl_sync, "make_receiver", lambda kind, name, path, t, *_, **kw: Discards(name, t, **kw)
@@ -247,7 +248,8 @@ def test_every_resolved_setting_is_applied_or_skipped_with_a_reason(
             "value": "nccl",
             "status": "skipped",
             "how": "nccl needs GPUs on both ends; this run has none there, so gloo carries them "
-            "(weights reach the engine over gloo in float32, checked by a probe after every sync)",
+            "(weights reach the engine over gloo, one broadcast to every engine at once, no file "
+            "written, in float32, checked by a probe after every sync)",
         }
 
 
@@ -285,7 +287,11 @@ def test_ppo_under_zero3_loads_actor_and_critic_partitioned_on_two_ranks(tmp_pat
     assert all(r["value_loss"] is not None for r in rows if r["updates"])
 
 
-TIMING = {"gen_s", "train_s", "sync_s", "step_s", "tokens_per_s"}
+TIMING = {"gen_s", "train_s", "sync_s", "step_s", "tokens_per_s"} | {
+    "sync_gather_s",
+    "sync_send_s",
+    "sync_load_s",
+}
 
 
 def _run_with(tmp_path: Path, name: str, *sets: str) -> list[dict[str, Any]]:

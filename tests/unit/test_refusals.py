@@ -351,6 +351,24 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/rl/sync.py", "engine '{}': weights did not arrive"): environment(
         "the weight transfer failed or timed out"
     ),
+    ("stages/rl/sync.py", "engine '{}': no parameter '{}'"): internal(
+        "actor and engine build the same model from one model directory"
+    ),
+    ("stages/rl/vllm_sync.py", "SyncFailed('; '.join(errors))"): environment(
+        "a vLLM server failed its part of a weight sync (each failure names its engine)"
+    ),
+    ("stages/rl/vllm_sync.py", "the server stopped answering /health du"): environment(
+        "a vLLM server's engine core died during a weight sync"
+    ),
+    ("stages/rl/vllm_sync.py", "could not join the weight-sync group of "): environment(
+        "an engine cannot reach the rendezvous or actor rank 0 (network between nodes)"
+    ),
+    ("stages/lib/vllm_ext.py", "pipe_sync_receive before pipe_sync_join"): internal(
+        "the controller joins every server before the first receive"
+    ),
+    ("stages/lib/weight_group.py", "weight sync: parameter '{}' where '{}' w"): internal(
+        "the sender announces the parameters in the order it sends them"
+    ),
     ("stages/rl/vllm_engine.py", "{}: HTTP {}"): environment("a vLLM server refused a request"),
     ("stages/rl/vllm_engine.py", "{}: {}"): transient("a vLLM server could not be reached"),
     # --- train -----------------------------------------------------------------------------

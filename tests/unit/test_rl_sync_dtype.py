@@ -33,9 +33,9 @@ def _sync(actor: torch.nn.Module, engine: torch.nn.Module, bf16: bool) -> None:
 
     def send() -> None:
         try:
-            GroupPublisher(receiver.address, 30.0, world=2, wire=wire).publish(
-                (n, p.data) for n, p in actor.named_parameters()
-            )
+            shapes = [(n, list(p.shape)) for n, p in actor.named_parameters()]
+            publisher = GroupPublisher(receiver.address, 30.0, world=2, wire=wire, bucket_mb=1)
+            publisher.publish(((n, p.data) for n, p in actor.named_parameters()), shapes)
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 

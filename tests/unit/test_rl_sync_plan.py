@@ -18,30 +18,32 @@ def test_colocated_engine_and_actor_same_gpu_sync_not_nccl():
     first H100 run): colocated, the choice is gloo, with the reason."""
     colocated = [Slot("n0", W0, (0,), "vllm"), Slot("n0", W0, (0,), "actor")]
     assert shared_gpu((W0, 0), colocated)
-    choice = choose_sync("nccl", vllm=False, actor_gpu=True, engine_gpu=True, shared_gpu=True)
+    choice = choose_sync("nccl", actor_gpu=True, engine_gpu=True, shared_gpu=True)
     assert choice == SyncChoice("gloo", SAME_GPU)
     # apart (devices of their own, or the same device number on another worker): nccl
     apart = [Slot("n0", W0, (1,), "vllm"), Slot("n0", W0, (0,), "actor")]
     assert not shared_gpu((W0, 0), apart)
     assert not shared_gpu((W0, 0), [Slot("n1", W1, (0,), "vllm"), Slot("n0", W0, (0,), "actor")])
-    assert choose_sync(
-        "nccl", vllm=False, actor_gpu=True, engine_gpu=True, shared_gpu=False
-    ) == SyncChoice("nccl")
+    assert choose_sync("nccl", actor_gpu=True, engine_gpu=True, shared_gpu=False) == SyncChoice(
+        "nccl"
+    )
     # an engine on two GPUs of the actor's worker runs on the first of them
     assert shared_gpu((W0, 2), [Slot("n0", W0, (2, 3), "vllm"), Slot("n0", W0, (2, 3), "actor")])
     assert not shared_gpu((W0, 3), [Slot("n0", W0, (2, 3), "vllm")])
     assert not shared_gpu(None, colocated)  # a CPU run: no actor device
 
 
-def test_sync_choice_off_gpu_and_with_vllm_servers():
-    cpu = choose_sync("nccl", vllm=False, actor_gpu=False, engine_gpu=False, shared_gpu=False)
+def test_sync_choice_off_gpu_and_never_a_silent_fallback_to_disk():
+    cpu = choose_sync("nccl", actor_gpu=False, engine_gpu=False, shared_gpu=False)
     assert cpu.backend == "gloo" and "needs GPUs on both ends" in (cpu.reason or "")
-    assert choose_sync(
-        "gloo", vllm=False, actor_gpu=True, engine_gpu=True, shared_gpu=True
-    ) == SyncChoice("gloo")
-    servers = choose_sync("nccl", vllm=True, actor_gpu=True, engine_gpu=True, shared_gpu=False)
-    assert servers.backend == "disk" and "reload the weights from disk" in (servers.reason or "")
-    assert choose_sync("disk", vllm=True, actor_gpu=True, engine_gpu=True, shared_gpu=False) == (
+    assert choose_sync("gloo", actor_gpu=True, engine_gpu=True, shared_gpu=True) == SyncChoice(
+        "gloo"
+    )
+    # vLLM servers too: the collective as asked (into their workers), disk only when asked
+    assert choose_sync("nccl", actor_gpu=True, engine_gpu=True, shared_gpu=False) == SyncChoice(
+        "nccl"
+    )
+    assert choose_sync("disk", actor_gpu=True, engine_gpu=True, shared_gpu=False) == (
         SyncChoice("disk")
     )
 
