@@ -2,7 +2,7 @@
 
 Input (sender): the parameters in order, as (name, tensor), their full shapes known up
 front, the wire dtype and a bucket size. Output (receiver): the same (name, tensor) pairs,
-as views of the received bucket, one bucket alive at a time.
+as views of each received bucket, the next bucket arriving while the caller loads one.
 
 Protocol, all broadcasts from group rank 0:
 1. the header: its byte count (one int64), then its bytes (uint8): JSON with the wire dtype
@@ -10,8 +10,9 @@ Protocol, all broadcasts from group rank 0:
    knows the same tensor by, as tied weights);
 2. each bucket as one flat tensor of the wire dtype.
 
-The sender holds one bucket beyond the parameter being packed: under ZeRO-3 each parameter
-is gathered for the moment it is copied into the bucket, then released. Both ends need only
+The sender holds at most `bucket_bytes` beyond its own shard: two half-size buffers, one
+packed while the other is on the wire; under ZeRO-3 each parameter is gathered for the
+moment it is packed (or sent), then released. Both ends need only
 torch (this module runs in vLLM's interpreter too, inside its workers: `vllm_ext`).
 """
 
@@ -63,16 +64,20 @@ def client_store(address: str, world: int | None, timeout_s: float) -> Any:
     return dist.TCPStore(host, int(port), world, False, timeout=timeout)  # type: ignore[attr-defined]
 
 
+ALONE_BYTES = 4 << 20  # a tensor this large travels alone: packing it would only copy it
+
+
 def buckets(
     shapes: Sequence[tuple[str, Sequence[int]]], itemsize: int, bucket_bytes: int
 ) -> list[list[tuple[str, list[int]]]]:
-    """`shapes` in order, cut into buckets of at most `bucket_bytes` (a larger parameter
-    travels alone)."""
+    """`shapes` in order, cut into buckets of at most `bucket_bytes`; a tensor of
+    `ALONE_BYTES` or more (or over the bucket) travels in a bucket of its own."""
     out: list[list[tuple[str, list[int]]]] = []
     size = 0
+    alone = min(ALONE_BYTES, bucket_bytes)
     for name, shape in shapes:
         nbytes = math.prod(shape) * itemsize
-        if not out or (size + nbytes > bucket_bytes and out[-1]):
+        if not out or nbytes >= alone or size + nbytes > bucket_bytes or size >= alone:
             out.append([])
             size = 0
         out[-1].append((name, list(shape)))
@@ -108,55 +113,107 @@ def send(
 ) -> dict[str, float]:
     """Broadcast `params` (in the order of `shapes`, their full shapes) bucket by bucket;
     `aliases` (alias -> the name sent) travel in the header. Returns the seconds spent
-    gathering and packing (`gather_s`), in broadcasts (`send_s`), and the `bytes` sent."""
+    gathering and packing (`gather_s`), waiting on broadcasts (`send_s`), and the `bytes`.
+
+    Pipelined within `bucket_bytes`: two half-size buffers, one packed while the other is on
+    the wire. A parameter that fills a bucket alone and is already in the wire dtype on the
+    wire's device travels as it is (no copy), its broadcast finished before the next
+    parameter is asked for (under ZeRO-3 the gathered tensor is released then)."""
     also: dict[str, list[str]] = {}
     for alias, name in (aliases or {}).items():
         also.setdefault(name, []).append(alias)
-    plan = buckets(shapes, torch.empty(0, dtype=wire).element_size(), bucket_bytes)
+    itemsize = torch.empty(0, dtype=wire).element_size()
+    half = max(bucket_bytes // 2, itemsize)
+    plan = buckets(shapes, itemsize, half)
     header = {
         "wire": str(wire).removeprefix("torch."),
         "buckets": [[[n, s, also.get(n, [])] for n, s in b] for b in plan],
     }
-    gather = send_s = 0.0
-    sent = 0
+    stats = {"gather_s": 0.0, "send_s": 0.0, "bytes": 0.0}
     t = time.perf_counter()
     _broadcast_header(pg, header, device)
-    send_s += time.perf_counter() - t
+    stats["send_s"] += time.perf_counter() - t
     it = iter(params)
-    for bucket in plan:
+    buffers: list[torch.Tensor | None] = [None, None]
+    works: list[Any] = [None, None]
+
+    def wait(slot: int) -> None:
+        if works[slot] is not None:
+            t = time.perf_counter()
+            works[slot].wait()
+            stats["send_s"] += time.perf_counter() - t
+            works[slot] = None
+
+    for k, bucket in enumerate(plan):
+        slot = k % 2
+        wait(slot)  # its buffer is free again
         t = time.perf_counter()
-        flat = torch.empty(sum(math.prod(s) for _, s in bucket), dtype=wire, device=device)
-        at = 0
-        for name, shape in bucket:
-            got, tensor = next(it)
-            if got != name:
-                raise RuntimeError(f"weight sync: parameter '{got}' where '{name}' was announced")
-            n = math.prod(shape)
-            flat[at : at + n].copy_(tensor.detach().reshape(-1))
-            at += n
-        gather += time.perf_counter() - t
-        t = time.perf_counter()
-        pg.broadcast(flat, 0).wait()
-        send_s += time.perf_counter() - t
-        sent += flat.numel() * flat.element_size()
-    return {"gather_s": gather, "send_s": send_s, "bytes": float(sent)}
+        numel = sum(math.prod(s) for _, s in bucket)
+        first = _next(it, bucket[0][0])
+        as_is = (
+            len(bucket) == 1
+            and first.dtype == wire
+            and first.device.type == torch.device(device).type
+            and first.is_contiguous()
+        )
+        if as_is:
+            flat = first.detach().reshape(-1)
+        else:
+            buf = buffers[slot]
+            if buf is None or buf.numel() < numel:
+                buf = buffers[slot] = torch.empty(
+                    max(numel, half // itemsize), dtype=wire, device=device
+                )
+            flat = buf[:numel]
+            at = 0
+            for i, (name, shape) in enumerate(bucket):
+                tensor = first if i == 0 else _next(it, name)
+                n = math.prod(shape)
+                flat[at : at + n].copy_(tensor.detach().reshape(-1))
+                at += n
+        stats["gather_s"] += time.perf_counter() - t
+        works[slot] = pg.broadcast(flat, 0)
+        stats["bytes"] += numel * itemsize
+        if as_is:
+            wait(slot)
+    wait(0)
+    wait(1)
+    return stats
+
+
+def _next(it: Iterator[tuple[str, torch.Tensor]], name: str) -> torch.Tensor:
+    got, tensor = next(it)
+    if got != name:
+        raise RuntimeError(f"weight sync: parameter '{got}' where '{name}' was announced")
+    return tensor
 
 
 def receive(pg: Any, device: str, stats: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:
     """The sender's parameters, as views of each received bucket (under each alias too);
-    `stats` gains the seconds spent in broadcasts (`recv_s`) and the `bytes` received."""
+    `stats` gains the seconds spent waiting on broadcasts (`recv_s`) and the `bytes`
+    received. The next bucket is already arriving while the caller loads this one."""
     stats.setdefault("recv_s", 0.0)
     stats.setdefault("bytes", 0.0)
     t = time.perf_counter()
     header = _broadcast_header(pg, None, device)
     stats["recv_s"] += time.perf_counter() - t
     wire = getattr(torch, header["wire"])
-    for bucket in header["buckets"]:
-        flat = torch.empty(sum(math.prod(s) for _, s, _ in bucket), dtype=wire, device=device)
+    plan = header["buckets"]
+
+    def start(k: int) -> tuple[torch.Tensor, Any]:
+        numel = sum(math.prod(s) for _, s, _ in plan[k])
+        flat = torch.empty(numel, dtype=wire, device=device)
+        return flat, pg.broadcast(flat, 0)
+
+    coming = start(0) if plan else None
+    for k, bucket in enumerate(plan):
+        assert coming is not None
+        flat, work = coming
         t = time.perf_counter()
-        pg.broadcast(flat, 0).wait()
+        work.wait()
         stats["recv_s"] += time.perf_counter() - t
         stats["bytes"] += flat.numel() * flat.element_size()
+        coming = start(k + 1) if k + 1 < len(plan) else None
         at = 0
         for name, shape, aliases in bucket:
             n = math.prod(shape)
