@@ -17,7 +17,9 @@ period, also when the body raises. Should the stage's process itself be killed,
 the kernel sends the server SIGTERM (Linux's parent-death signal). The process's life
 (start, log, health, stop) is `stages.lib.vllm_process`; this module decides what runs.
 
-On CPU (`gpus == 0`) the GPU-only flags (`--gpu-memory-utilization`,
+Several engines on one CPU machine each get their own share of its cores
+(`VLLM_CPU_OMP_THREADS_BIND`, `cpu_binds`): vLLM's automatic binding would put them all on
+the same ones. On CPU (`gpus == 0`) the GPU-only flags (`--gpu-memory-utilization`,
 `--enable-sleep-mode`) are left out; the KV cache gets `VLLM_CPU_KVCACHE_SPACE`
 GiB (1 unless the environment sets it; otherwise vLLM would take 90% of the
 host's memory), `--max-model-len auto` fits the context to that cache, and
@@ -194,6 +196,21 @@ def device_slices(
     return [ids[i * tp : (i + 1) * tp] for i in range(engines)]
 
 
+def cpu_binds(engines: int, cpus: Sequence[int] | None = None) -> list[str | None]:
+    """Each CPU engine's `VLLM_CPU_OMP_THREADS_BIND`: with several engines on one machine,
+    the machine's CPUs (this process's affinity) cut into one contiguous share per engine.
+    vLLM's own `auto` binds every engine of a machine to the same cores (each one's local
+    rank is 0), so two engines run on one core. None where that is left to vLLM: one
+    engine, fewer CPUs than engines, or the environment's own setting."""
+    if engines < 2 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return [None] * engines
+    ids = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(ids) < engines:
+        return [None] * engines
+    share = len(ids) // engines
+    return [",".join(map(str, ids[i * share : (i + 1) * share])) for i in range(engines)]
+
+
 def _log_path(log_file: str | Path | None, index: int, port: int) -> Path:
     if log_file is None:
         return Path(os.environ.get("TMPDIR", "/tmp")) / f"pipe-vllm-{port}.log"
@@ -225,6 +242,7 @@ def vllm_servers(
     """
     python = find_vllm_python(gpus)
     slices = device_slices(backend, gpus, devices)
+    binds = cpu_binds(len(slices)) if gpus == 0 else [None] * len(slices)
     started = time.monotonic()
     with ExitStack() as stack:
         servers = []
@@ -241,6 +259,8 @@ def vllm_servers(
             env = server_env(
                 backend, devices=devices, secret=secret, dev_mode=dev_mode, extra_env=extra_env
             )
+            if binds[i] is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(binds[i])
             path = _log_path(log_file, i, port)
             server = start_server(cmd, env, port=port, log_path=path, log=log, host=host)
             stack.callback(stop_server, server, log)

@@ -103,3 +103,19 @@ def test_fp32_gpu_engines_compute_in_fp32_not_tf32(monkeypatch, tmp_path):
     }
     assert fp32_gpu["CUDA_VISIBLE_DEVICES"] == "0"
     assert "TRITON_F32_DEFAULT" not in bf16_gpu and "TRITON_F32_DEFAULT" not in fp32_cpu
+
+
+def test_cpu_engines_of_one_machine_get_their_own_cores(monkeypatch):
+    """vLLM's automatic binding puts every engine of a machine on the same cores (each one's
+    local rank is 0: seen in two engines' logs, 'core ids=[0]' both); several CPU engines
+    get disjoint shares instead, unless the environment says otherwise."""
+    from stages.lib.vllm_server import cpu_binds
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert cpu_binds(2, [0, 1]) == ["0", "1"]
+    assert cpu_binds(2, [4, 5, 6, 7, 0, 1, 2, 3]) == ["0,1,2,3", "4,5,6,7"]
+    assert cpu_binds(3, [0, 1, 2, 3, 4, 5, 6]) == ["0,1", "2,3", "4,5"]
+    assert cpu_binds(1, [0, 1]) == [None]  # one engine: vLLM's own choice
+    assert cpu_binds(3, [0, 1]) == [None, None, None]  # fewer cores than engines
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert cpu_binds(2, [0, 1]) == [None, None]
