@@ -24,7 +24,8 @@ the same ones. On CPU (`gpus == 0`) the GPU-only flags (`--gpu-memory-utilizatio
 GiB (1 unless the environment sets it; otherwise vLLM would take 90% of the
 host's memory), `--max-model-len auto` fits the context to that cache, and
 `--enforce-eager` skips torch.compile, which costs more start-up time (~35 s
-for a tiny model on 2 cores) than it saves on short runs.
+for a tiny model on 2 cores) than it saves on short runs, and `--no-enable-chunked-prefill`
+keeps seeded requests alive (below, in `server_command`).
 
 With `vllm_num_engines: N`, N servers start at once, each on its own port and,
 on GPU, on its own slice of `vllm_tensor_parallel_size` GPUs (from
@@ -127,7 +128,11 @@ def server_command(
         if backend.vllm_enable_sleep:
             cmd.append("--enable-sleep-mode")
     else:
-        cmd += ["--max-model-len", "auto", "--enforce-eager"]
+        # no chunked prefill: a request whose prompt is split over two steps has its sampled
+        # token discarded, and vLLM then rewinds a seeded request's generator
+        # (`gen.set_offset`), which a CPU generator refuses ("CPU Generator does not use
+        # offset": the engine core dies; seen with the GRPO quickstart's 64 x 8 seeded batch)
+        cmd += ["--max-model-len", "auto", "--enforce-eager", "--no-enable-chunked-prefill"]
     return [*cmd, *extra_args]
 
 

@@ -84,8 +84,10 @@ class VLLMGroupReceiver:
         self.stats: dict[str, float] = {}
 
     def _rpc(self, url: str, method: str, **kwargs: Any) -> list[Any]:
-        body = {"method": method, "kwargs": kwargs, "timeout": self.timeout_s}
-        reply = self.engine.post(f"{url}/collective_rpc", body, self.timeout_s)
+        # a little past the group's own timeout: a worker's error (its wait timing out in
+        # the group, naming why) arrives before the call gives up
+        body = {"method": method, "kwargs": kwargs, "timeout": self.timeout_s + 5}
+        reply = self.engine.post(f"{url}/collective_rpc", body, self.timeout_s + 10)
         return list((reply or {}).get("results") or [])
 
     def _watched(self, url: str, method: str) -> list[Any]:

@@ -291,7 +291,7 @@ def test_cpu_command_leaves_out_gpu_flags() -> None:
         "--host", "127.0.0.1", "--port", "8001",
         "--middleware", "stages.lib.vllm_auth.RequireSecret",
         "--tensor-parallel-size", "1", "--enable-prefix-caching",
-        "--max-model-len", "auto", "--enforce-eager",
+        "--max-model-len", "auto", "--enforce-eager", "--no-enable-chunked-prefill",
     ]  # fmt: skip
     env = vs.server_env(backend, devices=[], secret="s", base={"VLLM_CPU_KVCACHE_SPACE": "4"})
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
