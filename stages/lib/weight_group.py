@@ -55,6 +55,16 @@ def process_group(store: Any, rank: int, world: int, timeout_s: float, nccl: boo
     return dist.ProcessGroupGloo(store, rank, world, timeout)
 
 
+def host_store(host: str, timeout_s: float) -> tuple[Any, str]:
+    """A TCP store hosted here on `host` (a free port) and its "host:port"; it does not wait
+    for the ranks that will join it."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, 0, None, True, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+    return store, f"{host}:{store.port}"
+
+
 def client_store(address: str, world: int | None, timeout_s: float) -> Any:
     """A client of the TCP store at `address` ("host:port")."""
     import torch.distributed as dist

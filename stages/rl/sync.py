@@ -28,7 +28,6 @@ sampling met NaN probabilities on an H100; undefined under NCCL).
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -128,22 +127,13 @@ class GroupReceiver:
         store_address: str | None = None,
         wire: torch.dtype = torch.float32,
     ) -> None:
-        import torch.distributed as dist
 
         self.name = name
         self.wire = wire
         self.timeout_s, self.nccl, self.device = timeout_s, nccl, device
         self.world, self.rank = world, rank
         if store_address is None:
-            self.store = dist.TCPStore(  # type: ignore[attr-defined]
-                host,
-                0,
-                world,
-                True,
-                timeout=datetime.timedelta(seconds=timeout_s),
-                wait_for_workers=False,
-            )
-            self.address = f"{host}:{self.store.port}"
+            self.store, self.address = weight_group.host_store(host, timeout_s)
         else:
             self.store = weight_group.client_store(store_address, world, timeout_s)
             self.address = store_address

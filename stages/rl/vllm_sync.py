@@ -21,7 +21,6 @@ generation is drained before every update; staleness is recorded as before.
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from collections.abc import Callable
@@ -60,19 +59,11 @@ class VLLMGroupReceiver:
     pulls = False  # the servers receive while the actor sends
 
     def __init__(self, engine: VLLMEngine, host: str, timeout_s: float, nccl: bool) -> None:
-        import torch.distributed as dist
+        from stages.lib.weight_group import host_store
 
         self.engine, self.timeout_s, self.nccl = engine, timeout_s, nccl
         self.name = engine.name
-        self.store = dist.TCPStore(  # type: ignore[attr-defined]
-            host,
-            0,
-            None,
-            True,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
-        self.address = f"{host}:{self.store.port}"
+        self.store, self.address = host_store(host, timeout_s)
         workers = each_server(engine, lambda _, url: self._rpc(url, "pipe_sync_info"))
         self.bases, base = [], 1
         for per_engine in workers:  # one result per worker of that engine
