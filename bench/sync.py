@@ -44,16 +44,11 @@ def actor(model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from stages.rl.logprobs import Sample, completion_logprobs
-    from stages.rl.sync import DiskPublisher, GroupPublisher
+    from stages.rl.sync import DiskPublisher, GroupPublisher, tied_aliases
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    once = {id(p): n for n, p in model.named_parameters()}
-    aliases = {
-        n: once[id(p)]
-        for n, p in model.named_parameters(remove_duplicate=False)
-        if once.get(id(p), n) != n
-    }
+    aliases = tied_aliases(model)
     shapes = [(n, list(p.shape)) for n, p in model.named_parameters()]
     group: dict[str, Any] = {}
     for line in sys.stdin:

@@ -14,8 +14,8 @@ this module never imports anything of ours beyond torch-only code.
   rank 0 and every engine worker) has joined, or fails after `timeout_s`.
 - `pipe_sync_receive()`: receive the actor's buckets and load them in place through vLLM's
   own `reload_weights` (checkpoint names; it runs each model's `load_weights`, shards for
-  tensor parallelism, and repacks what the device's kernels need), one bucket in memory at
-  a time; returns the seconds spent receiving and loading and the bytes received.
+  tensor parallelism, and repacks what the device's kernels need), the next bucket arriving
+  while one loads; returns the seconds spent receiving and loading and the bytes received.
 
 The caller drops the prefix cache afterwards (`/reset_prefix_cache`): cached KV blocks were
 computed with the old weights.

@@ -187,7 +187,7 @@ class Actor:
 
     def sync(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Publish the weights (rank 0 sends, every rank gathers), then score the probe."""
-        from stages.rl.sync import make_publisher, sync_file, wire_dtype
+        from stages.rl.sync import make_publisher, sync_file, tied_aliases, wire_dtype
 
         start = time.perf_counter()
         if self.rank == 0 and self.publisher is None:
@@ -201,13 +201,7 @@ class Actor:
                 wire_dtype(self.cfg.bf16),
                 self.cfg.sync_bucket_mb,
             )
-            module = self.trainer.module
-            once = {id(p): n for n, p in module.named_parameters()}
-            self.publisher.aliases = {  # tied weights (lm_head = embeddings) under both names
-                n: once[id(p)]
-                for n, p in module.named_parameters(remove_duplicate=False)
-                if once.get(id(p), n) != n
-            }
+            self.publisher.aliases = tied_aliases(self.trainer.module)
         if self.rank == 0:
             self.publisher.publish(self.params(), self.shapes())
         else:

@@ -40,6 +40,17 @@ from stages.lib import weight_group
 PROBE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 
+def tied_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """Tied weights (lm_head = embeddings): each second name -> the name it is sent under
+    (vLLM's CPU build keeps its own copy of a tied head, which reloads only by its name)."""
+    once = {id(p): n for n, p in module.named_parameters()}
+    return {
+        n: once[id(p)]
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if once.get(id(p), n) != n
+    }
+
+
 def wire_dtype(bf16: bool) -> torch.dtype:
     """The dtype the weights travel in: the actor's compute precision (a bf16 actor's
     weights are bf16 under DeepSpeed, or rounded to bf16 by the torch trainer's autocast)."""
