@@ -10,6 +10,11 @@ reset (RST), or a hang (no answer for `hang_s`, holding no capacity). The
 answer is deterministic: `<answer>N</answer>` with N = `expected_answer(text)`
 for the last message's content (chat) or the prompt (completions).
 
+With `tools` (`--tools`), chat answers script a model that uses the calculator
+environment (`stages.lib.environments.calculator`): a message holding an
+arithmetic expression (`12 * 7`) is answered `calc: 12 * 7`, a `result: N`
+message `<answer>N</answer>`; any other message gets the usual answer.
+
 Importable: `start_in_thread(...)` runs it in a daemon thread of the caller's
 process (tests), `start_subprocess(...)` in its own process (benchmarks, so
 its CPU is not charged to the collector). Both return a handle with `.url`
@@ -24,6 +29,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import socket
 import struct
 import subprocess
@@ -75,6 +81,7 @@ class FakeServer:
         self.rng = random.Random(seed)
         self.counters = Counters()
         self.record_bodies = False
+        self.tools = False  # script calculator tool calls (module docstring)
         self._slots: asyncio.Semaphore | None = None
 
     def app(self) -> web.Application:
@@ -93,7 +100,9 @@ class FakeServer:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        return await self._serve(request, body["messages"][-1]["content"], chat=True)
+        text = body["messages"][-1]["content"]
+        scripted = tool_answer(text) if self.tools else None
+        return await self._serve(request, text, chat=True, completion=scripted)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -122,7 +131,9 @@ class FakeServer:
             roll -= p
         return None
 
-    async def _serve(self, request: web.Request, text: str, *, chat: bool) -> web.StreamResponse:
+    async def _serve(
+        self, request: web.Request, text: str, *, chat: bool, completion: str | None = None
+    ) -> web.StreamResponse:
         self.counters.requests += 1
         fault = self._fault()
         if fault is not None:
@@ -139,7 +150,7 @@ class FakeServer:
             finally:
                 c.in_service -= 1
         self.counters.served += 1
-        return web.Response(body=_answer(text, chat), content_type="application/json")
+        return web.Response(body=_answer(text, chat, completion), content_type="application/json")
 
     async def _inject(self, request: web.Request, fault: str) -> web.StreamResponse:
         if fault == "error_500":
@@ -158,8 +169,20 @@ class FakeServer:
         raise asyncio.CancelledError
 
 
-def _answer(text: str, chat: bool) -> bytes:
-    completion = f"<answer>{expected_answer(text)}</answer>"
+_EXPRESSION = re.compile(r"\d+(?:\s*[-+*/]\s*\d+)+")
+
+
+def tool_answer(text: str) -> str | None:
+    """The scripted tool-using answer to a message (module docstring), or None."""
+    if text.startswith("result: "):
+        return f"<answer>{text[len('result: ') :].strip()}</answer>"
+    found = _EXPRESSION.search(text)
+    return f"calc: {found.group(0)}" if found else None
+
+
+def _answer(text: str, chat: bool, completion: str | None = None) -> bytes:
+    if completion is None:
+        completion = f"<answer>{expected_answer(text)}</answer>"
     choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
     if chat:
         choice["message"] = {"role": "assistant", "content": completion}
@@ -271,6 +294,7 @@ def main() -> None:
     parser.add_argument("--hang", type=float, default=0.0)
     parser.add_argument("--hang-s", type=float, default=3600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tools", action="store_true", help="script calculator tool calls")
     parser.add_argument(
         "--exit-with-stdin",
         action="store_true",
@@ -281,6 +305,7 @@ def main() -> None:
         threading.Thread(target=_exit_on_eof, daemon=True).start()
     faults = Faults(args.error_500, args.error_429, args.reset, args.hang, args.hang_s)
     server = FakeServer(args.capacity, args.latency_ms / 1000, faults, args.seed)
+    server.tools = args.tools
 
     async def run() -> None:
         _, port = await serve(server, args.port)

@@ -17,6 +17,7 @@ from stages.lib.config import (
     Backend,
     CountOrAuto,
     LocalBackend,
+    OpenAIBackend,
     Verifier,
     backend_gpu_unit,
     backend_memory,
@@ -26,6 +27,7 @@ from stages.lib.config import (
     check_verifier,
     derive_backend,
 )
+from stages.lib.env_config import EnvironmentConfig, check_environment
 
 
 class CollectConfig(StageConfig):
@@ -83,6 +85,10 @@ class CollectConfig(StageConfig):
     verifier: Verifier = Field(
         default_factory=Verifier, description="How answers are scored into rewards."
     )
+    environment: EnvironmentConfig | None = Field(
+        None,
+        description="A multi-turn environment each episode talks to (README, Environments); none: one turn scored by the verifier.",
+    )
 
     @field_validator("end_idx")
     @classmethod
@@ -111,7 +117,31 @@ class CollectConfig(StageConfig):
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         out = check_model(self.backend, ctx, wanted=True) + check_backend(self.backend, ctx)
-        return out + check_verifier(self.verifier, ctx)
+        out += check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
+        return out + self._check_episodes_backend(ctx)
+
+    def _check_episodes_backend(self, ctx: ResolveContext) -> list[Diagnostic]:
+        """Episodes talk to a chat endpoint over HTTP: the openai or vllm backend."""
+        if self.environment is None:
+            return []
+        if isinstance(self.backend, LocalBackend):
+            return [
+                ctx.error(
+                    "backend.kind",
+                    "an environment's episodes are collected through an HTTP chat endpoint, "
+                    "found 'local'; use kind 'vllm' (a checkpoint served on the stage's "
+                    "devices) or 'openai'",
+                )
+            ]
+        if isinstance(self.backend, OpenAIBackend) and self.backend.endpoint == "completions":
+            return [
+                ctx.error(
+                    "backend.endpoint",
+                    "an environment's episodes send the conversation as messages, so they "
+                    "need 'chat', found 'completions'",
+                )
+            ]
+        return []
 
 
 stage("collect", config=CollectConfig, run="stages.collect.run:run_collect")

@@ -219,16 +219,23 @@ class Collector:
             return
         url, prefix = prompt.request
         body = f"{prefix}{_seed(self.seed, prompt.idx, sample_idx, self.num_repeats)}}}".encode()
+        out, latency, attempts = await self.request(url, body)
+        if isinstance(out, RequestError):
+            self.recorder.failure(prompt, sample_idx, out, attempts)
+        else:
+            self.recorder.rollout(prompt, sample_idx, out, latency)
+
+    async def request(self, url: str, body: bytes) -> tuple[Completion | RequestError, float, int]:
+        """One request, retried with backoff while it fails in a retryable way: (the
+        completion or the last error, the latency of the answered attempt, attempts made)."""
         attempt = 0
         while True:
             result = await self._send(url, body)
             if not isinstance(result, RequestError):
-                self.recorder.rollout(prompt, sample_idx, *result)
-                return
+                return result[0], result[1], attempt + 1
             self.stats.errors[result.kind] += 1
             if not result.retryable or attempt >= self.max_retries:
-                self.recorder.failure(prompt, sample_idx, result, attempt + 1)
-                return
+                return result, 0.0, attempt + 1
             await asyncio.sleep(backoff_delay(attempt, self.backoff_s, result.retry_after))
             attempt += 1
             self.stats.retries += 1

@@ -30,17 +30,24 @@ ROLLOUT_FIELDS = (
     "latency_s",
 )
 _RESERVED = frozenset(ROLLOUT_FIELDS)
+# Fields an episode row adds (`stages.collect.episodes`); `messages` becomes the conversation.
+EPISODE_FIELDS = frozenset(
+    (*ROLLOUT_FIELDS, "messages", "rewards", "total_reward", "turns", "solved", "end", "error")
+)
 
 
 class Prompt:
     """One input row: what to send, and the fields carried into each rollout."""
 
-    __slots__ = ("error", "frag", "idx", "messages", "request", "row", "text")
+    __slots__ = ("error", "frag", "idx", "messages", "parsed", "request", "row", "text")
 
-    def __init__(self, idx: int, row: dict[str, Any], error: str | None = None) -> None:
+    def __init__(
+        self, idx: int, row: dict[str, Any], error: str | None = None, *, parsed: bool = True
+    ) -> None:
         self.idx = idx
         self.row = row
         self.error = error
+        self.parsed = parsed  # False: the line is not a JSON object (`row` holds it as "raw")
         self.messages: list[dict[str, str]] | None = None
         self.text: str | None = None
         self.frag = ""
@@ -55,9 +62,9 @@ def parse_row(idx: int, line: str | bytes) -> Prompt:
         row = json.loads(text)
     except ValueError as exc:
         raw = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
-        return Prompt(idx, {"raw": raw[:500]}, f"bad_row: not valid JSON ({exc})")
+        return Prompt(idx, {"raw": raw[:500]}, f"bad_row: not valid JSON ({exc})", parsed=False)
     if not isinstance(row, dict):
-        return Prompt(idx, {"raw": row}, "bad_row: a row must be a JSON object")
+        return Prompt(idx, {"raw": row}, "bad_row: a row must be a JSON object", parsed=False)
     if _RESERVED.isdisjoint(row):
         # the row's own text is its fields' JSON: no need to serialise them again
         inner = text.strip()[1:-1].strip()

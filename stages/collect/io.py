@@ -123,6 +123,10 @@ def fingerprint(cfg: CollectConfig) -> str:
         "backend": backend,
         "verifier": cfg.verifier.model_dump(),
     }
+    if cfg.environment is not None:  # episodes, not rollouts: their own partial files
+        shaping["environment"] = cfg.environment.model_dump(
+            exclude={"timeout_s", "max_failed_share", "concurrency"}
+        )
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from stages.collect import CollectConfig
     from stages.collect.collector import Recorder
     from stages.lib.backends import Endpoint
+    from stages.lib.episodes import MakeEnv
 
 T = TypeVar("T")
 
@@ -146,7 +147,10 @@ def _collect_http(
     recorder: Recorder,
 ) -> None:
     from stages.lib.backends import http_endpoint
+    from stages.lib.environment import environment_factory
 
+    # an environment that cannot be loaded fails the stage before any engine starts
+    make_env = environment_factory(cfg.environment, cfg.verifier) if cfg.environment else None
     log_file = ctx.path(f"{os.path.basename(cfg.output)}.vllm.log")
     devices = ctx.device_env().get("CUDA_VISIBLE_DEVICES")
     with http_endpoint(
@@ -156,7 +160,7 @@ def _collect_http(
         log_file=log_file,
         devices=devices.split(",") if devices else None,
     ) as endpoint:
-        run_async(_collect_async(cfg, endpoint, pairs(work), recorder))
+        run_async(_collect_async(cfg, endpoint, pairs(work), recorder, make_env))
     if cfg.num_samples_in_parallel == "auto":
         conc = recorder.stats.metrics()["concurrency"]
         ctx.log.info(
@@ -172,24 +176,32 @@ async def _collect_async(
     endpoint: Endpoint,
     work: Iterator[tuple[Prompt, int]],
     recorder: Recorder,
+    make_env: MakeEnv | None,
 ) -> None:
+    """Every pair through the collector: one request each, or with `make_env` one episode
+    each (`stages.collect.episodes`)."""
     from stages.collect.collector import Collector
     from stages.collect.controller import AdaptiveLimit
+    from stages.collect.episodes import EpisodeCollector
     from stages.lib.backends import make_client
 
     parallel = cfg.num_samples_in_parallel
     concurrency: int | AdaptiveLimit = AdaptiveLimit() if parallel == "auto" else parallel
     client = make_client(cfg, endpoint, connections=0 if parallel == "auto" else parallel)
+    settings: dict[str, Any] = {
+        "concurrency": concurrency,
+        "seed": cfg.seed,
+        "num_repeats": cfg.num_repeats,
+        "max_retries": cfg.max_retries,
+        "backoff_s": cfg.backoff_s,
+    }
     async with client:
-        collector = Collector(
-            client,
-            recorder,
-            concurrency=concurrency,
-            seed=cfg.seed,
-            num_repeats=cfg.num_repeats,
-            max_retries=cfg.max_retries,
-            backoff_s=cfg.backoff_s,
-        )
+        if make_env is not None and cfg.environment is not None:
+            collector: Collector = EpisodeCollector(
+                client, recorder, environment=cfg.environment, make_env=make_env, **settings
+            )
+        else:
+            collector = Collector(client, recorder, **settings)
         await collector.run(work)
 
 

@@ -1,8 +1,9 @@
 """The collect stage at run time: resume, collect, publish.
 
 Input: a resolved CollectConfig (absolute `input` and `output`) and the
-StageContext. Output: `cfg.output` (rollouts sorted by prompt_idx, sample_idx),
-`<output>.failures.jsonl` when some rows failed for good, and the metrics dict.
+StageContext. Output: `cfg.output` (rollouts, or episodes with an environment, sorted
+by prompt_idx, sample_idx), `<output>.failures.jsonl` when some rows failed for good,
+and the metrics dict.
 
 `run_collect` publishes nothing until every pair is done, so it can be killed
 and run again at any point: the rerun reads `<output>.partial`, skips the
@@ -27,7 +28,18 @@ if TYPE_CHECKING:
 
 
 def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
-    """Collect every (prompt, sample) pair of the configured range into cfg.output."""
+    """Collect every (prompt, sample) pair of the configured range into cfg.output; with an
+    environment, the task that publishes the output also sums up its episodes and fails the
+    stage when too many failed (`stages.collect.episodes.check_episodes`)."""
+    metrics = _collect(cfg, ctx)
+    if cfg.environment is not None and (ctx.link is None or ctx.node_rank == 0):
+        from stages.collect.episodes import check_episodes
+
+        metrics["episodes"] = check_episodes(cfg.output, cfg.environment, ctx.log)
+    return metrics
+
+
+def _collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     if os.path.exists(cfg.output):
         return up_to_date(cfg.output, ctx)
     if ctx.link is not None:  # placed on several workers: a shard each, on their devices

@@ -22,6 +22,7 @@ from stages.lib.config import (
     check_verifier,
     derive_backend,
 )
+from stages.lib.env_config import EnvironmentConfig, check_environment
 
 
 class EvaluateConfig(StageConfig):
@@ -57,6 +58,10 @@ class EvaluateConfig(StageConfig):
         description="How answers are generated: local (each checkpoint loaded in the stage's process, on its GPUs when it holds some), vllm (each checkpoint served in turn on the stage's GPUs), or openai (the served model, named by backend.model; no checkpoints then).",
     )
     verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
+    environment: EnvironmentConfig | None = Field(
+        None,
+        description="A multi-turn environment each episode talks to (README, Environments); none: one turn scored by the verifier.",
+    )
     seed: int = Field(0, description="Seed for sampling.")
 
     @property
@@ -96,7 +101,19 @@ class EvaluateConfig(StageConfig):
                     "that trains one to 'needs'",
                 )
             )
-        return out + check_verifier(self.verifier, ctx)
+        if (
+            self.environment is not None
+            and isinstance(self.backend, OpenAIBackend)
+            and self.backend.endpoint != "chat"
+        ):
+            out.append(
+                ctx.error(
+                    "backend.endpoint",
+                    "an environment's episodes are conversations, sent to the chat endpoint: "
+                    "set it to 'chat'",
+                )
+            )
+        return out + check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
 
 
 stage("evaluate", config=EvaluateConfig, run="stages.evaluate.run:run_evaluate")

@@ -11,6 +11,13 @@ Output, in the folder of `cfg.output`: `report.json`
 baseline), `report.png` (a bar chart) and `generations.jsonl` (every sample
 with its reward). Returns the report plus the accuracy differences.
 
+With an `environment`, each checkpoint plays episodes instead (`stages.evaluate.episodes`):
+a result's `accuracy` is then the share of episodes solved within `max_turns`, its
+pass@k counts solved episodes, its `mean_reward` is a model turn's mean reward, and it
+adds `first_turn_accuracy`, `mean_turns`, `mean_total_reward` and `failed_episodes`;
+`generations.jsonl` holds one row per episode; the returned metrics add
+`first_turn_accuracy_delta`.
+
 Accuracy is the share of prompts whose first sample (the greedy answer at
 temperature 0) earns the full reward; pass@k uses the unbiased estimator
 1 - C(n-c, k) / C(n, k) over the `num_samples` samples per prompt (Chen et al.,
@@ -24,17 +31,20 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stages.evaluate.episodes import Play
 from stages.lib.config import LocalBackend, OpenAIBackend, VLLMBackend
 from stages.lib.jsonl import atomic_path, atomic_write, read_jsonl, write_jsonl
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.evaluate import EvaluateConfig
+    from stages.lib.backends import Endpoint
 
 log = logging.getLogger("pipe.stages.evaluate")
 
@@ -93,11 +103,10 @@ class Generator:
             ]
         return self._http(path, prompts, num_samples)
 
-    def _http(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:
-        import asyncio
-
-        from stages.lib.backends import http_endpoint, make_client
-        from stages.lib.client import complete_all
+    @contextmanager
+    def endpoint(self, path: str) -> Iterator[Endpoint]:
+        """The HTTP endpoint answering as `path` (vllm: a server for the block's duration)."""
+        from stages.lib.backends import http_endpoint
 
         backend = self.cfg.backend
         if isinstance(backend, VLLMBackend):
@@ -106,6 +115,15 @@ class Generator:
         visible = self.ctx.device_env().get("CUDA_VISIBLE_DEVICES") if self.ctx else None
         devices = visible.split(",") if visible else None
         with http_endpoint(backend, gpus=gpus, log=log, devices=devices) as endpoint:
+            yield endpoint
+
+    def _http(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:
+        import asyncio
+
+        from stages.lib.backends import make_client
+        from stages.lib.client import complete_all
+
+        with self.endpoint(path) as endpoint:
             client = make_client(self.cfg, endpoint, connections=64)
             done = asyncio.run(
                 complete_all(client, prompts, num_samples=num_samples, seed=self.cfg.seed)
@@ -135,16 +153,30 @@ def evaluate_checkpoints(
     generate = generate or Generator(cfg)
     paths = _with_baseline(checkpoints, baseline)
     names = checkpoint_names(paths, run_dir)
+    # the environment is loaded before any checkpoint: a bad one fails at once
+    play = Play(cfg, generate.ctx, generate.endpoint) if cfg.environment is not None else None
     results, samples = [], []
     for path, name in zip(paths, names, strict=True):
-        rewards, gen_rows = _score_checkpoint(cfg, path, name, rows, verify, generate)
-        results.append(summarize(name, rewards))
+        if play is not None:
+            solved, fields, gen_rows = play(path, name, rows)
+            result = {**summarize(name, solved), **fields}
+        else:
+            rewards, gen_rows = _score_checkpoint(cfg, path, name, rows, verify, generate)
+            result = summarize(name, rewards)
+        results.append(result)
         samples.extend(gen_rows)
-        log.info("%s: accuracy %.3f on %d prompts", name, results[-1]["accuracy"], len(rows))
+        log.info("%s: accuracy %.3f on %d prompts", name, result["accuracy"], len(rows))
     report = {"baseline": names[0], "results": results}
     write_report(cfg.output, report, samples)
-    deltas = {r["checkpoint"]: r["accuracy"] - results[0]["accuracy"] for r in results}
-    return {**report, "accuracy_delta": deltas}
+    out = {**report, "accuracy_delta": _deltas(results, "accuracy")}
+    if play is not None:
+        out["first_turn_accuracy_delta"] = _deltas(results, "first_turn_accuracy")
+    return out
+
+
+def _deltas(results: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """Each checkpoint's `key` less the baseline's (the first result)."""
+    return {r["checkpoint"]: r[key] - results[0][key] for r in results}
 
 
 def _with_baseline(checkpoints: list[str], baseline: str | None) -> list[str]:
@@ -251,8 +283,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     results = report["results"]
     base = results[0]
     ks = list(base["pass_at_k"])
+    episodes = "first_turn_accuracy" in base
     head = ["checkpoint", "n", "accuracy", "Δ accuracy", "mean reward", "Δ mean reward"]
     head += [f"pass@{k}" for k in ks]
+    if episodes:
+        head += EPISODE_COLUMNS
     lines = [
         f"# Evaluation: baseline `{report['baseline']}`",
         "",
@@ -269,8 +304,27 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{r['mean_reward'] - base['mean_reward']:+.3f}",
             *(f"{r['pass_at_k'].get(k, float('nan')):.3f}" for k in ks),
         ]
+        if episodes:
+            cells += [
+                f"{r['first_turn_accuracy']:.3f}",
+                f"{100 * (r['first_turn_accuracy'] - base['first_turn_accuracy']):+.1f} pts",
+                f"{r['mean_turns']:.2f}",
+                f"{r['mean_total_reward']:.3f}",
+                str(r["failed_episodes"]),
+            ]
         lines.append("| " + " | ".join(cells) + " |")
+    if episodes:
+        lines += ["", "Accuracy: episodes solved within the environment's turns."]
     return "\n".join(lines) + "\n"
+
+
+EPISODE_COLUMNS = [
+    "first-turn accuracy",
+    "Δ first-turn accuracy",
+    "mean turns",
+    "mean total reward",
+    "failed episodes",
+]
 
 
 def _write_chart(path: str, report: dict[str, Any]) -> None:
@@ -280,16 +334,19 @@ def _write_chart(path: str, report: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
     results = report["results"]
-    metrics = ["accuracy", *(f"pass@{k}" for k in results[0]["pass_at_k"]), "mean_reward"]
+    first = ["first_turn_accuracy"] if "first_turn_accuracy" in results[0] else []
+    metrics = ["accuracy", *first, *(f"pass@{k}" for k in results[0]["pass_at_k"]), "mean_reward"]
     width = 0.8 / len(results)
     fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(metrics), 3.6))
+    lowest = 0.0
     for i, r in enumerate(results):
-        values = [r["accuracy"], *r["pass_at_k"].values(), r["mean_reward"]]
+        values = [r["accuracy"], *(r[f] for f in first), *r["pass_at_k"].values(), r["mean_reward"]]
+        lowest = min(lowest, *values)
         xs = [m + (i - (len(results) - 1) / 2) * width for m in range(len(metrics))]
         bars = ax.bar(xs, values, width, label=r["checkpoint"])
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.set_xticks(range(len(metrics)), metrics)
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(lowest - 0.05 if lowest < 0 else 0, 1.05)  # an environment's penalties go below 0
     ax.set_title(f"evaluation on {results[0]['n']} held-out prompts")
     ax.legend()
     fig.tight_layout()

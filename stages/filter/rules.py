@@ -10,7 +10,9 @@ file, so the two halves can run in different passes (see `filter_parallel`).
 
 A row must be a JSON object with an integer `prompt_idx` and `sample_idx` and
 a numeric `reward` (collect writes all three); anything else is a
-`FilterInputError` naming the file and the byte offset of the line.
+`FilterInputError` naming the file and the byte offset of the line. An episode
+row (collect with an environment) is one too: its `reward` is the episode's
+total, and the length and duplicate rules read its assistant turns.
 """
 
 from __future__ import annotations
@@ -211,6 +213,19 @@ def _text(value: Any) -> str:
     return "" if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
+def completion_text(data: dict[str, Any]) -> str:
+    """What the model wrote in a row: its `completion`, or an episode's assistant turns one
+    after another (collect with an environment writes `messages` and `turns` instead)."""
+    messages = data.get("messages")
+    if "completion" not in data and "turns" in data and isinstance(messages, list):
+        return "\n".join(
+            _text(m.get("content"))
+            for m in messages
+            if isinstance(m, dict) and m.get("role") == "assistant"
+        )
+    return _text(data.get("completion"))
+
+
 def prompt_text(data: dict[str, Any]) -> str:
     """The prompt a row answers: `prompt`, else its `messages`, else its `prompt_idx`."""
     prompt = data.get("prompt")
@@ -248,7 +263,7 @@ class Rules:
 
     def key(self, row: Row) -> bytes:
         """16-byte blake2b of the (prompt, completion) pair, normalised when `dedup` says so."""
-        completion = _text(row.data.get("completion"))
+        completion = completion_text(row.data)
         if self.dedup == "normalized":
             completion = normalize(completion)
         h = hashlib.blake2b(self._prompt_bytes(row.data), digest_size=16)
@@ -257,7 +272,7 @@ class Rules:
 
     def length(self, row: Row, counts: Counts) -> int:
         """The completion's length in the configured unit (characters when tokens are missing)."""
-        completion = _text(row.data.get("completion"))
+        completion = completion_text(row.data)
         if self.cfg.length_unit == "tokens":
             usage = row.data.get("usage")
             tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.stage import at_stage_end
-from stages.lib.prompt import Prompt, format_prompt
+from stages.lib.prompt import Prompt, prompt_ids
 
 log = logging.getLogger("pipe.stages.lib.generate")
 
@@ -132,8 +132,7 @@ def generate_with(
     """
     import torch
 
-    texts = [format_prompt(tokenizer, p) for p in prompts]
-    encoded = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    encoded = [prompt_ids(tokenizer, p) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     per_batch = max(1, batch_size // num_samples)
     rng = torch.Generator(device=model.device).manual_seed(seed)

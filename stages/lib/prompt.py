@@ -17,6 +17,7 @@ token, generation continues from it. Tokenize its output with
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
@@ -33,11 +34,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
-Prompt = str | Sequence[dict[str, str]]
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    """A prompt already as token ids (a multi-turn episode's conversation so far, exactly as
+    the model saw and wrote it: no re-tokenisation between turns)."""
+
+    ids: tuple[int, ...]
+
+
+Prompt = str | Sequence[dict[str, str]] | TokenPrompt
 
 
 def as_messages(prompt: Prompt) -> list[dict[str, str]]:
     """A prompt as chat messages: a string becomes a single user message."""
+    if isinstance(prompt, TokenPrompt):
+        raise TypeError("a prompt of token ids has no messages")
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     return [dict(m) for m in prompt]
@@ -49,3 +61,31 @@ def format_prompt(tokenizer: Any, prompt: Prompt) -> str:
         as_messages(prompt), tokenize=False, add_generation_prompt=True
     )
     return str(text)
+
+
+def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """The token ids a model sees before its answer (a `TokenPrompt` as it is)."""
+    if isinstance(prompt, TokenPrompt):
+        return list(prompt.ids)
+    text = format_prompt(tokenizer, prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def continuation_ids(
+    tokenizer: Any, messages: Sequence[dict[str, str]], new: Sequence[dict[str, str]]
+) -> list[int]:
+    """The tokens that follow a finished assistant turn when `new` messages (an environment's
+    observation) are appended and the model is to answer again: the chat template's text of
+    `messages + new` (with the generation prompt) past that of `messages` alone. A template
+    whose rendering of the longer conversation does not extend the shorter one's (some strip
+    earlier turns' reasoning) falls back to `new` rendered on its own, without the BOS."""
+    before = str(tokenizer.apply_chat_template(list(messages), tokenize=False))
+    after = format_prompt(tokenizer, [*messages, *new])
+    if after.startswith(before):
+        delta = after[len(before) :]
+    else:
+        delta = format_prompt(tokenizer, list(new))
+        bos = getattr(tokenizer, "bos_token", None)
+        if bos and delta.startswith(bos):
+            delta = delta[len(bos) :]
+    return list(tokenizer(delta, add_special_tokens=False)["input_ids"])

@@ -29,6 +29,7 @@ from stages.lib.config import (
     derive_backend,
 )
 from stages.lib.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
+from stages.lib.env_config import EnvironmentConfig, check_environment
 
 
 class RLConfig(StageConfig):
@@ -60,6 +61,10 @@ class RLConfig(StageConfig):
         description="The policy to start from: a checkpoint directory, '@stage', a hub id, or a tiny model spec.",
     )
     verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
+    environment: EnvironmentConfig | None = Field(
+        None,
+        description="A multi-turn environment each episode talks to (README, Environments); none: one turn scored by the verifier.",
+    )
     backend: Backend = Field(
         default_factory=lambda: LocalBackend(kind="local", batch_size=256),
         description="The rollout engine: local (in the stage's process) or vllm (servers on the vllm role's devices); weights synced from the actor.",
@@ -244,7 +249,16 @@ class RLConfig(StageConfig):
             )
         out += self._check_sync(ctx) + self._note_sleep(ctx)
         # refusals of the run path known from the config alone (tests/unit/test_refusals.py)
-        out += check_verifier(self.verifier, ctx)
+        out += check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
+        if self.environment is not None and self.algorithm == "ppo":
+            out.append(
+                ctx.error(
+                    "environment.kind" if self.environment.kind else "environment.url",
+                    f"multi-turn episodes train with GRPO only; algorithm is ppo "
+                    f"({ctx.source('algorithm')}), whose critic would value observation tokens "
+                    "the model did not write: use algorithm grpo, or leave environment out",
+                )
+            )
         return out
 
     def _note_sleep(self, ctx: ResolveContext) -> list[Diagnostic]:

@@ -80,7 +80,7 @@ class Actor:
                 step_stats, norm = self._update(chunk)
                 for k, v in step_stats.items():
                     totals[k] += v
-                tokens += sum(s.completion_len for s in chunk)
+                tokens += sum(s.trained_len for s in chunk)
                 updates += 1
                 if norm is not None:
                     norms.append(norm)
@@ -104,9 +104,9 @@ class Actor:
         import torch
 
         from stages.rl.logprobs import completion_logprobs
-        from stages.rl.loss import clipped_policy_loss, kl_k3
+        from stages.rl.loss import masked_policy_terms
 
-        norm = sum(s.completion_len for s in chunk)  # the step's tokens, over all ranks
+        norm = sum(s.trained_len for s in chunk)  # the step's trained tokens, over all ranks
         micros = self._micros(chunk)
         sums = torch.zeros(4, dtype=torch.float64)
         for i, planned in enumerate(micros):
@@ -128,19 +128,20 @@ class Actor:
                 [a for s in micro for a in (s.advantages or [s.advantage] * s.completion_len)],
                 device=self.device,
             )
-            pg, clipped = clipped_policy_loss(new_t, old, adv, self.cfg.eps_clip)
-            loss = pg.sum()
-            kl = torch.zeros((), device=self.device)
-            if self.cfg.kl_coef > 0 and self.cfg.algorithm == "grpo":  # ppo: in the reward
-                kl = kl_k3(new_t, self._reference(micro)).sum()
-                loss = loss + self.cfg.kl_coef * kl
+            # observation tokens of a multi-turn episode carry no loss and no KL
+            mask = torch.tensor([m for s in micro for m in s.loss_mask()], device=self.device)
+            with_kl = self.cfg.kl_coef > 0 and self.cfg.algorithm == "grpo"  # ppo: in the reward
+            ref = self._reference(micro) if with_kl else None
+            loss, kl, clipped = masked_policy_terms(
+                new_t, old, adv, mask, self.cfg.eps_clip, ref, self.cfg.kl_coef
+            )
             self.trainer.backward(loss * weight)
-            n = float(new_t.numel()) if planned else 0.0
+            n = float(mask.sum()) if planned else 0.0
             sums += torch.tensor(
                 [
                     loss.item() * (n > 0),
                     kl.item() * (n > 0),
-                    clipped.sum().item() * (n > 0),
+                    clipped.item() * (n > 0),
                     float(ent or 0.0) * n,
                 ],
                 dtype=torch.float64,

@@ -39,10 +39,20 @@ class Sample:
     old_values: tuple[float, ...] = ()  # PPO: the critic's values when sampled
     reward: float = 0.0  # the verifier's
     ref_logprobs: tuple[float, ...] = ()  # the reference's, when the ref role's ranks scored it
+    mask: tuple[int, ...] = ()  # per completion token: 1 the model's, 0 an observation's; () all 1
 
     @property
     def completion_len(self) -> int:
         return len(self.ids) - self.prompt_len
+
+    @property
+    def trained_len(self) -> int:
+        """The completion tokens that carry loss: the model's own (not an observation's)."""
+        return sum(self.mask) if self.mask else self.completion_len
+
+    def loss_mask(self) -> list[float]:
+        """1.0 per completion token the loss covers, 0.0 per observation token."""
+        return [float(m) for m in self.mask] if self.mask else [1.0] * self.completion_len
 
 
 def _gather(
@@ -83,9 +93,11 @@ def completion_logprobs(
     logits = out.logits[r, c - start]
     lp = token_logprobs(logits, ids[r, c + 1], temperature)
     ent = None
-    if with_entropy:
+    if with_entropy:  # over the tokens the loss covers (not an observation's)
         with torch.no_grad():
-            ent = entropy(logits.detach(), temperature).mean()
+            weights = torch.tensor([m for s in samples for m in s.loss_mask()], device=lp.device)
+            per_token = entropy(logits.detach(), temperature)
+            ent = (per_token * weights).sum() / weights.sum().clamp(min=1.0)
     sizes = [s.completion_len for s in samples]
     return list(torch.split(lp, sizes)), ent
 

@@ -43,6 +43,9 @@ class Batch:
     gen_s: float
     version: int
     tokens: int
+    turns: float = 1.0  # mean model turns per episode
+    failed: int = 0  # episodes the environment broke
+    solved: float = 0.0  # share of episodes with a turn earning the full reward
 
 
 class Controller(Protocol):
@@ -53,6 +56,7 @@ class Controller(Protocol):
     dir: str
     total: int
     version: int
+    first_turn: float | None  # the latest held-out evaluation's first-turn share
     sleeps: bool
     channel: StageEnd
     critic: StageEnd | None
@@ -165,9 +169,12 @@ def _row(
         "version": batch.version,
         "staleness": stale,
         "prompts": batch.indices,
-        "reward_mean": sum(flat) / len(flat),
+        "reward_mean": sum(flat) / len(flat) if flat else 0.0,
         "reward_std": statistics.pstdev(flat) if len(flat) > 1 else 0.0,
-        "accuracy": sum(r >= 1.0 for r in flat) / len(flat),
+        "accuracy": sum(r >= 1.0 for r in flat) / len(flat) if flat else 0.0,
+        "solved": round(batch.solved, 4),
+        "turns_mean": round(batch.turns, 3),
+        "episodes_failed": batch.failed,
         "groups_kept": batch.kept,
         "groups_dropped_frac": 1 - batch.kept / groups if groups else 0.0,
         "samples_trained": len(batch.samples),
@@ -188,6 +195,7 @@ def _row(
         "probe_logprob": sync["probe_logprob"],  # the engine's, after the sync
         "tokens_per_s": round(batch.tokens / max(batch.gen_s, 1e-9), 1),
         "eval_accuracy": held_out,
+        "eval_first_turn": c.first_turn if held_out is not None else None,
     }
 
 

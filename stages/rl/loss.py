@@ -67,3 +67,24 @@ def kl_k3(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """k3 estimate of KL(policy || reference) per token."""
     delta = ref - new
     return torch.exp(delta) - delta - 1.0
+
+
+def masked_policy_terms(
+    new: torch.Tensor,
+    old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float,
+    ref: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A micro batch's summed loss (clipped surrogate plus `kl_coef` x k3 KL to `ref`), its
+    summed KL and clipped-token count, over the tokens `mask` covers (1.0): a multi-turn
+    episode's observation tokens (0.0) carry no loss, no KL and no gradient."""
+    pg, clipped = clipped_policy_loss(new, old, advantages, eps_clip)
+    loss = (pg * mask).sum()
+    kl = torch.zeros((), device=new.device)
+    if ref is not None:
+        kl = (kl_k3(new, ref) * mask).sum()
+        loss = loss + kl_coef * kl
+    return loss, kl, (clipped * mask).sum()

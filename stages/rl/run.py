@@ -63,7 +63,7 @@ class Controller:
     def __init__(self, cfg: RLConfig, ctx: StageContext) -> None:
         import torch
 
-        from stages.lib.verify import make_verifier
+        from stages.lib.environment import environment_factory
 
         torch.set_num_threads(cfg.num_threads)
         self.cfg, self.ctx = cfg, ctx
@@ -76,7 +76,7 @@ class Controller:
         self.evals: Prompts | None = (
             load_prompts(cfg.eval_input, cfg.eval_limit) if cfg.eval_input else None
         )
-        self.verify = make_verifier(cfg.verifier)
+        self.make_env = environment_factory(cfg.environment, cfg.verifier)
         self.stream = Stream(len(self.data.rows), cfg.rollout_batch_size, cfg.seed)
         self.total = cfg.max_steps or cfg.max_epochs * self.stream.steps_per_epoch
         self.how: dict[str, tuple[str, str]] = {}
@@ -89,6 +89,7 @@ class Controller:
         self.engine: Any = None
         self.engine_sleeps = self.engine_asleep = False
         self.version = 0
+        self.first_turn: float | None = None
 
     # --- preparation ----------------------------------------------------------------
     def _model_dir(self) -> str:
@@ -97,10 +98,11 @@ class Controller:
         path = f"{self.dir}/init_model"
         if not os.path.exists(f"{path}/config.json"):
             from stages.lib.model import build_tiny_model
+            from stages.lib.prompt import as_messages
 
             texts: list[str] = []
             for p in self.data.prompts:
-                texts += [p] if isinstance(p, str) else [m["content"] for m in p]
+                texts += [p] if isinstance(p, str) else [m["content"] for m in as_messages(p)]
             texts += [str(r.get(self.cfg.verifier.answer_field, "")) for r in self.data.rows]
             build_tiny_model(self.cfg.model, texts, path, seed=self.cfg.seed)
         return path
@@ -325,26 +327,16 @@ class Controller:
         }
 
     def evaluate(self) -> float | None:
-        if self.evals is None:
-            return None
-        gens = self.engine.generate(
-            self.evals.prompts,
-            num_samples=1,
-            temperature=0.0,
-            max_new_tokens=self.cfg.max_output_tokens,
-            seed=0,
-            batch_size=256,
-        )
-        scores = [
-            float(self.verify(row, g[0].text)) for row, g in zip(self.evals.rows, gens, strict=True)
-        ]
-        return sum(s >= 1.0 for s in scores) / len(scores)
+        from stages.rl.rollout import held_out
+
+        return held_out(self) if self.evals is not None else None
 
     def run(self) -> dict[str, Any]:
         began = time.perf_counter()
         start = self._start()
         write_settings(f"{self.dir}/settings.json", self.cfg, self.how)
         first_eval = self.evaluate() if start == 0 else None
+        first_turn_start = self.first_turn
         records = run_steps(self, start, first_eval)
         self.request("final")
         self.request("stop")
@@ -371,6 +363,8 @@ class Controller:
             if first_eval is not None
             else (evals[0] if evals else None),
             "eval_accuracy_end": evals[-1] if evals else None,
+            "eval_first_turn_start": first_turn_start,  # beside them (multi-turn episodes)
+            "eval_first_turn_end": self.first_turn,
             "seconds": round(time.perf_counter() - began, 2),
             "seconds_per_step": round(sum(r["step_s"] for r in records) / max(len(records), 1), 4),
             "sync_backend": self.sync_kind,

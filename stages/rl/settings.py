@@ -42,7 +42,8 @@ def account(
         else (S, "no held-out prompts given"),
         "output": (A, "the final checkpoint"),
         "model": (A, "the actor's and the engine's starting weights"),
-        "verifier": (A, f"scores every sample ({cfg.verifier.kind})"),
+        "verifier": _verifier(cfg),
+        "environment": _environment(cfg),
         "backend": _backend(cfg, device, engines),
         "num_repeats": (A, "samples per prompt (the group)"),
         "rollout_batch_size": (A, "prompts per step"),
@@ -209,3 +210,23 @@ def _kl(coef: float, algorithm: str) -> tuple[str, str]:
     if algorithm == "ppo":
         return A, "KL to a frozen reference in every token's reward"
     return A, "k3 KL to a frozen reference in the actor's loss"
+
+
+def _verifier(cfg: RLConfig) -> tuple[str, str]:
+    env = cfg.environment
+    if env is not None and (env.url or (env.kind and ":" in env.kind)):
+        return S, "the environment scores its own episodes"
+    return A, f"scores every sample ({cfg.verifier.kind})"
+
+
+def _environment(cfg: RLConfig) -> tuple[str, str]:
+    from stages.lib.environment import max_turns
+
+    env = cfg.environment
+    if env is None:
+        return S, "none: each sample is one turn scored by the verifier"
+    what = env.url or env.kind
+    return A, (
+        f"each sample is an episode with {what}, at most {max_turns(env)} turns; the loss "
+        "covers the model's own tokens only"
+    )

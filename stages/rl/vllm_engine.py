@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from engine.stage import visible_names
 from stages.lib.config import VLLMBackend
 from stages.lib.generate import Generation
-from stages.lib.prompt import Prompt, format_prompt
+from stages.lib.prompt import Prompt, prompt_ids
 from stages.rl.logprobs import Sample
 
 if TYPE_CHECKING:
@@ -304,14 +304,7 @@ class VLLMEngine:
     ) -> list[list[Generation]]:
         """`num_samples` answers per prompt with token ids and, when sampling, the sampling
         distribution's log-probabilities (`batch_size` is the servers' business here)."""
-        encoded = [
-            list(
-                self.tokenizer(format_prompt(self.tokenizer, p), add_special_tokens=False)[
-                    "input_ids"
-                ]
-            )
-            for p in prompts
-        ]
+        encoded = [prompt_ids(self.tokenizer, p) for p in prompts]
 
         def one(i: int) -> list[Generation]:
             body: dict[str, Any] = {
@@ -333,7 +326,7 @@ class VLLMEngine:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return list(pool.map(one, range(len(prompts))))
 
-    def _generation(self, choice: dict[str, Any], prompt_ids: list[int]) -> Generation:
+    def _generation(self, choice: dict[str, Any], prompt: list[int]) -> Generation:
         ids = [int(t) for t in choice.get("token_ids") or []]
         eos = self.tokenizer.eos_token_id
         stopped = choice.get("finish_reason") == "stop"
@@ -343,11 +336,11 @@ class VLLMEngine:
         return Generation(
             text=choice.get("text", ""),
             finish_reason="stop" if stopped else "length",
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=len(prompt),
             completion_tokens=len(ids),
             token_ids=tuple(ids),
             logprobs=tuple(float(x) for x in lps[: len(ids)]),
-            prompt_ids=tuple(prompt_ids),
+            prompt_ids=tuple(prompt),
         )
 
     # --- weights ----------------------------------------------------------------------

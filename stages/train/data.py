@@ -1,15 +1,22 @@
 """Training rows -> tokenized examples: prompts, targets, DPO pairs, response-only labels.
 
 Input: JSONL rows, either rollouts from collect/filter (`messages` or `prompt`,
-plus `completion` and `reward`, `prompt_idx`, `sample_idx`) or dataset prompt
-rows (`prompt` or `messages`, plus `answer`).
+plus `completion` and `reward`, `prompt_idx`, `sample_idx`), conversations (a
+`messages` list ending with an assistant turn and no `completion`: collect's
+episode rows, or chat data), or dataset prompt rows (`prompt` or `messages`, plus
+`answer`).
 Output: `Example`s, each the token ids of one sequence (prompt, then response,
 then the tokenizer's end-of-sequence token) and the prompt's length; the loss
-is taken on the response tokens only. For `algorithm: dpo`, `dpo_pairs` names
-the (chosen, rejected) rows.
+is taken on the response tokens only. A conversation trains on every assistant
+turn (its content and end-of-sequence token); the system, user and environment
+messages between them are masked out like a prompt. For `algorithm: dpo`,
+`dpo_pairs` names the (chosen, rejected) rows. A failed episode (`end: failed`)
+is left out: its conversation broke off.
 
 The prompt goes through the shared chat template (`stages.lib.prompt.format_prompt`),
-so training sees exactly the text generation will continue from.
+so training sees exactly the text generation will continue from; the messages
+between two assistant turns are the template's text between them
+(`stages.lib.prompt.continuation_ids`), as the model saw them when it answered.
 """
 
 from __future__ import annotations
@@ -26,28 +33,50 @@ class DataError(ValueError):
     """A training row that cannot be used, named by its line in the input file."""
 
 
+Messages = list[dict[str, str]]
+
+
 @dataclass(frozen=True)
 class Sample:
-    """One training text pair before tokenization."""
+    """One training text pair before tokenization; a conversation's later assistant turns,
+    each with the messages before it since the previous one, follow in `later`."""
 
-    prompt: str | list[dict[str, str]]
+    prompt: str | Messages
     target: str
+    later: tuple[tuple[Messages, str], ...] = ()
+
+    def texts(self) -> list[str]:
+        """Every text in the sample (to train a fresh tokenizer on)."""
+        out = [self.prompt] if isinstance(self.prompt, str) else [m["content"] for m in self.prompt]
+        out.append(self.target)
+        for between, turn in self.later:
+            out += [m["content"] for m in between] + [turn]
+        return out
 
 
 @dataclass(frozen=True)
 class Example:
-    """One tokenized sequence: prompt tokens, then response tokens ending with EOS."""
+    """One tokenized sequence: prompt tokens, then response tokens ending with EOS; a
+    conversation's trained [start, end) token ranges (its assistant turns) in `spans`."""
 
     input_ids: tuple[int, ...]
     prompt_len: int
+    spans: tuple[tuple[int, int], ...] = ()  # empty: one response, prompt_len to the end
+
+    def trained(self) -> tuple[tuple[int, int], ...]:
+        """The [start, end) ranges of tokens the loss is taken on."""
+        return self.spans or ((self.prompt_len, len(self.input_ids)),)
 
     @property
     def response_len(self) -> int:
-        return len(self.input_ids) - self.prompt_len
+        return sum(end - start for start, end in self.trained())
 
     def labels(self) -> list[int]:
-        """Token ids to predict, -100 on the prompt (masked out of the loss)."""
-        return [-100] * self.prompt_len + list(self.input_ids[self.prompt_len :])
+        """Token ids to predict, -100 elsewhere (the prompt, a conversation's other turns)."""
+        out = [-100] * len(self.input_ids)
+        for start, end in self.trained():
+            out[start:end] = self.input_ids[start:end]
+        return out
 
 
 def read_rows(path: str) -> list[Row]:
@@ -57,13 +86,33 @@ def read_rows(path: str) -> list[Row]:
     return list(read_jsonl(path, DataError))
 
 
-def prompt_of(row: Row) -> str | list[dict[str, str]]:
+def _messages(value: list[Any]) -> Messages:
+    return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+
+
+def is_conversation(row: Row) -> bool:
+    """A row whose `messages` end with an assistant turn and that has no `completion`."""
+    messages = row.get("messages")
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and messages[-1].get("role") == "assistant"
+        and "completion" not in row
+    )
+
+
+def failed_episode(row: Row) -> bool:
+    """An episode whose environment broke (collect wrote it with `end: failed`)."""
+    return row.get("end") == "failed" and "turns" in row
+
+
+def prompt_of(row: Row) -> str | Messages:
     """The row's prompt: its chat `messages` (without a trailing assistant turn), or `prompt`."""
     messages = row.get("messages")
     if isinstance(messages, list) and messages:
-        if messages[-1].get("role") == "assistant" and "completion" not in row:
+        if is_conversation(row):
             messages = messages[:-1]
-        return [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+        return _messages(messages)
     prompt = row.get("prompt")
     if isinstance(prompt, str):
         return prompt
@@ -84,12 +133,39 @@ def target_of(row: Row, target: str) -> str:
     raise DataError("has no 'completion' (target: completion; use target: answer for gold answers)")
 
 
+def conversation_sample(messages: list[Any]) -> Sample:
+    """A conversation as a `Sample`: the messages before its first assistant turn are the
+    prompt, that turn the target, and every later assistant turn follows with the messages
+    before it since the previous one."""
+    first = next(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+    turns: list[tuple[Messages, str]] = []
+    between: Messages = []
+    for m in _messages(messages[first + 1 :]):
+        if m["role"] == "assistant":
+            turns.append((between, m["content"]))
+            between = []
+        else:
+            between.append(m)
+    head = _messages(messages[: first + 1])
+    return Sample(head[:-1], head[-1]["content"], tuple(turns))
+
+
+def sample_of(row: Row, target: str) -> Sample:
+    """The row as a `Sample` (a conversation, with target completion, with all its turns)."""
+    if target == "completion" and is_conversation(row):
+        return conversation_sample(row["messages"])
+    return Sample(prompt_of(row), target_of(row, target))
+
+
 def samples_of(rows: Sequence[Row], target: str, path: str = "input") -> list[Sample]:
-    """One `Sample` per row; a row that lacks a field raises `DataError` naming it."""
+    """One `Sample` per row, failed episodes left out; a row that lacks a field raises
+    `DataError` naming it."""
     out = []
     for i, row in enumerate(rows):
+        if failed_episode(row):
+            continue
         try:
-            out.append(Sample(prompt_of(row), target_of(row, target)))
+            out.append(sample_of(row, target))
         except DataError as e:
             raise DataError(f"{path}: row {i + 1} {e}") from None
     return out
@@ -101,6 +177,13 @@ def _group_key(row: Row) -> str:
     return "prompt:" + json.dumps(prompt_of(row), sort_keys=True)
 
 
+def _answer_text(row: Row) -> str:
+    """A rollout's completion, or a conversation's messages (to tell two answers apart)."""
+    if isinstance(row.get("completion"), str):
+        return str(row["completion"])
+    return json.dumps(row.get("messages"), sort_keys=True)
+
+
 def dpo_pairs(rows: Sequence[Row]) -> list[tuple[int, int]]:
     """(chosen, rejected) row indices: rollouts of one prompt whose rewards differ.
 
@@ -109,9 +192,13 @@ def dpo_pairs(rows: Sequence[Row]) -> list[tuple[int, int]]:
     reward (highest first, then `sample_idx`, then file order) and every
     higher-rewarded one is paired with every lower-rewarded one; pairs whose two
     completions are the same text, and repeated (chosen, rejected) texts, are skipped.
+    Episodes pair the same way (by total reward; whole conversations compared), failed
+    ones left out.
     """
     groups: dict[str, list[int]] = {}
     for i, row in enumerate(rows):
+        if failed_episode(row):
+            continue
         if not isinstance(row.get("reward"), int | float):
             raise DataError(f"row {i + 1} has no numeric 'reward' (algorithm: dpo)")
         groups.setdefault(_group_key(row), []).append(i)
@@ -125,7 +212,7 @@ def dpo_pairs(rows: Sequence[Row]) -> list[tuple[int, int]]:
             for rejected in ranked[a + 1 :]:
                 if float(rows[chosen]["reward"]) <= float(rows[rejected]["reward"]):
                     continue
-                texts = (str(rows[chosen]["completion"]), str(rows[rejected]["completion"]))
+                texts = (_answer_text(rows[chosen]), _answer_text(rows[rejected]))
                 if texts[0] == texts[1] or texts in seen:
                     continue
                 seen.add(texts)
@@ -134,11 +221,12 @@ def dpo_pairs(rows: Sequence[Row]) -> list[tuple[int, int]]:
 
 
 def tokenize(samples: Sequence[Sample], tokenizer: Any, max_length: int) -> list[Example]:
-    """Token ids of `format_prompt(prompt) + target + EOS`, cut to `max_length` tokens.
+    """Token ids of `format_prompt(prompt) + target + EOS` (a conversation's later turns
+    after it: the template's text up to each, then the turn + EOS), cut to `max_length` tokens.
 
-    A sequence longer than `max_length` loses the end of its response; one whose
-    prompt alone fills `max_length` keeps no response token (`response_len == 0`)
-    and is left out of training by the caller.
+    A sequence longer than `max_length` loses its end; one whose prompt alone fills
+    `max_length` keeps no response token (`response_len == 0`) and is left out of
+    training by the caller.
     """
     from stages.lib.prompt import format_prompt
 
@@ -151,10 +239,34 @@ def tokenize(samples: Sequence[Sample], tokenizer: Any, max_length: int) -> list
     p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     t_ids = tokenizer([s.target for s in samples], add_special_tokens=False)["input_ids"]
     out = []
-    for p, t in zip(p_ids, t_ids, strict=True):
-        ids = (list(p) + list(t) + [eos])[:max_length]
-        out.append(Example(tuple(ids), min(len(p), len(ids))))
+    for sample, p, t in zip(samples, p_ids, t_ids, strict=True):
+        ids = list(p) + list(t) + [eos]
+        if not sample.later:
+            ids = ids[:max_length]
+            out.append(Example(tuple(ids), min(len(p), len(ids))))
+            continue
+        first = (len(p), len(ids))  # before _later_ids extends ids
+        spans = [first, *_later_ids(sample, tokenizer, ids, eos)]
+        ids = ids[:max_length]
+        cut = tuple((a, min(b, len(ids))) for a, b in spans if a < len(ids))
+        out.append(Example(tuple(ids), min(len(p), len(ids)), cut or ((len(ids), len(ids)),)))
     return out
+
+
+def _later_ids(sample: Sample, tokenizer: Any, ids: list[int], eos: int) -> list[tuple[int, int]]:
+    """Append a conversation's later turns to `ids` (the template's text before each turn,
+    then the turn and EOS); returns each turn's [start, end) range."""
+    from stages.lib.prompt import as_messages, continuation_ids
+
+    history = [*as_messages(sample.prompt), {"role": "assistant", "content": sample.target}]
+    spans = []
+    for between, turn in sample.later:
+        ids += continuation_ids(tokenizer, history, between)
+        start = len(ids)
+        ids += [*tokenizer(turn, add_special_tokens=False)["input_ids"], eos]
+        spans.append((start, len(ids)))
+        history += [*between, {"role": "assistant", "content": turn}]
+    return spans
 
 
 @dataclass(frozen=True)
@@ -163,7 +275,7 @@ class TrainingSet:
 
     examples: list[Example]
     units: list[tuple[int, ...]]
-    dropped: int  # rows (SFT) or pairs (DPO) whose prompt alone filled max_length
+    dropped: int  # failed episodes, and rows (SFT) or pairs (DPO) whose prompt filled max_length
 
 
 def training_set(
@@ -186,4 +298,4 @@ def training_set(
         return TrainingSet(seqs, units, len(pairs) - len(kept))
     examples = tokenize(samples_of(rows, target), tokenizer, max_length)
     seqs = [ex for ex in examples if ex.response_len > 0]
-    return TrainingSet(seqs, [(i,) for i in range(len(seqs))], len(examples) - len(seqs))
+    return TrainingSet(seqs, [(i,) for i in range(len(seqs))], len(rows) - len(seqs))

@@ -70,10 +70,11 @@ def collate(micro: Micro, examples: Sequence[Example], pad_id: int, packed: bool
             pos[r, at : at + length] = torch.arange(length)
             mask[r, at : at + length] = 1
             if not micro.dummy:
-                # position t predicts token t+1: response tokens are predicted from prompt_len-1 on
-                targets[r, at + ex.prompt_len - 1 : at + length - 1] = torch.tensor(
-                    ex.input_ids[ex.prompt_len :]
-                )
+                # position t predicts token t+1: a trained token at t+1 is the target at t
+                for start, end in ex.trained():
+                    targets[r, at + start - 1 : at + end - 1] = torch.tensor(
+                        ex.input_ids[start:end]
+                    )
             slots[r, at : at + length] = len(seqs)
             seqs.append(s)
             at += length

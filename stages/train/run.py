@@ -66,9 +66,7 @@ def _texts(rows: list[dict[str, Any]], cfg: TrainConfig) -> list[str]:
     """Prompts and targets as plain text, to train a fresh tokenizer on."""
     out = []
     for s in samples_of(rows, cfg.target if cfg.algorithm == "sft" else "completion"):
-        prompt = s.prompt if isinstance(s.prompt, str) else [m["content"] for m in s.prompt]
-        out.extend([prompt] if isinstance(prompt, str) else prompt)
-        out.append(s.target)
+        out.extend(s.texts())
     return out
 
 

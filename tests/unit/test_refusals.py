@@ -2,7 +2,8 @@
 
 The test walks (with `ast`) every `raise` of an exception built with a message in
 `stages/**/*.py` outside the plan side (each kind's config module `stages/<kind>/__init__.py`
-and the shared rule modules `stages/lib/config.py`, `stages/lib/ds_config.py`, whose errors
+and the shared rule modules `stages/lib/config.py`, `stages/lib/ds_config.py`,
+`stages/lib/env_config.py`, whose errors
 are plan-time errors already) and outside `stages/collect/tune/` (the `pipe tune` command,
 whose own refusals are located errors before it measures anything). Each raise site must
 be in REFUSALS, keyed by its file and the start of its message (an f-string's placeholders
@@ -34,7 +35,7 @@ import pytest
 from tests.conftest import ROOT, run_cli
 
 Kind = Literal["plan", "data", "environment", "internal", "transient"]
-PLAN_SIDE = ("stages/lib/config.py", "stages/lib/ds_config.py")
+PLAN_SIDE = ("stages/lib/config.py", "stages/lib/ds_config.py", "stages/lib/env_config.py")
 NOT_RUN_PATH = ("stages/collect/tune/",)
 
 
@@ -270,6 +271,94 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ),
     ("stages/lib/trainer.py", "deepspeed could not load the checkpoint"): data(
         "a checkpoint on disk that DeepSpeed cannot read"
+    ),
+    ("stages/evaluate/episodes.py", "evaluate: an environment's episodes are "): plan(
+        Case(
+            """\
+            name: p
+            stages:
+              e: {kind: evaluate, config: {input: x.jsonl, environment: {kind: retry}, backend: {kind: openai, base_url: "http://h/v1", model: m, endpoint: completions}}}
+            """,
+            (
+                "p.yaml:3:145: stages.e.config.backend.endpoint: an environment's episodes are "
+                "conversations, sent to the chat endpoint: set it to 'chat'",
+            ),
+        )
+    ),
+    ("stages/evaluate/episodes.py", "unreachable"): internal(
+        "the retry loop returns or raises on its last attempt"
+    ),
+    # --- environments (an episode's failure is counted; only the share ends a stage) -------
+    ("stages/lib/environment.py", "{} took longer than {} s"): data(
+        "a user's environment hanging: fails its episode, counted against max_failed_share"
+    ),
+    ("stages/lib/environment.py", "{} raised {}: {}"): data(
+        "a user's environment raising: fails its episode, counted against max_failed_share"
+    ),
+    ("stages/lib/environment.py", "{} returned {}: expected a list of"): data(
+        "what a user's environment returns is known only when it runs: fails its episode"
+    ),
+    ("stages/lib/environment.py", "step returned {}: expected (reward"): data(
+        "what a user's environment returns is known only when it runs: fails its episode"
+    ),
+    ("stages/lib/environment.py", "step returned the reward {}: expected a "): data(
+        "what a user's environment returns is known only when it runs: fails its episode"
+    ),
+    ("stages/lib/environment.py", "step returned done={}"): data(
+        "what a user's environment returns is known only when it runs: fails its episode"
+    ),
+    ("stages/lib/environment.py", "reset returned no messages"): data(
+        "what a user's environment returns is known only when it runs: fails its episode"
+    ),
+    ("stages/lib/environment.py", "environment: 'max_turns' is required"): plan(
+        Case(
+            """\
+            name: p
+            stages:
+              r: {kind: rl, config: {input: x.jsonl, environment: {kind: "json:JSONDecoder"}}}
+            """,
+            (
+                "p.yaml:3:62: stages.r.config.environment.kind: an environment of your own "
+                "(kind 'module:Class' or url) needs 'max_turns': it decides when an episode is "
+                "done, so the stage needs a bound",
+            ),
+        )
+    ),
+    ("stages/lib/environment.py", "environment '{}': cannot load it"): plan(
+        Case(
+            """\
+            name: p
+            stages:
+              r: {kind: rl, config: {input: x.jsonl, environment: {kind: "nomod:Env", max_turns: 2}}}
+            """,
+            (
+                "p.yaml:3:62: stages.r.config.environment.kind: environment 'nomod:Env': no "
+                "module named 'nomod'",
+            ),
+        ),
+        "a module that is found but fails while importing, or lacks the class, is known only "
+        "by importing user code",
+    ),
+    ("stages/lib/environment.py", "environment '{}': cannot build it with config"): environment(
+        "whether Class(**config) accepts the options is known only by running user code"
+    ),
+    ("stages/lib/environment.py", "{}: {} of {} episodes failed"): data(
+        "more episodes failed than environment.max_failed_share allows: known as they run"
+    ),
+    ("stages/lib/environments.py", "the row has neither 'messages' nor"): data(
+        "a prompt row without a prompt: fails its episode"
+    ),
+    ("stages/lib/environments.py", "exponent too large"): data(
+        "the calculator's answer to the model's expression (an observation, not an error)"
+    ),
+    ("stages/lib/environments.py", "unsupported: {}"): data(
+        "the calculator's answer to the model's expression (an observation, not an error)"
+    ),
+    ("stages/lib/environments.py", "{}/{} answered HTTP {}: {}"): transient(
+        "the environment's server: fails its episode, counted against max_failed_share"
+    ),
+    ("stages/lib/prompt.py", "a prompt of token ids has no messages"): internal(
+        "token prompts are built by the rl stage's episodes, which never ask for messages"
     ),
     ("stages/lib/verify.py", "the row has no field"): data("a prompt row without its answer field"),
     ("stages/lib/verify.py", "verifier '{}' is not callable"): environment(

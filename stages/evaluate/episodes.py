@@ -1,0 +1,221 @@
+"""The evaluate stage's multi-turn path: each checkpoint plays episodes in the environment.
+
+Input: a resolved `EvaluateConfig` with an `environment`, the stage's context (its
+devices) and a way to open a checkpoint's HTTP endpoint (vllm, openai), then per
+checkpoint its path, display name and the held-out rows.
+Output, per checkpoint: whether each episode was solved (per row, per sample: what
+pass@k counts), the report fields that differ from the one-turn path (`accuracy`,
+`mean_reward`) or add to it (`first_turn_accuracy`, `mean_turns`, `mean_total_reward`,
+`failed_episodes`), and one `generations.jsonl` row per episode (`Episode.record()` with
+the checkpoint, `prompt_idx`, `sample_idx` and the row's `answer`).
+
+`num_samples` episodes per row (one at temperature 0, as in the one-turn path). The
+`local` backend loads the checkpoint once and answers every turn's open conversations in
+one batched call (`play_batched`), each rendered with the shared chat template; `vllm` and
+`openai` send each conversation to the chat endpoint, every episode on its own,
+`environment.concurrency` at once, each request seeded per (row, sample, turn) and retried
+with backoff as the one-turn path's are. An episode the environment breaks is recorded
+with its reason; above `environment.max_failed_share` of a checkpoint's episodes the
+stage fails (`check_failures`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from stages.lib.config import LocalBackend, OpenAIBackend
+from stages.lib.environment import (
+    Episode,
+    Messages,
+    check_failures,
+    environment_factory,
+    max_turns,
+    open_episode,
+)
+from stages.lib.episodes import play_batched, play_one, summary
+
+if TYPE_CHECKING:
+    from engine.stage import StageContext
+    from stages.evaluate import EvaluateConfig
+    from stages.lib.backends import Endpoint
+    from stages.lib.client import OpenAIClient
+
+log = logging.getLogger("pipe.stages.evaluate")
+
+MAX_RETRIES, BACKOFF_S = 4, 0.5
+OpenEndpoint = Callable[[str], AbstractContextManager["Endpoint"]]
+Scored = tuple[list[list[float]], dict[str, Any], list[dict[str, Any]]]
+
+
+class Play:
+    """Plays and scores one checkpoint's episodes; built once per stage run."""
+
+    def __init__(
+        self, cfg: EvaluateConfig, ctx: StageContext | None, endpoint: OpenEndpoint
+    ) -> None:
+        assert cfg.environment is not None
+        backend = cfg.backend
+        if isinstance(backend, OpenAIBackend) and backend.endpoint != "chat":
+            raise ValueError(
+                "evaluate: an environment's episodes are conversations, sent to the chat "
+                f"endpoint: set 'backend.endpoint' to 'chat', found '{backend.endpoint}'"
+            )
+        self.cfg, self.env, self.ctx, self.endpoint = cfg, cfg.environment, ctx, endpoint
+        self.make_env = environment_factory(cfg.environment, cfg.verifier)
+        self.max_turns = max_turns(cfg.environment)
+        self.samples = 1 if cfg.temperature == 0 else cfg.num_samples
+        if cfg.temperature == 0 and cfg.num_samples > 1:
+            log.warning("temperature 0 gives %d identical episodes; playing one", cfg.num_samples)
+
+    def __call__(self, path: str, name: str, rows: list[dict[str, Any]]) -> Scored:
+        """Solved per row and sample, the report's episode fields and the generations rows;
+        raises above the failed share."""
+        local = isinstance(self.cfg.backend, LocalBackend)
+        episodes = self._local(path, rows) if local else self._http(path, rows)
+        stats = summary(episodes)
+        for reason in stats["failure_reasons"]:
+            log.warning("%s: an episode failed: %s", name, reason)
+        check_failures(stats["failed"], stats["episodes"], self.env, f"evaluate '{name}'")
+        log.info(
+            "%s: %d episodes, first turn %.3f, mean turns %.2f, mean total reward %.3f, %d failed",
+            name,
+            stats["episodes"],
+            stats["first_turn_rate"],
+            stats["mean_turns"],
+            stats["mean_total_reward"],
+            stats["failed"],
+        )
+        solved = [
+            [float(e.solved) for e in episodes[i : i + self.samples]]
+            for i in range(0, len(episodes), self.samples)
+        ]
+        return solved, self._fields(episodes, stats), self._records(name, rows, episodes)
+
+    def _local(self, path: str, rows: list[dict[str, Any]]) -> list[Episode]:
+        return asyncio.run(
+            play_batched(
+                self.make_env,
+                rows,
+                self._local_answer(path),
+                max_turns=self.max_turns,
+                num_samples=self.samples,
+                timeout_s=self.env.timeout_s,
+                concurrency=self.env.concurrency,
+            )
+        )
+
+    def _local_answer(self, path: str) -> Callable[[list[Messages]], list[str]]:
+        """The checkpoint, loaded once, answering a turn's conversations in one call."""
+        from stages.lib.devices import torch_device
+        from stages.lib.generate import generate_with, load
+
+        cfg, backend = self.cfg, self.cfg.backend
+        assert isinstance(backend, LocalBackend)
+        model, tokenizer = load(path, torch_device(self.ctx))
+        turn = itertools.count()
+
+        def answer(conversations: list[Messages]) -> list[str]:
+            gens = generate_with(
+                model,
+                tokenizer,
+                conversations,
+                num_samples=1,
+                temperature=cfg.temperature,
+                top_p=1.0,
+                max_new_tokens=cfg.max_output_tokens,
+                seed=cfg.seed + next(turn),
+                batch_size=backend.batch_size,
+            )
+            return [g[0].text for g in gens]
+
+        return answer
+
+    def _http(self, path: str, rows: list[dict[str, Any]]) -> list[Episode]:
+        from stages.lib.backends import make_client
+
+        with self.endpoint(path) as endpoint:
+            client = make_client(self.cfg, endpoint, connections=self.env.concurrency)
+            return asyncio.run(self._play_each(client, rows))
+
+    async def _play_each(self, client: OpenAIClient, rows: list[dict[str, Any]]) -> list[Episode]:
+        """Every episode on its own (`play_one`), `concurrency` at once: each knows its row
+        and sample, so its requests go to its row's engine with their own seeds."""
+        from stages.lib.client import sample_seed
+
+        gate = asyncio.Semaphore(self.env.concurrency)
+        turns = self.max_turns
+
+        async def one(i: int, s: int) -> Episode:
+            turn = itertools.count()
+
+            async def answer(messages: Messages) -> str:
+                seed = sample_seed(self.cfg.seed, i, s * turns + next(turn), self.samples * turns)
+                return await _ask(client, i, messages, seed)
+
+            async with gate:
+                episode = await open_episode(self.make_env(), rows[i], self.env.timeout_s)
+                return await play_one(episode, answer, turns, self.env.timeout_s)
+
+        async with client:
+            return await asyncio.gather(
+                *(one(i, s) for i in range(len(rows)) for s in range(self.samples))
+            )
+
+    def _fields(self, episodes: list[Episode], stats: dict[str, Any]) -> dict[str, Any]:
+        """Accuracy: solved within max_turns; mean reward: a model turn's."""
+        rewards = [r for e in episodes for r in e.rewards]
+        return {
+            "accuracy": stats["success_rate"],
+            "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
+            "first_turn_accuracy": stats["first_turn_rate"],
+            "mean_turns": stats["mean_turns"],
+            "mean_total_reward": stats["mean_total_reward"],
+            "failed_episodes": stats["failed"],
+        }
+
+    def _records(
+        self, name: str, rows: list[dict[str, Any]], episodes: list[Episode]
+    ) -> list[dict[str, Any]]:
+        return [
+            {
+                "checkpoint": name,
+                "prompt_idx": k // self.samples,
+                "sample_idx": k % self.samples,
+                **e.record(),
+                "answer": rows[k // self.samples].get("answer"),
+            }
+            for k, e in enumerate(episodes)
+        ]
+
+
+@dataclass(frozen=True)
+class _Conversation:
+    """A conversation as the client's `Request`: `idx` picks the engine."""
+
+    idx: int
+    messages: list[dict[str, str]] | None
+    text: str | None = None
+
+
+async def _ask(client: OpenAIClient, idx: int, messages: Messages, seed: int) -> str:
+    """The model's answer to one conversation, retried with backoff while the failure is
+    retryable (`complete_all`'s rule); a request that fails for good fails the stage."""
+    from stages.lib.client import backoff_delay, classify
+
+    url, head = client.prepare(_Conversation(idx, messages))
+    body = f"{head}{seed}}}".encode()
+    for attempt in range(MAX_RETRIES + 1):
+        try:
+            return (await client.complete(url, body)).text
+        except Exception as exc:
+            error = classify(exc)
+        if not error.retryable or attempt == MAX_RETRIES:
+            raise error
+        await asyncio.sleep(backoff_delay(attempt, BACKOFF_S, error.retry_after))
+    raise AssertionError("unreachable")

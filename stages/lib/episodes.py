@@ -1,0 +1,123 @@
+"""Drive episodes at the level of messages: the model's turns come as text.
+
+Input: a function making one environment per episode, input rows, the episode bound
+(`max_turns`) and a way to get the model's answer to a conversation. Output: one
+`Episode` per (row, sample), in row-major order.
+
+Two drivers, one per kind of model access:
+
+- `play_batched`: the model answers many conversations in one call (an in-process
+  generator): every turn, the conversations still going are answered together, then the
+  environment's calls for all of them run concurrently (at most `concurrency` at once).
+- `play_each`: the model answers one conversation per call (an HTTP endpoint): every
+  episode runs on its own, up to `concurrency` episodes at once, so an environment that
+  waits holds up only its own episode.
+
+The rl stage drives its episodes at the level of tokens (`stages.rl.episodes`) with the
+same environment calls (`open_episode`, `take_turn`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from stages.lib.environment import Environment, Episode, Messages, open_episode, take_turn
+
+MakeEnv = Callable[[], Environment]
+
+
+async def _bounded(limit: int, jobs: Sequence[Awaitable[Any]]) -> list[Any]:
+    gate = asyncio.Semaphore(limit)
+
+    async def one(job: Awaitable[Any]) -> Any:
+        async with gate:
+            return await job
+
+    return await asyncio.gather(*(one(j) for j in jobs))
+
+
+async def open_all(
+    make_env: MakeEnv,
+    rows: Sequence[dict[str, Any]],
+    num_samples: int,
+    timeout_s: float,
+    concurrency: int,
+) -> list[Episode]:
+    """`num_samples` episodes per row, each with its own environment, reset concurrently."""
+    jobs = [open_episode(make_env(), row, timeout_s) for row in rows for _ in range(num_samples)]
+    return await _bounded(concurrency, jobs)
+
+
+async def play_batched(
+    make_env: MakeEnv,
+    rows: Sequence[dict[str, Any]],
+    answer: Callable[[list[Messages]], list[str]],
+    *,
+    max_turns: int,
+    num_samples: int = 1,
+    timeout_s: float = 60.0,
+    concurrency: int = 64,
+) -> list[Episode]:
+    """Episodes turn by turn: `answer(conversations) -> completions` for all that go on."""
+    episodes = await open_all(make_env, rows, num_samples, timeout_s, concurrency)
+    for _ in range(max_turns):
+        going = [e for e in episodes if not e.done]
+        if not going:
+            break
+        texts = answer([list(e.messages) for e in going])
+        await _bounded(
+            concurrency,
+            [take_turn(e, t, max_turns, timeout_s) for e, t in zip(going, texts, strict=True)],
+        )
+    return episodes
+
+
+async def play_one(
+    episode: Episode,
+    answer: Callable[[Messages], Awaitable[str]],
+    max_turns: int,
+    timeout_s: float,
+) -> Episode:
+    """One opened episode to its end; `answer(conversation)` gives the model's turn (its
+    errors propagate: the caller owns the model's retries and failures)."""
+    while not episode.done:
+        text = await answer(list(episode.messages))
+        await take_turn(episode, text, max_turns, timeout_s)
+    return episode
+
+
+async def play_each(
+    make_env: MakeEnv,
+    rows: Sequence[dict[str, Any]],
+    answer: Callable[[Messages], Awaitable[str]],
+    *,
+    max_turns: int,
+    num_samples: int = 1,
+    timeout_s: float = 60.0,
+    concurrency: int = 64,
+) -> list[Episode]:
+    """Every episode on its own (reset, then turns until done), `concurrency` at once."""
+
+    async def one(row: dict[str, Any]) -> Episode:
+        episode = await open_episode(make_env(), row, timeout_s)
+        return await play_one(episode, answer, max_turns, timeout_s)
+
+    return await _bounded(concurrency, [one(r) for r in rows for _ in range(num_samples)])
+
+
+def summary(episodes: Sequence[Episode]) -> dict[str, Any]:
+    """What a report says of a set of episodes: solved within the bound, solved at the first
+    turn, mean turns, mean total reward, failures (with the first reasons)."""
+    n = len(episodes)
+    failed = [e for e in episodes if e.error is not None]
+    return {
+        "episodes": n,
+        "success_rate": sum(e.solved for e in episodes) / n if n else 0.0,
+        "first_turn_rate": sum(e.first_turn_solved for e in episodes) / n if n else 0.0,
+        "mean_turns": sum(e.turns for e in episodes) / n if n else 0.0,
+        "mean_total_reward": sum(e.total for e in episodes) / n if n else 0.0,
+        "failed": len(failed),
+        "failure_reasons": sorted({str(e.error) for e in failed})[:5],
+    }
