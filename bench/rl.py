@@ -3,6 +3,7 @@
     .venv/bin/python bench/rl.py [--shapes 8x4,32x4] [--steps 100] [--lr 1e-4] [--repeats 3]
         [--schedule cosine]
     .venv/bin/python bench/rl.py --async [--shapes 32x8] [--steps 60]
+    .venv/bin/python bench/rl.py --packing [--samples 512] [--micro 128] [--rounds 5]
 
 Both start from the warm-up of pipelines/grpo_quickstart.yaml (made once in
 bench/out/rl/base: its data and warmup stages), take the same prompts, group size,
@@ -14,7 +15,8 @@ the held-out greedy accuracy of both final checkpoints on the 500 test prompts, 
 by the same code. TRL runs in `.venv-trl` (make bench-rl-setup). With --async: our
 synchronous and asynchronous modes side by side instead. `--repeats N` runs each side N
 times per shape with sampling seeds 0..N-1 (same warm-up) and prints their means too: one
-run's held-out accuracy moves by a few points with the seed alone.
+run's held-out accuracy moves by a few points with the seed alone. With --packing: the
+actor's update on packed micro batches beside padded ones (bench/rl_packing.py).
 """
 
 from __future__ import annotations
@@ -182,7 +184,16 @@ def main() -> None:
     )
     p.add_argument("--async", dest="asynchronous", action="store_true")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"))
+    p.add_argument("--packing", action="store_true", help="packed vs padded actor updates")
+    p.add_argument("--samples", type=int, default=512, help="--packing: samples per step")
+    p.add_argument("--micro", type=int, default=128, help="--packing: samples per micro batch")
+    p.add_argument("--rounds", type=int, default=5, help="--packing: steps of each layout")
     args = p.parse_args()
+    if args.packing:
+        from bench.rl_packing import main as packing
+
+        packing(args.samples, args.micro, args.rounds)
+        return
     b = base(args.seed)
     start = accuracy(b / "warmup/checkpoint", b)
     print(f"warm-up (seed {args.seed}): held-out accuracy {start:.3f}")

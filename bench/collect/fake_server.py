@@ -8,7 +8,10 @@ on 127.0.0.1. At most `capacity` requests are served at once, each taking
 request from a seeded RNG before it queues: HTTP 500, HTTP 429, a connection
 reset (RST), or a hang (no answer for `hang_s`, holding no capacity). The
 answer is deterministic: `<answer>N</answer>` with N = `expected_answer(text)`
-for the last message's content (chat) or the prompt (completions).
+for the last message's content (chat) or the prompt (completions). A completions prompt
+given as token ids (as the rl stage sends it to vLLM) is answered as vLLM answers with
+`return_token_ids` and `logprobs`: the answer's `token_ids` (`ANSWER_IDS`) and each one's
+log-probability (`-0.5`), each request taking one slot whatever its `n`.
 
 With `tools` (`--tools`), chat answers script a model that uses the calculator
 environment (`stages.lib.environments.calculator`): a message holding an
@@ -106,7 +109,10 @@ class FakeServer:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        return await self._serve(request, body["prompt"], chat=False)
+        prompt = body["prompt"]
+        if isinstance(prompt, list):  # token ids: the rl stage's requests
+            return await self._serve(request, " ".join(map(str, prompt)), chat=False, ids=True)
+        return await self._serve(request, prompt, chat=False)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         body: dict[str, Any] = await request.json()
@@ -132,7 +138,13 @@ class FakeServer:
         return None
 
     async def _serve(
-        self, request: web.Request, text: str, *, chat: bool, completion: str | None = None
+        self,
+        request: web.Request,
+        text: str,
+        *,
+        chat: bool,
+        completion: str | None = None,
+        ids: bool = False,
     ) -> web.StreamResponse:
         self.counters.requests += 1
         fault = self._fault()
@@ -150,7 +162,8 @@ class FakeServer:
             finally:
                 c.in_service -= 1
         self.counters.served += 1
-        return web.Response(body=_answer(text, chat, completion), content_type="application/json")
+        body = _token_answer() if ids else _answer(text, chat, completion)
+        return web.Response(body=body, content_type="application/json")
 
     async def _inject(self, request: web.Request, fault: str) -> web.StreamResponse:
         if fault == "error_500":
@@ -193,6 +206,22 @@ def _answer(text: str, chat: bool, completion: str | None = None) -> bytes:
     return json.dumps(
         {"id": "fake", "object": "chat.completion", "choices": [choice], "usage": usage}
     ).encode()
+
+
+ANSWER_IDS = (11, 12, 13)
+
+
+def _token_answer() -> bytes:
+    """A completions answer with token ids and their log-probabilities (vLLM's fields)."""
+    choice = {
+        "index": 0,
+        "finish_reason": "length",
+        "text": "<answer>1</answer>",
+        "token_ids": list(ANSWER_IDS),
+        "logprobs": {"token_logprobs": [-0.5] * len(ANSWER_IDS)},
+    }
+    usage = {"prompt_tokens": 0, "completion_tokens": len(ANSWER_IDS)}
+    return json.dumps({"id": "fake", "choices": [choice], "usage": usage}).encode()
 
 
 async def serve(server: FakeServer, port: int) -> tuple[web.AppRunner, int]:

@@ -20,10 +20,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from stages.collect.controller import AdaptiveLimit
 from stages.collect.inputs import ROLLOUT_FIELDS, Prompt
 from stages.collect.io import Key, Sink
 from stages.collect.stats import Progress, Stats
+from stages.lib.adaptive import AdaptiveLimit
 from stages.lib.client import Completion, OpenAIClient, RequestError, backoff_delay, classify
 from stages.lib.client import sample_seed as _seed
 from stages.lib.verify import Score

@@ -181,8 +181,8 @@ async def _collect_async(
     """Every pair through the collector: one request each, or with `make_env` one episode
     each (`stages.collect.episodes`)."""
     from stages.collect.collector import Collector
-    from stages.collect.controller import AdaptiveLimit
     from stages.collect.episodes import EpisodeCollector
+    from stages.lib.adaptive import AdaptiveLimit
     from stages.lib.backends import make_client
 
     parallel = cfg.num_samples_in_parallel

@@ -16,6 +16,7 @@ from engine.errors import Diagnostic
 from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig, stage
 from stages.lib.config import (
     Backend,
+    CountOrAuto,
     LocalBackend,
     ModelRef,
     TinyModel,
@@ -71,6 +72,10 @@ class RLConfig(StageConfig):
     )
     num_repeats: int = Field(8, ge=2, description="Samples per prompt: the group size.")
     rollout_batch_size: int = Field(32, gt=0, description="Prompts per step.")
+    num_samples_in_parallel: CountOrAuto = Field(
+        "auto",
+        description="vLLM engines: sample requests in flight at once (all of a step's submitted together), or auto to find and track the engines' knee, as collect does; the local engine generates a step in one batched call.",
+    )
     train_batch_size: int = Field(
         256,
         gt=0,

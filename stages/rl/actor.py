@@ -96,7 +96,7 @@ class Actor:
         from stages.rl.micro import plan_micros
 
         size, dynamic = self.cfg.micro_train_batch_size, self.cfg.use_dynamic_batch
-        return plan_micros(chunk, self.world, size, dynamic)[self.rank]
+        return plan_micros(chunk, self.world, size, dynamic, self.cfg.packing_samples)[self.rank]
 
     def _update(self, chunk: list[Any]) -> tuple[dict[str, float], float | None]:
         """One optimizer step over `chunk` (this rank takes every world-th sample, in as many
@@ -121,6 +121,7 @@ class Actor:
                 self.pad_id,
                 True,
                 self.trainer,  # the top-level forward: DeepSpeed's engine, or torch's autocast
+                self.cfg.packing_samples,
             )
             new_t = torch.cat(new)
             old = torch.tensor([lp for s in micro for lp in s.old_logprobs], device=self.device)
@@ -169,7 +170,12 @@ class Actor:
         assert self.reference is not None, "no reference here and none sent with the samples"
         with torch.no_grad():  # one pass per micro batch, as the actor's own
             ref, _ = completion_logprobs(
-                self.reference, micro, self.device, self.cfg.temperature, self.pad_id
+                self.reference,
+                micro,
+                self.device,
+                self.cfg.temperature,
+                self.pad_id,
+                packed=self.cfg.packing_samples,
             )
         return torch.cat(ref).float()
 

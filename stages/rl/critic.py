@@ -37,10 +37,24 @@ def build_critic(model_dir: str, ds_config: dict[str, Any] | None) -> Any:
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
 
-        def forward(self, input_ids: Any, attention_mask: Any, rows: Any, cols: Any) -> Any:
-            """The value of the states at (rows, cols): the decoder over the whole batch,
-            the head over those positions alone."""
-            hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask)
+        def forward(
+            self,
+            input_ids: Any,
+            rows: Any,
+            cols: Any,
+            attention_mask: Any = None,
+            position_ids: Any = None,
+            use_cache: bool | None = None,
+        ) -> Any:
+            """The value of the states at (rows, cols): the decoder over the whole batch
+            (padded rows with their mask, or packed rows with their position ids), the head
+            over those positions alone."""
+            hidden = self.decoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=use_cache,
+            )
             return self.value_head(hidden.last_hidden_state[rows, cols]).squeeze(-1)
 
         def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
@@ -112,14 +126,19 @@ class CriticRank:
 
         norm = sum(s.completion_len for s in chunk)
         size, dynamic = self.cfg.micro_train_batch_size, self.cfg.use_dynamic_batch
-        micros = plan_micros(chunk, self.world, size, dynamic)[self.rank]
+        micros = plan_micros(chunk, self.world, size, dynamic, self.cfg.packing_samples)[self.rank]
         total = 0.0
         for i, planned in enumerate(micros):
             micro = planned or chunk[:1]  # a dummy pass keeps the ranks in step: weight 0
             self.trainer.begin_micro(i == len(micros) - 1)
             values = torch.cat(
                 completion_values(
-                    self.trainer.module, micro, self.device, self.pad_id, self.trainer
+                    self.trainer.module,
+                    micro,
+                    self.device,
+                    self.pad_id,
+                    self.trainer,
+                    self.cfg.packing_samples,
                 )
             )
             old = torch.tensor([v for s in micro for v in s.old_values], device=self.device)

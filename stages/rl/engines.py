@@ -70,6 +70,11 @@ class EnginePool:
     def pad_id(self) -> int:
         return self.local.pad_id
 
+    @property
+    def stats(self) -> dict[str, Any]:
+        """This worker's engine's latest step (the others' stay on their workers)."""
+        return dict(getattr(self.local, "stats", None) or {})
+
     def generate(
         self, prompts: Sequence[Prompt], *, seed: int, **kwargs: Any
     ) -> list[list[Generation]]:

@@ -84,21 +84,23 @@ async def _play(
     episodes = await open_all(make_env, rows, s.num_samples, s.timeout_s, s.concurrency)
     traces = [Trace(e) for e in episodes]
     groups = [traces[i : i + s.num_samples] for i in range(0, len(traces), s.num_samples)]
-    _first_turn(engine, groups, s)
+    await _first_turn(engine, groups, s)
     for turn in range(1, s.max_turns + 1):
         if turn > 1:
             going = [t for t in traces if not t.episode.done]
             if not going:
                 break
-            gens = _generate(engine, [TokenPrompt(tuple(t.ids)) for t in going], 1, s, turn)
+            gens = await _generate(engine, [TokenPrompt(tuple(t.ids)) for t in going], 1, s, turn)
             for t, g in zip(going, gens, strict=True):
                 _answered(t, g[0], s)
         await _steps(tokenizer, [t for t in traces if not t.episode.done], s)
     return groups
 
 
-def _generate(engine: Any, prompts: list[Any], n: int, s: Sampling, turn: int) -> list[Any]:
-    return engine.generate(  # type: ignore[no-any-return]
+async def _generate(engine: Any, prompts: list[Any], n: int, s: Sampling, turn: int) -> list[Any]:
+    """The engine's answers, in a thread: an engine may run an event loop of its own."""
+    return await asyncio.to_thread(  # type: ignore[no-any-return]
+        engine.generate,
         prompts,
         num_samples=n,
         temperature=s.temperature,
@@ -108,17 +110,18 @@ def _generate(engine: Any, prompts: list[Any], n: int, s: Sampling, turn: int) -
     )
 
 
-def _first_turn(engine: Any, groups: list[list[Trace]], s: Sampling) -> None:
+async def _first_turn(engine: Any, groups: list[list[Trace]], s: Sampling) -> None:
     """Turn 1: one request of `num_samples` per group sharing its opening, else one each."""
     shared = [g for g in groups if _same_opening(g)]
     single = [t for g in groups if not _same_opening(g) for t in g if not t.episode.done]
     if shared:
         opening = [g[0].episode.messages for g in shared]
-        for g, gens in zip(shared, _generate(engine, opening, s.num_samples, s, 1), strict=True):
+        answers = await _generate(engine, opening, s.num_samples, s, 1)
+        for g, gens in zip(shared, answers, strict=True):
             for t, gen in zip(g, gens, strict=True):
                 _answered(t, gen, s, first=True)
     if single:
-        gens = _generate(engine, [t.episode.messages for t in single], 1, s, 1)
+        gens = await _generate(engine, [t.episode.messages for t in single], 1, s, 1)
         for t, g in zip(single, gens, strict=True):
             _answered(t, g[0], s, first=True)
 

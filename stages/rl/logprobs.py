@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from stages.rl.layout_batch import layout
 from stages.rl.loss import entropy, token_logprobs
 
 
@@ -55,26 +56,6 @@ class Sample:
         return [float(m) for m in self.mask] if self.mask else [1.0] * self.completion_len
 
 
-def _gather(
-    samples: Sequence[Sample], device: str, pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids and mask, and the (row, position) of the state before each
-    completion token."""
-    width = max(len(s.ids) for s in samples)
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), width), dtype=torch.long)
-    rows: list[int] = []
-    cols: list[int] = []
-    for b, s in enumerate(samples):
-        ids[b, : len(s.ids)] = torch.tensor(s.ids)
-        mask[b, : len(s.ids)] = 1
-        rows += [b] * s.completion_len
-        cols += range(s.prompt_len - 1, len(s.ids) - 1)
-    r = torch.tensor(rows, device=device)
-    c = torch.tensor(cols, device=device)
-    return ids.to(device), mask.to(device), r, c
-
-
 def completion_logprobs(
     module: torch.nn.Module,
     samples: Sequence[Sample],
@@ -83,15 +64,16 @@ def completion_logprobs(
     pad_id: int,
     with_entropy: bool = False,
     call: Callable[..., Any] | None = None,
+    packed: bool = False,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Per-sample completion log-probabilities (with gradients when enabled), and the mean
     entropy over every completion token (without gradients) when asked for. `call` runs the
-    forward (a trainer: its engine or autocast); the module itself otherwise."""
-    ids, mask, r, c = _gather(samples, device, pad_id)
-    start = int(c.min()) if len(c) else ids.shape[1] - 1  # the first position scored
-    out = (call or module)(input_ids=ids, attention_mask=mask, logits_to_keep=ids.shape[1] - start)
-    logits = out.logits[r, c - start]
-    lp = token_logprobs(logits, ids[r, c + 1], temperature)
+    forward (a trainer: its engine or autocast); the module itself otherwise. `packed`: the
+    samples packed into rows (`stages.rl.layout_batch`), the same numbers."""
+    lay = layout(samples, device, pad_id, packed)
+    out = (call or module)(**lay.inputs(), logits_to_keep=lay.keep)
+    logits = lay.pick(out.logits)
+    lp = token_logprobs(logits, lay.targets(), temperature)
     ent = None
     if with_entropy:  # over the tokens the loss covers (not an observation's)
         with torch.no_grad():
@@ -108,9 +90,10 @@ def completion_values(
     device: str,
     pad_id: int,
     call: Callable[..., Any] | None = None,
+    packed: bool = False,
 ) -> list[torch.Tensor]:
     """The critic's value of the state before each completion token, per sample, through
-    its top-level forward (`call`: its trainer)."""
-    ids, mask, r, c = _gather(samples, device, pad_id)
-    values = (call or critic)(input_ids=ids, attention_mask=mask, rows=r, cols=c).float()
+    its top-level forward (`call`: its trainer), padded or `packed`."""
+    lay = layout(samples, device, pad_id, packed)
+    values = (call or critic)(**lay.inputs(), rows=lay.rows, cols=lay.cols).float()
     return list(torch.split(values, [s.completion_len for s in samples]))

@@ -17,12 +17,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stages.rl.records import append_metrics
 
 SYNC_PARTS = ("sync_gather_s", "sync_send_s", "sync_load_s")  # the sync's parts, per step
+ENGINE_FIELDS = ("in_flight", "in_flight_peak", "parallel_limit", "queue_wait_s")
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -43,6 +44,7 @@ class Batch:
     gen_s: float
     version: int
     tokens: int
+    engine: dict[str, Any] = field(default_factory=dict)  # vLLM: in flight, queue wait
     turns: float = 1.0  # mean model turns per episode
     failed: int = 0  # episodes the environment broke
     solved: float = 0.0  # share of episodes with a turn earning the full reward
@@ -194,6 +196,8 @@ def _row(
         "probe_diff": sync["probe_diff"],
         "probe_logprob": sync["probe_logprob"],  # the engine's, after the sync
         "tokens_per_s": round(batch.tokens / max(batch.gen_s, 1e-9), 1),
+        # vLLM engines: requests in flight (mean, peak, the bound), the servers' queue wait
+        **{k: batch.engine.get(k) for k in ENGINE_FIELDS},
         "eval_accuracy": held_out,
         "eval_first_turn": c.first_turn if held_out is not None else None,
     }
@@ -201,6 +205,8 @@ def _row(
 
 def _progress(c: Controller, row: dict[str, Any]) -> None:
     held = f", held-out {row['eval_accuracy']:.1%}" if row["eval_accuracy"] is not None else ""
+    if row["in_flight"] is not None:
+        held += f", in flight {row['in_flight']:.0f} (peak {row['in_flight_peak']})"
     c.ctx.log.info(
         "step %d/%d: reward %.3f, accuracy %.1f%%, %d/%d groups kept | gen %.2f s (%.0f tokens/s), "
         "train %.2f s, sync %.3f s, staleness %d%s",

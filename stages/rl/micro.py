@@ -32,29 +32,38 @@ class HasIds(Protocol):
 S = TypeVar("S", bound=HasIds)
 
 
-def plan_micros(chunk: Sequence[S], world: int, size: int, dynamic: bool) -> list[list[list[S]]]:
+def plan_micros(
+    chunk: Sequence[S], world: int, size: int, dynamic: bool, packed: bool = False
+) -> list[list[list[S]]]:
     """Per rank, the micro batches of `chunk` (an empty one is a dummy pass), all ranks
     with the same count. `size` samples each, or with `dynamic` a token budget of `size` x
     the step's mean sample length (longest-first within a rank, so similar lengths pad
-    together)."""
+    together; `packed`: the budget counts the samples' own tokens, which packed rows hold)."""
     shares = [list(chunk[r::world]) for r in range(world)]
     mean = sum(len(s.ids) for s in chunk) // max(len(chunk), 1)
     budget = size * max(1, mean)
-    per_rank = [cut(share, size, budget if dynamic else None) for share in shares]
+    per_rank = [cut(share, size, budget if dynamic else None, packed) for share in shares]
     equalize(per_rank)
     return per_rank
 
 
-def cut(share: list[S], size: int, budget: int | None) -> list[list[S]]:
+def cut(share: list[S], size: int, budget: int | None, packed: bool = False) -> list[list[S]]:
     """One rank's samples in micro batches: `size` each, or (with a `budget`) sorted by
-    length and grown while samples x the longest fits the budget."""
+    length and grown while samples x the longest (padded) or the samples' tokens (packed)
+    fit the budget."""
     if budget is None:
         return [share[i : i + size] for i in range(0, len(share), size)]
     micros: list[list[S]] = []
+    tokens = 0
     for s in sorted(share, key=lambda s: len(s.ids)):
-        if not micros or (len(micros[-1]) + 1) * len(s.ids) > budget:
+        cost = (
+            tokens + len(s.ids) if packed else (len(micros[-1]) + 1) * len(s.ids) if micros else 0
+        )
+        if not micros or cost > budget:
             micros.append([])
+            tokens = 0
         micros[-1].append(s)
+        tokens += len(s.ids)
     return micros
 
 

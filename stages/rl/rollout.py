@@ -88,6 +88,7 @@ def rollout(c: Any, step: int) -> Batch:
         time.perf_counter() - start,
         c.version,
         sum(t.generated for g in groups for t in g),
+        engine=dict(getattr(c.engine, "stats", None) or {}),
         turns=sum(e.turns for e in episodes) / max(len(episodes), 1),
         failed=len(failed),
         solved=sum(e.solved for e in episodes) / max(len(episodes), 1),

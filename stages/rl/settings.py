@@ -47,6 +47,17 @@ def account(
         "backend": _backend(cfg, device, engines),
         "num_repeats": (A, "samples per prompt (the group)"),
         "rollout_batch_size": (A, "prompts per step"),
+        "num_samples_in_parallel": (
+            A,
+            f"vLLM requests in flight: {cfg.num_samples_in_parallel} "
+            + (
+                "(adaptive, from 64 to the engines' knee)"
+                if cfg.num_samples_in_parallel == "auto"
+                else "at most"
+            ),
+        )
+        if cfg.backend.kind == "vllm"
+        else (S, "the local engine generates a step's groups in one batched call"),
         "train_batch_size": (A, "samples per optimizer step"),
         "micro_train_batch_size": (
             A,
@@ -108,8 +119,12 @@ def account(
             "activations recomputed in backward" if cfg.gradient_checkpointing else "off",
         ),
         "packing_samples": (
-            S,
-            "the rl actor pads each micro batch: packing is not built for rl yet",
+            A,
+            "each micro batch of the actor"
+            + (" and the critic" if cfg.algorithm == "ppo" else "")
+            + " packed into rows as wide as its longest sample, position ids restarting per "
+            "sample, attention within each"
+            + (" (the token budget counts packed tokens)" if cfg.use_dynamic_batch else ""),
         )
         if cfg.packing_samples
         else (A, "off: micro batches are padded"),

@@ -5,7 +5,8 @@ block, the devices the plan gives the `vllm` role. Output: what `LocalEngine` gi
 (samples with token ids and the sampling distribution's log-probabilities, greedy
 answers, the probe's log-probabilities), from `vllm_num_engines` OpenAI-compatible
 servers (`stages.lib.vllm_server`, one per tensor-parallel slice of the devices), each
-prompt's group sent to one server, prompts spread over the servers in turn. The role's
+prompt's group sent to one server, prompts spread over the servers in turn, one request
+per sample with `num_samples_in_parallel` in flight (`stages.rl.rollout_http`). The role's
 other workers start the servers on their own devices (`host_servers`, in the stage's task
 there), bound to the worker's reachable address, and publish their URLs through the
 link; the controller reaches, syncs and probes every server alike.
@@ -32,22 +33,21 @@ import logging
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from engine.stage import visible_names
 from stages.lib.config import VLLMBackend
 from stages.lib.generate import Generation
-from stages.lib.prompt import Prompt, prompt_ids
+from stages.lib.prompt import Prompt
 from stages.rl.logprobs import Sample
+from stages.rl.rollout_http import HTTPRollouts
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.rl import RLConfig
 
 log = logging.getLogger("pipe.rl")
-REQUESTS_PER_SERVER = 16
 SPEC_TIMEOUT_S = 900.0
 MEMORY_CALL_S = 600.0  # a server's sleep or wake: host <-> GPU copies of its weights
 HOLD_S = 7 * 24 * 3600.0  # a worker's servers run until the controller says stop
@@ -163,6 +163,7 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
         where={"node": here[0], "worker": here[1], "devices": devices},
         remote=remote,
         max_model_len=context_len(cfg),
+        parallel=cfg.num_samples_in_parallel,
     )
 
 
@@ -215,6 +216,7 @@ class VLLMEngine:
         where: dict[str, Any] | None = None,
         remote: Callable[[], list[dict[str, Any]]] | None = None,
         max_model_len: int | None = None,
+        parallel: int | str = "auto",
     ) -> None:
         """Start this worker's servers on `devices`, then take the URLs of the servers the
         role's other workers started (`remote()`: their records, each with `urls`); every
@@ -257,6 +259,9 @@ class VLLMEngine:
             {"name": name, **{k: v for k, v in p.items() if k != "urls"}}
             for name, p in zip(self.names, [p for p in places for _ in p["urls"]], strict=True)
         ]
+        self.requests = HTTPRollouts(
+            self.urls, self.tokenizer, self.served, self._headers, timeout_s, parallel
+        )
 
     @property
     def pad_id(self) -> int:
@@ -292,56 +297,16 @@ class VLLMEngine:
         return json.loads(raw) if raw else None
 
     # --- generation -------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        num_samples: int,
-        temperature: float,
-        max_new_tokens: int,
-        seed: int,
-        batch_size: int,
-    ) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[Prompt], **kwargs: Any) -> list[list[Generation]]:
         """`num_samples` answers per prompt with token ids and, when sampling, the sampling
-        distribution's log-probabilities (`batch_size` is the servers' business here)."""
-        encoded = [prompt_ids(self.tokenizer, p) for p in prompts]
+        distribution's log-probabilities: one request per sample, `num_samples_in_parallel`
+        in flight (`stages.rl.rollout_http`)."""
+        return self.requests.generate(prompts, **kwargs)
 
-        def one(i: int) -> list[Generation]:
-            body: dict[str, Any] = {
-                "model": self.served,
-                "prompt": encoded[i],
-                "n": num_samples,
-                "max_tokens": max_new_tokens,
-                "temperature": temperature,
-                "return_token_ids": True,
-                "skip_special_tokens": True,
-            }
-            if temperature > 0:
-                body |= {"seed": seed + i, "logprobs": 0}
-            data = self.post(f"{self.urls[i % len(self.urls)]}/v1/completions", body)
-            choices = sorted(data["choices"], key=lambda c: c["index"])
-            return [self._generation(c, encoded[i]) for c in choices]
-
-        workers = max(1, min(len(prompts), REQUESTS_PER_SERVER * len(self.urls)))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(one, range(len(prompts))))
-
-    def _generation(self, choice: dict[str, Any], prompt: list[int]) -> Generation:
-        ids = [int(t) for t in choice.get("token_ids") or []]
-        eos = self.tokenizer.eos_token_id
-        stopped = choice.get("finish_reason") == "stop"
-        if stopped and eos is not None and (not ids or ids[-1] != eos):
-            ids.append(int(eos))  # the update scores the end-of-sequence token too
-        lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
-        return Generation(
-            text=choice.get("text", ""),
-            finish_reason="stop" if stopped else "length",
-            prompt_tokens=len(prompt),
-            completion_tokens=len(ids),
-            token_ids=tuple(ids),
-            logprobs=tuple(float(x) for x in lps[: len(ids)]),
-            prompt_ids=tuple(prompt),
-        )
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The latest step's requests: in flight, the servers' queue wait, tokens/s."""
+        return self.requests.stats
 
     # --- weights ----------------------------------------------------------------------
     def scores(self, sample: Sample) -> dict[str, list[float]]:

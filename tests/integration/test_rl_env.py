@@ -39,12 +39,21 @@ def run(tmp_path: Path, pipeline: str) -> list[dict]:
     return rows
 
 
-def test_retry_episodes_train_with_the_local_engine_and_async(tmp_path: Path):
+def test_retry_episodes_train_packed_with_the_local_engine_and_async(tmp_path: Path):
+    """Packed micro batches through DeepSpeed's engine forward (position ids, no mask)."""
     pipeline = PIPELINE.replace(
         "backend: {kind: vllm, vllm_enable_sleep: true}", "async_train: true"
     )
-    rows = run(tmp_path, pipeline.replace("          vllm_sync_backend: gloo\n", RETRY))
+    pipeline = pipeline.replace(
+        "          vllm_sync_backend: gloo\n", RETRY + "          packing_samples: true\n"
+    )
+    rows = run(tmp_path, pipeline)
     assert any(r["updates"] for r in rows)
+    settings = json.loads((tmp_path / "runs/rl/rl/settings.json").read_text())
+    packing = settings["packing_samples"]
+    assert (packing["status"], packing["value"]) == ("applied", True)
+    assert "packed into rows as wide as its longest sample" in packing["how"]
+    assert settings["num_samples_in_parallel"]["status"] == "skipped"  # the local engine
 
 
 @vllm_marks
@@ -53,3 +62,6 @@ def test_retry_episodes_train_with_a_vllm_engine(tmp_path: Path):
     rows = run(tmp_path, PIPELINE + RETRY)
     updated = [r for r in rows if r["updates"]]
     assert updated and all(r["probe_diff"] <= 1e-4 for r in updated)
+    # one request per sample, the adaptive bound: 8 prompts x 4 samples at once at turn 1
+    assert all(r["in_flight_peak"] == 32 and r["parallel_limit"] >= 64 for r in rows)
+    assert all(r["queue_wait_s"] is not None and r["queue_wait_s"] >= 0 for r in rows)

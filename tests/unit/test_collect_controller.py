@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from stages.collect.controller import AdaptiveLimit
+from stages.lib.adaptive import AdaptiveLimit
 
 
 @dataclass

@@ -17,7 +17,7 @@ KINDS = ("dataset", "collect", "filter", "train", "evaluate", "rl")
 # one internal file (not the light __init__.py) of each built-in kind
 INTERNAL = {
     "dataset": "stages/dataset/run.py",
-    "collect": "stages/collect/controller.py",
+    "collect": "stages/collect/collector.py",
     "filter": "stages/filter/rules.py",
     "train": "stages/train/loop.py",
     "evaluate": "stages/evaluate/run.py",
@@ -105,7 +105,7 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
         "rl",
         "train",
     ]
-    with open(copy / "stages/lib/client.py", "a") as f:  # HTTP backends: not train's, not rl's
+    with open(copy / "stages/lib/client.py", "a") as f:  # HTTP backends (rl: its vLLM requests)
         f.write("\n# edited\n")
     again = _versions(copy)
-    assert sorted(k for k in KINDS if again[k] != after[k]) == ["collect", "evaluate"]
+    assert sorted(k for k in KINDS if again[k] != after[k]) == ["collect", "evaluate", "rl"]

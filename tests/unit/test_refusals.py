@@ -288,6 +288,15 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/evaluate/episodes.py", "unreachable"): internal(
         "the retry loop returns or raises on its last attempt"
     ),
+    ("stages/rl/rollout_http.py", "status_error(resp.status, text, resp.hea"): transient(
+        "a vLLM server's HTTP error: retried while retryable, then the step fails naming it"
+    ),
+    ("stages/rl/rollout_http.py", "{}: {}"): transient(
+        "a sample request that failed for good (after its retries): the step fails naming the server"
+    ),
+    ("stages/rl/rollout_http.py", "the loop returns or raises on its last a"): internal(
+        "the retry loop returns or raises on its last attempt"
+    ),
     # --- environments (an episode's failure is counted; only the share ends a stage) -------
     ("stages/lib/environment.py", "{} took longer than {} s"): data(
         "a user's environment hanging: fails its episode, counted against max_failed_share"

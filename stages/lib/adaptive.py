@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import math
 
-log = logging.getLogger("pipe.collect.controller")
+log = logging.getLogger("pipe.adaptive")
 
 STARTUP, CRUISE, PROBE_UP, PROBE_DOWN = "startup", "cruise", "probe_up", "probe_down"
 

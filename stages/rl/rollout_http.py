@@ -1,0 +1,230 @@
+"""A step's generations from vLLM servers: one request per sample, kept in flight to the bound.
+
+Input: the servers' URLs, the tokenizer, the served model name, the request headers (the
+run's secret) and `num_samples_in_parallel` (a number, or `auto`: the collect stage's
+adaptive limit, `stages.lib.adaptive.AdaptiveLimit`, which ramps to the servers'
+knee and keeps tracking it from step to step). Output: per prompt, its samples as
+`Generation`s (token ids, the sampling distribution's log-probabilities), and `stats` of the
+latest call: requests in flight (mean and peak), the servers' own queue wait per request
+(from their Prometheus `/metrics`, `vllm:request_queue_time_seconds`; None where a server
+does not export it) and generated tokens per second.
+
+Every sample of every group is its own request (`n: 1`, seeded per prompt and sample as the
+collect stage seeds them), all of a step's requests are submitted at once and the bound
+decides how many are in flight: a server batches what it is sent, so a handful of group
+requests at a time would leave a GPU engine half idle. A prompt's samples all go to one
+server (its prefix cache serves the group). Failed requests are retried with backoff while
+retryable (429, 5xx, timeouts, resets), as the collector retries them; one that fails for
+good fails the step, naming the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from stages.lib.adaptive import AdaptiveLimit
+from stages.lib.client import backoff_delay, classify, sample_seed, status_error
+from stages.lib.generate import Generation
+from stages.lib.prompt import Prompt, prompt_ids
+
+MAX_RETRIES, BACKOFF_S = 4, 0.5
+_QUEUE = re.compile(r"^vllm:request_queue_time_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+class Gate:
+    """At most `limit` requests in flight (a fixed number, or the adaptive limit's)."""
+
+    def __init__(self, parallel: int | str, adaptive: AdaptiveLimit | None) -> None:
+        self.fixed = parallel if isinstance(parallel, int) else None
+        self.adaptive = adaptive
+        self.in_flight = self.peak = 0
+        self._area = 0.0  # integral of in-flight over time
+        self._t = time.perf_counter()
+        self._open = asyncio.Condition()
+
+    @property
+    def limit(self) -> int:
+        return self.fixed if self.fixed is not None else self.adaptive.limit  # type: ignore[union-attr]
+
+    def _tick(self) -> float:
+        now = time.perf_counter()
+        self._area += self.in_flight * (now - self._t)
+        self._t = now
+        return now
+
+    async def enter(self) -> float:
+        async with self._open:
+            await self._open.wait_for(lambda: self.in_flight < self.limit)
+            now = self._tick()
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+            if self.adaptive is not None:
+                self.adaptive.on_send(now)
+            return now
+
+    async def leave(self, sent: float, failed: bool, overloaded: bool = False) -> None:
+        """A request answered (or `failed`: its latency does not count; `overloaded`, a 429
+        or a timeout, cuts the adaptive limit), as the collector reports them."""
+        async with self._open:
+            now = self._tick()
+            self.in_flight -= 1
+            if self.adaptive is not None:
+                self.adaptive.on_done(now, now - sent, -1.0 if failed else sent)
+                if overloaded:
+                    self.adaptive.on_overload(now)
+            self._open.notify_all()
+
+    def mean(self, began: float) -> float:
+        now = self._tick()
+        return self._area / max(now - began, 1e-9)
+
+
+class HTTPRollouts:
+    """The step's requests to the servers (module docstring)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        tokenizer: Any,
+        served: str,
+        headers: dict[str, str],
+        timeout_s: float,
+        parallel: int | str,
+    ) -> None:
+        self.urls, self.tokenizer, self.served = list(urls), tokenizer, served
+        self.headers, self.timeout_s, self.parallel = headers, timeout_s, parallel
+        self.adaptive = AdaptiveLimit() if parallel == "auto" else None  # kept across steps
+        self.stats: dict[str, Any] = {}
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        num_samples: int,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+        batch_size: int = 0,
+    ) -> list[list[Generation]]:
+        """`num_samples` answers per prompt (`batch_size` is the servers' business)."""
+        encoded = [prompt_ids(self.tokenizer, p) for p in prompts]
+        return asyncio.run(self._all(encoded, num_samples, temperature, max_new_tokens, seed))
+
+    async def _all(
+        self, encoded: list[list[int]], n: int, temperature: float, max_tokens: int, seed: int
+    ) -> list[list[Generation]]:
+        import aiohttp
+
+        gate = Gate(self.parallel, self.adaptive)
+        began = time.perf_counter()
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(
+            connector=connector, headers=self.headers, timeout=timeout
+        ) as session:
+            queued = await self._queue_time(session)
+            jobs = [
+                self._one(
+                    session, gate, i, ids, sample_seed(seed, i, s, n), temperature, max_tokens
+                )
+                for i, ids in enumerate(encoded)
+                for s in range(n)
+            ]
+            flat = await asyncio.gather(*jobs)
+            after = await self._queue_time(session)
+        elapsed = time.perf_counter() - began
+        tokens = sum(g.completion_tokens for g in flat)
+        waited = None
+        if queued is not None and after is not None and after[1] > queued[1]:
+            waited = (after[0] - queued[0]) / (after[1] - queued[1])
+        self.stats = {
+            "in_flight": round(gate.mean(began), 1),
+            "in_flight_peak": gate.peak,
+            "parallel_limit": gate.limit,
+            "queue_wait_s": None if waited is None else round(waited, 4),
+            "gen_tokens_per_s": round(tokens / max(elapsed, 1e-9), 1),
+        }
+        return [list(flat[i * n : (i + 1) * n]) for i in range(len(encoded))]
+
+    async def _one(
+        self,
+        session: Any,
+        gate: Gate,
+        i: int,
+        ids: list[int],
+        seed: int,
+        temperature: float,
+        max_tokens: int,
+    ) -> Generation:
+        body: dict[str, Any] = {
+            "model": self.served,
+            "prompt": ids,
+            "n": 1,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+            "seed": seed,
+        }
+        if temperature > 0:
+            body["logprobs"] = 0
+        url = f"{self.urls[i % len(self.urls)]}/v1/completions"
+        data = json.dumps(body)
+        for attempt in range(MAX_RETRIES + 1):
+            sent = await gate.enter()
+            try:
+                async with session.post(url, data=data) as resp:
+                    if resp.status == 200:
+                        choice = (await resp.json())["choices"][0]
+                        await gate.leave(sent, False)
+                        return self.generation(choice, ids)
+                    text = (await resp.text())[:300]
+                    raise status_error(resp.status, text, resp.headers.get("Retry-After"))
+            except Exception as exc:
+                error = classify(exc)
+                await gate.leave(sent, True, error.kind in ("rate_limited", "timeout"))
+            if not error.retryable or attempt == MAX_RETRIES:
+                raise RuntimeError(f"{url}: {error}") from None
+            await asyncio.sleep(backoff_delay(attempt, BACKOFF_S, error.retry_after))
+        raise AssertionError("the loop returns or raises on its last attempt")
+
+    def generation(self, choice: dict[str, Any], prompt: list[int]) -> Generation:
+        """A completions choice as a `Generation` (the end-of-sequence token scored too)."""
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        eos = self.tokenizer.eos_token_id
+        stopped = choice.get("finish_reason") == "stop"
+        if stopped and eos is not None and (not ids or ids[-1] != eos):
+            ids.append(int(eos))  # the update scores the end-of-sequence token too
+        lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        return Generation(
+            text=choice.get("text", ""),
+            finish_reason="stop" if stopped else "length",
+            prompt_tokens=len(prompt),
+            completion_tokens=len(ids),
+            token_ids=tuple(ids),
+            logprobs=tuple(float(x) for x in lps[: len(ids)]),
+            prompt_ids=tuple(prompt),
+        )
+
+    async def _queue_time(self, session: Any) -> tuple[float, float] | None:
+        """The servers' summed queue time and request count so far (None: not exported)."""
+        total = count = 0.0
+        for url in self.urls:
+            try:
+                async with session.get(f"{url}/metrics") as resp:
+                    if resp.status != 200:
+                        return None
+                    text = await resp.text()
+            except Exception:  # a server without metrics: the record says None
+                return None
+            found = _QUEUE.findall(text)
+            if not found:
+                return None
+            total += sum(float(v) for k, v in found if k == "sum")
+            count += sum(float(v) for k, v in found if k == "count")
+        return total, count

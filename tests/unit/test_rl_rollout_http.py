@@ -1,0 +1,141 @@
+"""The rl stage's requests to vLLM engines (`stages.rl.rollout_http`), against the tests'
+fake OpenAI server (token-id prompts answered with token ids and log-probabilities): with
+`num_samples_in_parallel: auto` one step of 64 prompts x 8 samples keeps the server full;
+a number bounds what is in flight; the knob is validated; every step records it."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from stages.rl import RLConfig
+from tests.conftest import ROOT, run_cli
+
+sys.path.insert(0, str(ROOT / "bench" / "collect"))
+from fake_server import ANSWER_IDS, ThreadHandle, start_in_thread
+
+
+class Tokens:
+    """A tokenizer for prompts given as token ids (all the rl stage sends after turn 1)."""
+
+    eos_token_id = 2
+
+
+@pytest.fixture
+def server() -> Any:
+    handle: ThreadHandle = start_in_thread(capacity=128, latency_ms=200)
+    yield handle
+    handle.stop()
+
+
+def rollouts(server: Any, parallel: int | str) -> Any:
+    from stages.rl.rollout_http import HTTPRollouts
+
+    url = server.url.removesuffix("/v1")
+    return HTTPRollouts([url], Tokens(), "fake", {}, 30.0, parallel)
+
+
+def step(engine: Any, prompts: int = 64, group: int = 8) -> list[list[Any]]:
+    from stages.lib.prompt import TokenPrompt
+
+    return engine.generate(
+        [TokenPrompt((1, 5 + i % 7, 9)) for i in range(prompts)],
+        num_samples=group,
+        temperature=1.0,
+        max_new_tokens=4,
+        seed=3,
+    )
+
+
+def test_auto_keeps_the_server_at_its_limit_for_a_whole_step(server: Any):
+    engine = rollouts(server, "auto")
+    gens = step(engine)
+    assert [len(g) for g in gens] == [8] * 64
+    g = gens[0][0]
+    assert g.token_ids == ANSWER_IDS and g.logprobs == (-0.5,) * 3 and g.prompt_ids == (1, 5, 9)
+    counters = server.server.counters
+    assert counters.served == 512  # one request per sample
+    # the server's 128 slots were all taken: >= 90% of its limit in service at once
+    assert counters.peak_in_service >= 0.9 * 128
+    stats = engine.stats
+    assert stats["in_flight_peak"] >= 0.9 * 128 and stats["parallel_limit"] >= 115
+    assert stats["queue_wait_s"] is None  # the fake exports no /metrics
+    # the next step starts where the limit settled: full from its first round trip
+    counters.peak_in_service = 0
+    step(engine)
+    assert engine.stats["in_flight"] >= 0.9 * 128 and counters.peak_in_service == 128
+
+
+def test_a_number_bounds_the_requests_in_flight(server: Any):
+    engine = rollouts(server, 16)
+    step(engine, prompts=8)
+    assert server.server.counters.peak_in_service == 16
+    assert engine.stats["in_flight_peak"] == 16 and engine.stats["parallel_limit"] == 16
+
+
+def test_each_sample_is_seeded_and_a_group_goes_to_one_server(server: Any):
+    from stages.lib.client import sample_seed
+
+    server.server.record_bodies = True
+    engine = rollouts(server, 8)
+    step(engine, prompts=2, group=3)
+    bodies = server.server.counters.bodies
+    seeds = sorted(b["seed"] for b in bodies)
+    assert seeds == sorted(sample_seed(3, i, s, 3) for i in range(2) for s in range(3))
+    assert all(b["n"] == 1 and b["return_token_ids"] and b["logprobs"] == 0 for b in bodies)
+
+
+def test_every_step_records_what_was_in_flight(server: Any):
+    from stages.lib.env_config import EnvironmentConfig  # noqa: F401  (the rollout's imports)
+    from stages.lib.environment import environment_factory
+    from stages.rl.data import Stream
+    from stages.rl.loop import ENGINE_FIELDS
+    from stages.rl.rollout import rollout
+
+    engine = rollouts(server, "auto")
+    cfg = RLConfig(input="x.jsonl", rollout_batch_size=4, num_repeats=2)
+    rows = [{"prompt": "1 + 1", "answer": "2"}] * 4
+    c = SimpleNamespace(
+        cfg=cfg,
+        engine=engine,
+        data=SimpleNamespace(rows=rows),
+        stream=Stream(4, 4, 0),
+        make_env=environment_factory(None, cfg.verifier.model_copy(update={"kind": "exact_match"})),
+        version=0,
+        ctx=SimpleNamespace(log=logging.getLogger("test")),
+    )
+    engine.tokenizer = _Chat()
+    batch = rollout(c, 1)
+    assert set(ENGINE_FIELDS) <= set(batch.engine) and batch.engine["in_flight_peak"] == 8
+
+
+class _Chat(Tokens):
+    """Renders a chat prompt to a few token ids (the opening turn's prompt)."""
+
+    def apply_chat_template(self, messages: Any, **_: Any) -> str:
+        return "x"
+
+    def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
+        return {"input_ids": [1, 4, 9]}
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", "expected a positive integer or 'auto', found 0"),
+        ("fast", "expected a positive integer or 'auto', found 'fast'"),
+    ],
+)
+def test_the_knob_is_validated_located(tmp_path: Path, value: str, message: str):
+    (tmp_path / "p.yaml").write_text(
+        "name: p\nstages:\n  rl:\n    kind: rl\n    config:\n      input: d.jsonl\n"
+        f"      num_samples_in_parallel: {value}\n"
+    )
+    out = run_cli("validate", "p.yaml", cwd=tmp_path)
+    assert out.exit_code == 2
+    assert f"p.yaml:7:32: stages.rl.config.num_samples_in_parallel: {message}" in out.stderr
