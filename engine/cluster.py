@@ -4,9 +4,9 @@
 (and the `LocalCluster` or `SLURMCluster` it started, if any; `slurm` starts the
 jobs of a `engine.slurm.SlurmRequest`). The address comes from, in order,
 `--scheduler`, `DASK_SCHEDULER_ADDRESS`, then the pipeline's `cluster.scheduler`
-(`local` starts a cluster sized by `cluster.workers`, one thread and one torch
-thread per worker process, GPUs declared as a worker resource when CUDA is
-visible). `tls://` addresses use Dask's security settings from its config.
+(`local` starts a cluster sized by `cluster.workers`, or smaller when the stages
+to run use fewer and no GPU is visible, one thread and one torch thread per worker
+process, GPUs declared as a worker resource when CUDA is visible). `tls://` addresses use Dask's security settings from its config.
 """
 
 from __future__ import annotations
@@ -164,10 +164,16 @@ def scheduler_address(cli: str | None, pipeline: str) -> str:
 
 
 def connect(
-    address: str, workers: int, timeout_s: float = 60.0, slurm: SlurmRequest | None = None
+    address: str,
+    workers: int,
+    timeout_s: float = 60.0,
+    slurm: SlurmRequest | None = None,
+    wanted: int | None = None,
 ) -> Cluster:
     """Start the embedded cluster (`local`), submit the Slurm jobs of `slurm` (`slurm`), or
-    connect to the scheduler at `address`."""
+    connect to the scheduler at `address`. The embedded cluster starts `workers` worker
+    processes, or `wanted` when fewer and no GPU is visible (a GPU machine splits its GPUs
+    over the `workers` declared)."""
     from distributed import Client
 
     if address == "slurm":
@@ -183,6 +189,8 @@ def connect(
 
         os.environ.update({k: os.environ.get(k, v) for k, v in THREAD_ENV.items()})
         gpus = visible_gpus()
+        if wanted is not None and not gpus:
+            workers = max(1, min(workers, wanted))
         resources = (
             {"GPU": gpus // workers}
             if gpus and gpus >= workers

@@ -145,13 +145,14 @@ class _Connection:
 
     def __init__(self, address: str, workers: int, slurm: SlurmRequest | None = None) -> None:
         self.address, self.workers, self.slurm = address, workers, slurm
+        self.wanted: int | None = None  # workers the stages to run use (embedded cluster)
         self.cluster: Cluster | None = None
 
     def __enter__(self) -> Cluster:
         from engine.cluster import connect
 
         t0 = time.perf_counter()
-        self.cluster = connect(self.address, self.workers, slurm=self.slurm)
+        self.cluster = connect(self.address, self.workers, slurm=self.slurm, wanted=self.wanted)
         n = len(self.cluster.workers())
         log.info(
             "cluster: %s (%d workers) ready in %.1f s", self.address, n, time.perf_counter() - t0
@@ -184,6 +185,7 @@ def _execute(
         log.info("run %s: %d stages, records in %s", report.run_id, len(planned.order), history)
         keys, pending = prepare(planned, req.options, report)
         if pending and cluster is None:
+            connection.wanted = workers_used(planned, pending, connection.workers)
             with connection as started:
                 _run_on(started, planned, req, report, keys, pending)
         elif pending and cluster is not None:
@@ -196,6 +198,13 @@ def _execute(
             root.removeHandler(handler)
             handler.close()
     return report
+
+
+def workers_used(planned: Plan, pending: list[str], workers: int) -> int:
+    """Workers the `pending` stages use together (each its kind's `workers_used`), at most
+    `workers`: a one-stage pipeline starts one worker process, not `cluster.workers`."""
+    used = sum(planned.stages[n].resolved.config.workers_used(workers) for n in pending)
+    return max(1, min(workers, used))
 
 
 def _run_on(
