@@ -43,6 +43,7 @@ class RunRequest:
     scheduler: str | None = None
     run_dir: str | None = None
     options: RunOptions = field(default_factory=RunOptions)
+    dashboard: bool = False  # the embedded cluster serves Dask's dashboard (bokeh installed)
 
 
 def _check_names(loaded: LoadedPipeline, options: RunOptions) -> None:
@@ -106,6 +107,7 @@ def _run_pipeline(req: RunRequest) -> RunReport:
     address = scheduler_address(req.scheduler, loaded.spec.cluster.scheduler)
     planned = plan(resolve(loaded, run_dir=req.run_dir, gpus=_declared(loaded)))
     connection = _Connection(address, loaded.spec.cluster.workers, _slurm(address, planned))
+    connection.dashboard = req.dashboard
     if loaded.spec.cluster.gpus != "auto" and not any(
         s.resolved.gpus for s in planned.stages.values()
     ):
@@ -146,13 +148,20 @@ class _Connection:
     def __init__(self, address: str, workers: int, slurm: SlurmRequest | None = None) -> None:
         self.address, self.workers, self.slurm = address, workers, slurm
         self.wanted: int | None = None  # workers the stages to run use (embedded cluster)
+        self.dashboard = False
         self.cluster: Cluster | None = None
 
     def __enter__(self) -> Cluster:
         from engine.cluster import connect
 
         t0 = time.perf_counter()
-        self.cluster = connect(self.address, self.workers, slurm=self.slurm, wanted=self.wanted)
+        self.cluster = connect(
+            self.address,
+            self.workers,
+            slurm=self.slurm,
+            wanted=self.wanted,
+            dashboard=self.dashboard,
+        )
         n = len(self.cluster.workers())
         log.info(
             "cluster: %s (%d workers) ready in %.1f s", self.address, n, time.perf_counter() - t0
