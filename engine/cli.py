@@ -247,6 +247,11 @@ def plan_cmd(
     "--keep-going", is_flag=True, help="After a failure, run independent stages to the end."
 )
 @click.option("--run-dir", default=None, help="Run directory (default runs/<name>/).")
+@click.option(
+    "--dashboard",
+    is_flag=True,
+    help="Serve Dask's dashboard from the embedded cluster (needs bokeh); its address is logged.",
+)
 @_guard
 def run(
     pipeline: str,
@@ -257,13 +262,15 @@ def run(
     force: bool,
     keep_going: bool,
     run_dir: str | None,
+    dashboard: bool,
 ) -> None:
     """Run PIPELINE on Dask: skip up-to-date stages, retry failures, record everything."""
     from engine.execute import RunOptions
     from engine.run import RunRequest, run_pipeline
 
     options = RunOptions(only=only, from_stage=from_stage, force=force, keep_going=keep_going)
-    report = run_pipeline(RunRequest(pipeline, overrides, scheduler, run_dir, options))
+    request = RunRequest(pipeline, overrides, scheduler, run_dir, options, dashboard=dashboard)
+    report = run_pipeline(request)
     sys.exit(EXIT_OK if report.status == "succeeded" else EXIT_FAILED)
 
 

@@ -4,9 +4,9 @@
 (and the `LocalCluster` or `SLURMCluster` it started, if any; `slurm` starts the
 jobs of a `engine.slurm.SlurmRequest`). The address comes from, in order,
 `--scheduler`, `DASK_SCHEDULER_ADDRESS`, then the pipeline's `cluster.scheduler`
-(`local` starts a cluster sized by `cluster.workers`, one thread and one torch
-thread per worker process, GPUs declared as a worker resource when CUDA is
-visible). `tls://` addresses use Dask's security settings from its config.
+(`local` starts a cluster sized by `cluster.workers`, or smaller when the stages
+to run use fewer and no GPU is visible, one thread and one torch thread per worker
+process, GPUs declared as a worker resource when CUDA is visible). `tls://` addresses use Dask's security settings from its config.
 """
 
 from __future__ import annotations
@@ -38,12 +38,15 @@ class Cluster:
     client: Any
     local: Any = None
     slurm: Any = None  # the dask_jobqueue.SLURMCluster whose jobs run the workers
+    serves_dashboard: bool = True  # the embedded cluster serves one only when asked
 
     @property
     def dashboard(self) -> str | None:
-        link = getattr(self.client, "dashboard_link", None)
         mine = self.local is not None or self.slurm is not None
-        return str(link) if link and mine and _has_bokeh() else None
+        if not (mine and self.serves_dashboard and _has_bokeh()):
+            return None
+        link = getattr(self.client, "dashboard_link", None)
+        return str(link) if link else None
 
     def workers(self) -> dict[str, dict[str, float]]:
         """Each worker's address and declared resources."""
@@ -164,10 +167,18 @@ def scheduler_address(cli: str | None, pipeline: str) -> str:
 
 
 def connect(
-    address: str, workers: int, timeout_s: float = 60.0, slurm: SlurmRequest | None = None
+    address: str,
+    workers: int,
+    timeout_s: float = 60.0,
+    slurm: SlurmRequest | None = None,
+    wanted: int | None = None,
+    dashboard: bool = False,
 ) -> Cluster:
     """Start the embedded cluster (`local`), submit the Slurm jobs of `slurm` (`slurm`), or
-    connect to the scheduler at `address`."""
+    connect to the scheduler at `address`. The embedded cluster starts `workers` worker
+    processes, or `wanted` when fewer and no GPU is visible (a GPU machine splits its GPUs
+    over the `workers` declared), and serves Dask's dashboard only with `dashboard` (bokeh
+    installed, it cost about 1 s and 1 CPU-s of every start)."""
     from distributed import Client
 
     if address == "slurm":
@@ -183,6 +194,8 @@ def connect(
 
         os.environ.update({k: os.environ.get(k, v) for k, v in THREAD_ENV.items()})
         gpus = visible_gpus()
+        if wanted is not None and not gpus:
+            workers = max(1, min(workers, wanted))
         resources = (
             {"GPU": gpus // workers}
             if gpus and gpus >= workers
@@ -192,7 +205,8 @@ def connect(
             n_workers=workers if not (gpus and gpus < workers) else 1,
             threads_per_worker=max(1, int(resources["GPU"])) if resources else 1,
             processes=True,
-            dashboard_address=":0",  # a free port (the default 8787 clashes between runs)
+            # a free port (the default 8787 clashes between runs); none unless asked
+            dashboard_address=":0" if dashboard else None,
             resources=resources,
             silence_logs=logging.WARNING,
         )
@@ -211,7 +225,7 @@ def connect(
             for i, addr in enumerate(addresses):
                 mine = ",".join(names[i * share : (i + 1) * share])
                 client.run(_set_devices, mine, workers=[addr])
-        return Cluster(client, local)
+        return Cluster(client, local, serves_dashboard=dashboard)
     from distributed.security import Security
 
     security = Security() if address.startswith("tls://") else None  # type: ignore[no-untyped-call]

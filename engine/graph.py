@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+import heapq
+
 from engine.schema import PipelineSpec
 
 
 def topological(spec: PipelineSpec) -> list[str]:
-    """Stage names, each after everything it needs; ties keep file order."""
-    import networkx as nx
+    """Stage names, each after everything it needs; ties keep file order.
 
-    graph = nx.DiGraph()
-    graph.add_nodes_from(spec.stages)
-    for name, st in spec.stages.items():
-        graph.add_edges_from((need, name) for need in st.needs)
+    Kahn's algorithm with a heap keyed by file order: the order networkx's
+    `lexicographical_topological_sort` gives with that key, without importing networkx
+    (0.2-0.3 s of every `pipe run`). The graph is acyclic (load refuses cycles)."""
     order = {name: i for i, name in enumerate(spec.stages)}
-    return list(nx.lexicographical_topological_sort(graph, key=order.__getitem__))
+    after: dict[str, set[str]] = {name: set() for name in spec.stages}
+    waiting = dict.fromkeys(spec.stages, 0)
+    for name, st in spec.stages.items():
+        for need in set(st.needs) & set(after):
+            after[need].add(name)
+            waiting[name] += 1
+    ready = [(order[n], n) for n, count in waiting.items() if count == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        out.append(name)
+        for nxt in after[name]:
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
+                heapq.heappush(ready, (order[nxt], nxt))
+    if len(out) != len(order):
+        raise ValueError(f"the stages' needs form a cycle: {sorted(set(order) - set(out))}")
+    return out
 
 
 def render_graph(spec: PipelineSpec, fmt: str) -> str:

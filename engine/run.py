@@ -43,6 +43,7 @@ class RunRequest:
     scheduler: str | None = None
     run_dir: str | None = None
     options: RunOptions = field(default_factory=RunOptions)
+    dashboard: bool = False  # the embedded cluster serves Dask's dashboard (bokeh installed)
 
 
 def _check_names(loaded: LoadedPipeline, options: RunOptions) -> None:
@@ -106,6 +107,7 @@ def _run_pipeline(req: RunRequest) -> RunReport:
     address = scheduler_address(req.scheduler, loaded.spec.cluster.scheduler)
     planned = plan(resolve(loaded, run_dir=req.run_dir, gpus=_declared(loaded)))
     connection = _Connection(address, loaded.spec.cluster.workers, _slurm(address, planned))
+    connection.dashboard = req.dashboard
     if loaded.spec.cluster.gpus != "auto" and not any(
         s.resolved.gpus for s in planned.stages.values()
     ):
@@ -145,13 +147,21 @@ class _Connection:
 
     def __init__(self, address: str, workers: int, slurm: SlurmRequest | None = None) -> None:
         self.address, self.workers, self.slurm = address, workers, slurm
+        self.wanted: int | None = None  # workers the stages to run use (embedded cluster)
+        self.dashboard = False
         self.cluster: Cluster | None = None
 
     def __enter__(self) -> Cluster:
         from engine.cluster import connect
 
         t0 = time.perf_counter()
-        self.cluster = connect(self.address, self.workers, slurm=self.slurm)
+        self.cluster = connect(
+            self.address,
+            self.workers,
+            slurm=self.slurm,
+            wanted=self.wanted,
+            dashboard=self.dashboard,
+        )
         n = len(self.cluster.workers())
         log.info(
             "cluster: %s (%d workers) ready in %.1f s", self.address, n, time.perf_counter() - t0
@@ -184,6 +194,7 @@ def _execute(
         log.info("run %s: %d stages, records in %s", report.run_id, len(planned.order), history)
         keys, pending = prepare(planned, req.options, report)
         if pending and cluster is None:
+            connection.wanted = workers_used(planned, pending, connection.workers)
             with connection as started:
                 _run_on(started, planned, req, report, keys, pending)
         elif pending and cluster is not None:
@@ -196,6 +207,13 @@ def _execute(
             root.removeHandler(handler)
             handler.close()
     return report
+
+
+def workers_used(planned: Plan, pending: list[str], workers: int) -> int:
+    """Workers the `pending` stages use together (each its kind's `workers_used`), at most
+    `workers`: a one-stage pipeline starts one worker process, not `cluster.workers`."""
+    used = sum(planned.stages[n].resolved.config.workers_used(workers) for n in pending)
+    return max(1, min(workers, used))
 
 
 def _run_on(

@@ -178,6 +178,13 @@ class StageConfig(BaseModel):
         """Changes to this config that cut memory, cheapest first (`(dotted field, value)`)."""
         return []
 
+    def workers_used(self, workers: int) -> int:
+        """How many of a cluster's `workers` a stage keeps busy at once: its own task plus the
+        tasks it submits from inside it. The embedded cluster starts no more workers than the
+        stages to run use together (`ctx.workers` is the number started), so a kind that fans
+        out over the workers (or reads `ctx.workers`) says so here."""
+        return 1
+
 
 @functools.cache
 def nested_blocks(model: type[BaseModel]) -> frozenset[str]:

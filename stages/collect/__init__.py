@@ -98,6 +98,10 @@ class CollectConfig(StageConfig):
             raise ValueError(f"end_idx must be greater than start_idx ({start}), found {value}")
         return value
 
+    def workers_used(self, workers: int) -> int:
+        """`shards` > 1 (or auto: one per worker) are Dask tasks over the workers."""
+        return workers if self.shards == "auto" else max(1, min(workers, self.shards))
+
     def memory_needs(self) -> list[MemoryNeed]:
         return backend_memory(self.backend)
 

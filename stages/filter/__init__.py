@@ -71,6 +71,10 @@ class FilterConfig(StageConfig):
         description="On a Dask cluster, inputs larger than two partitions are filtered in partitions of about this many MB, one task each.",
     )
 
+    def workers_used(self, workers: int) -> int:
+        """A file over two partitions is filtered as Dask tasks over every worker."""
+        return workers
+
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         """The predicate's module must be importable where the run looks: the pipeline's
         folder, then Python's path (`stages.filter.rules.load_predicate`)."""
