@@ -165,8 +165,18 @@ class Recorder:
             w.put(call)
 
     def _poll(self) -> None:
-        while not self.stop.wait(POLL_S):
+        while not self.stop.wait(POLL_S) and self._scan_safely():
+            pass
+
+    def _scan_safely(self) -> bool:
+        """`scan`, a failure of which ends the tracking (one warning), never the run."""
+        try:
             self.scan()
+        except Exception as exc:
+            log.warning("tracking: stopped (%s: %s); the run goes on", type(exc).__name__, exc)
+            self.stop.set()
+            return False
+        return True
 
     def scan(self) -> None:
         """One look at every stage: open, feed and close child runs as statuses change."""
@@ -197,9 +207,13 @@ class Recorder:
             start, self.partial[name] = 0, ""
         if size == start:
             return
-        with open(path, encoding="utf-8") as f:
-            f.seek(start)
-            text = self.partial.pop(name, "") + f.read(size - start)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                chunk = f.read(size - start).decode("utf-8", "replace")
+        except OSError:  # gone since: the next look reads what is there
+            return
+        text = self.partial.pop(name, "") + chunk
         self.offsets[name] = size
         lines = text.split("\n")
         self.partial[name] = lines.pop()  # an unfinished last line waits for the next look
@@ -221,9 +235,11 @@ class Recorder:
 
     def close(self) -> dict[str, str]:
         """Log what is left, end the runs, wait (bounded) for the trackers; their links."""
+        stopped = self.stop.is_set()
         self.stop.set()
         self.poller.join()
-        self.scan()
+        if not stopped:
+            self._scan_safely()
         status = self.report.status
         for w in self.writers:
             w.put(("finish", (status,)))
