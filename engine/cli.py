@@ -271,6 +271,10 @@ def run(
     options = RunOptions(only=only, from_stage=from_stage, force=force, keep_going=keep_going)
     request = RunRequest(pipeline, overrides, scheduler, run_dir, options, dashboard=dashboard)
     report = run_pipeline(request)
+    from engine.headline import headlines
+
+    for line in headlines(report):  # the result, on stdout: each stage's headline, the trackers
+        click.echo(line)
     sys.exit(EXIT_OK if report.status == "succeeded" else EXIT_FAILED)
 
 

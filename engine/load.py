@@ -22,6 +22,7 @@ from engine.overrides import apply_overrides
 from engine.schema import PipelineSpec, StageSpec, validation_diagnostics
 from engine.source import Document, load_document, render_path
 from engine.stage import StageKind, kinds
+from engine.tracking_spec import check_tracking
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ def validate_document(doc: Document, path: Path) -> LoadedPipeline:
     parts = spec if spec is not None else _Parts.from_raw(doc.data)
     errors.extend(_check_stages(doc, parts))
     errors.extend(_check_presets(doc, parts, path.parent))
+    if spec is not None:
+        errors.extend(check_tracking(doc, spec.tracking))
     if errors or spec is None:
         raise PipeError(errors)
     return LoadedPipeline(path, doc, spec)

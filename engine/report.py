@@ -67,6 +67,7 @@ class RunReport:
     ended: float | None = None
     interrupted: bool = False
     stages: dict[str, StageRecord] = field(default_factory=dict)
+    tracking: dict[str, str] = field(default_factory=dict)  # tracker -> where to look
 
     def add(self, name: str, kind: str, key: str, stage_dir: str) -> StageRecord:
         rec = StageRecord(name, kind, key, stage_dir)
@@ -98,6 +99,7 @@ class RunReport:
             "ended": self.ended,
             "duration_s": None if self.ended is None else round(self.ended - self.started, 3),
             "stages": {n: r.as_dict() for n, r in self.stages.items()},
+            "tracking": self.tracking,
         }
 
     def history(self, run_dir: str) -> str:

@@ -27,6 +27,7 @@ from engine.load import LoadedPipeline, load_pipeline
 from engine.plan import Plan, plan
 from engine.report import RunReport, new_run_id
 from engine.resolve import resolve
+from engine.tracking import start_tracking, wants_dashboard
 
 if TYPE_CHECKING:
     from engine.slurm import SlurmRequest
@@ -107,7 +108,7 @@ def _run_pipeline(req: RunRequest) -> RunReport:
     address = scheduler_address(req.scheduler, loaded.spec.cluster.scheduler)
     planned = plan(resolve(loaded, run_dir=req.run_dir, gpus=_declared(loaded)))
     connection = _Connection(address, loaded.spec.cluster.workers, _slurm(address, planned))
-    connection.dashboard = req.dashboard
+    connection.dashboard = req.dashboard or wants_dashboard(loaded.spec.tracking)
     if loaded.spec.cluster.gpus != "auto" and not any(
         s.resolved.gpus for s in planned.stages.values()
     ):
@@ -148,7 +149,7 @@ class _Connection:
     def __init__(self, address: str, workers: int, slurm: SlurmRequest | None = None) -> None:
         self.address, self.workers, self.slurm = address, workers, slurm
         self.wanted: int | None = None  # workers the stages to run use (embedded cluster)
-        self.dashboard = False
+        self.dashboard = False  # --dashboard, or a `tracking:` block (engine.tracking)
         self.cluster: Cluster | None = None
 
     def __enter__(self) -> Cluster:
@@ -193,13 +194,18 @@ def _execute(
     try:
         log.info("run %s: %d stages, records in %s", report.run_id, len(planned.order), history)
         keys, pending = prepare(planned, req.options, report)
-        if pending and cluster is None:
-            connection.wanted = workers_used(planned, pending, connection.workers)
-            with connection as started:
-                _run_on(started, planned, req, report, keys, pending)
-        elif pending and cluster is not None:
-            _run_on(cluster, planned, req, report, keys, pending)
-        report.finish()
+        recorder = start_tracking(planned, report)  # None without a `tracking:` block
+        try:
+            if pending and cluster is None:
+                connection.wanted = workers_used(planned, pending, connection.workers)
+                with connection as started:
+                    _run_on(started, planned, req, report, keys, pending)
+            elif pending and cluster is not None:
+                _run_on(cluster, planned, req, report, keys, pending)
+            report.finish()
+        finally:
+            if recorder is not None:
+                report.tracking = recorder.close()
         path = report.write(run_dir)
         _summary(report, path)
     finally:

@@ -28,6 +28,7 @@ from pydantic import (
 from engine.errors import Diagnostic, did_you_mean, found, one_of
 from engine.slurm_spec import SlurmSpec
 from engine.source import Document, PathT, render_path
+from engine.tracking_spec import TrackingSpec
 
 SCHEMES = ("tcp", "tls", "ucx", "inproc")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
@@ -187,6 +188,10 @@ class PipelineSpec(Model):
         description="Values every stage's config starts from (applied to the stages that have them).",
     )
     stages: dict[str, StageSpec] = Field(min_length=1, description="The stages, by name.")
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec,
+        description="Experiment trackers (tensorboard, mlflow, wandb; any subset, none by default).",
+    )
 
     @field_validator("name")
     @classmethod

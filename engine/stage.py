@@ -22,7 +22,8 @@ names no kind and no kind's field:
 - `derive(ctx)`: values derived from others (`Derived(value, reason)`), applied
   where neither the user nor a preset set one;
 - `check(ctx)`: the kind's own arithmetic and consistency checks, as located
-  `Diagnostic`s made with `ctx.error(path, message)`.
+  `Diagnostic`s made with `ctx.error(path, message)`;
+- `headline(result)`: the line(s) `pipe run` ends with for the stage.
 """
 
 from __future__ import annotations
@@ -184,6 +185,12 @@ class StageConfig(BaseModel):
         stages to run use together (`ctx.workers` is the number started), so a kind that fans
         out over the workers (or reads `ctx.workers`) says so here."""
         return 1
+
+    @classmethod
+    def headline(cls, result: Mapping[str, Any]) -> list[str]:
+        """What `pipe run` prints for the stage at the end, from the metrics its body
+        returned (`metrics.json`): one line, or a small table; empty: nothing to say."""
+        return []
 
 
 @functools.cache

@@ -147,5 +147,22 @@ class CollectConfig(StageConfig):
             ]
         return []
 
+    @classmethod
+    def headline(cls, result: Mapping[str, Any]) -> list[str]:
+        """Rows written, the rate, latency, errors, failures and retries."""
+        if "rows" not in result:
+            return []
+        if result.get("up_to_date"):
+            return [
+                f"{result['rows']} rollouts (already complete), {result.get('failures', 0)} failed"
+            ]
+        errors = sum((result.get("errors") or {}).values())
+        p95 = (result.get("latency_s") or {}).get("p95", 0.0)
+        return [
+            f"{result['rows']} rollouts, {result.get('rollouts_per_s', 0):.1f} rollouts/s, "
+            f"p95 latency {p95:.2f} s, {errors} errors, {result.get('failures', 0)} failed, "
+            f"{result.get('retries', 0)} retries"
+        ]
+
 
 stage("collect", config=CollectConfig, run="stages.collect.run:run_collect")

@@ -26,6 +26,7 @@ from stages.collect.stats import Progress, Stats
 from stages.lib.adaptive import AdaptiveLimit
 from stages.lib.client import Completion, OpenAIClient, RequestError, backoff_delay, classify
 from stages.lib.client import sample_seed as _seed
+from stages.lib.track import Metrics
 from stages.lib.verify import Score
 
 _dumps = json.JSONEncoder(ensure_ascii=False).encode
@@ -71,10 +72,12 @@ class Recorder:
         stats: Stats,
         failed_runs: dict[Key, int],
         log: logging.Logger,
+        track: Metrics | None = None,
     ) -> None:
         self.score, self.sink, self.stats = score, sink, stats
         self.failed_runs = failed_runs
         self.log = log
+        self.track = track  # rollouts/s, latency, errors over time, for the run's trackers
         self._verify_warned = False
 
     def rollout(self, prompt: Prompt, sample_idx: int, out: Completion, latency: float) -> None:
@@ -148,7 +151,7 @@ class Collector:
         self.fixed = concurrency if isinstance(concurrency, int) else 0
         self.seed, self.num_repeats = seed, num_repeats
         self.max_retries, self.backoff_s = max_retries, backoff_s
-        self.progress = Progress(recorder.log)
+        self.progress = Progress(recorder.log, track=recorder.track)
         self._workers = 0
         self._exhausted = False
         self._tasks: set[asyncio.Task[None]] = set()

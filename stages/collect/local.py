@@ -33,7 +33,7 @@ def collect_local(
 ) -> None:
     """Generate every pending sample in batches (on `device`) and record the rollouts."""
     assert isinstance(cfg.backend, LocalBackend)
-    progress = Progress(recorder.log)
+    progress = Progress(recorder.log, track=recorder.track)
     recorder.stats.set_limit(cfg.backend.batch_size)
     batch: list[tuple[Prompt, list[int]]] = []
     for prompt, samples in work:

@@ -66,8 +66,9 @@ def collect_range(
         stats.total = max(0, (end - start) * cfg.num_repeats - done.count)
     sink = io.Sink(cfg.output)
     from stages.collect.collector import Recorder
+    from stages.lib.track import Metrics
 
-    recorder = Recorder(score, sink, stats, failed_runs, ctx.log)
+    recorder = Recorder(score, sink, stats, failed_runs, ctx.log, Metrics(ctx.stage_dir))
     try:
         work = pending(cfg.input, start, end, cfg.num_repeats, done)
         if isinstance(cfg.backend, LocalBackend):

@@ -16,8 +16,11 @@ import time
 from collections import Counter
 from typing import Any
 
+from stages.lib.track import Metrics
+
 _MIN_S = 1e-4
 _GROWTH = math.log(1.02)
+TRACK_S = 5.0  # seconds between the points a collect run sends its trackers
 
 
 class LatencyHistogram:
@@ -148,14 +151,21 @@ class Stats:
 class Progress:
     """A bar on a terminal (stderr), a plain log line every `interval_s` otherwise."""
 
-    def __init__(self, log: logging.Logger, interval_s: float = 10.0) -> None:
+    def __init__(
+        self, log: logging.Logger, interval_s: float = 10.0, track: Metrics | None = None
+    ) -> None:
         self.log = log
         self.tty = sys.stderr.isatty()
         self.interval_s = 0.5 if self.tty else interval_s
         self._next = time.perf_counter() + self.interval_s
+        self.track = track  # the run's trackers get a point every TRACK_S, and the last
+        self._track_next = time.perf_counter() + TRACK_S
 
     def maybe_report(self, stats: Stats) -> None:
         now = time.perf_counter()
+        if self.track is not None and now >= self._track_next:
+            self._track_next = now + TRACK_S
+            self.track.log(int(stats.elapsed()), over_time(stats))
         if now < self._next:
             return
         self._next = now + self.interval_s
@@ -166,10 +176,29 @@ class Progress:
             self.log.info("collect: %s", stats.line())
 
     def close(self, stats: Stats) -> None:
+        if self.track is not None:
+            self.track.log(int(stats.elapsed()), over_time(stats))
         if self.tty:
             sys.stderr.write(f"\r{_bar(stats)}{stats.line()}\x1b[K\n")
             sys.stderr.flush()
         self.log.info("collect done: %s", stats.line())
+
+
+def over_time(stats: Stats) -> dict[str, float]:
+    """What the trackers plot against time (step: seconds into the run)."""
+    secs = stats.elapsed()
+    return {
+        "rollouts": stats.written + stats.failed,
+        "rollouts_per_s": stats.written / secs,
+        "tokens_per_s": stats.tokens_out / secs,
+        "latency_p50_s": stats.latency.quantile(0.50),
+        "latency_p95_s": stats.latency.quantile(0.95),
+        "errors": sum(stats.errors.values()),
+        "retries": stats.retries,
+        "failed": stats.failed,
+        "in_flight": stats.in_flight,
+        "limit": stats.limit,
+    }
 
 
 def _bar(stats: Stats, width: int = 24) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field
@@ -51,6 +52,12 @@ class DatasetConfig(StageConfig):
         if self.source != "reasoning_gym" and not self.path:
             return [ctx.error("path", f"source '{self.source}' needs a 'path'")]
         return []
+
+    @classmethod
+    def headline(cls, result: Mapping[str, Any]) -> list[str]:
+        """Rows per split."""
+        splits = [(k[: -len("_rows")], v) for k, v in result.items() if k.endswith("_rows") and v]
+        return [", ".join(f"{v} {k}" for k, v in splits) + " rows"] if splits else []
 
 
 stage("dataset", config=DatasetConfig, run="stages.dataset.run:run_dataset")

@@ -115,5 +115,12 @@ class EvaluateConfig(StageConfig):
             )
         return out + check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
 
+    @classmethod
+    def headline(cls, result: Mapping[str, Any]) -> list[str]:
+        """The accuracy table: a row per checkpoint, its delta to the baseline."""
+        from stages.evaluate.headline import table
+
+        return table(result)
+
 
 stage("evaluate", config=EvaluateConfig, run="stages.evaluate.run:run_evaluate")

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from stages.evaluate.episodes import Play
 from stages.lib.config import LocalBackend, OpenAIBackend, VLLMBackend
 from stages.lib.jsonl import atomic_path, atomic_write, read_jsonl, write_jsonl
+from stages.lib.track import Metrics
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -64,7 +65,7 @@ def run_evaluate(cfg: EvaluateConfig, ctx: StageContext) -> dict[str, Any]:
     rows = list(read_jsonl(cfg.input))[: cfg.limit]
     checkpoints = [cfg.backend.model] if isinstance(cfg.backend, OpenAIBackend) else cfg.checkpoints
     generate = Generator(cfg, ctx)
-    return evaluate_checkpoints(
+    report = evaluate_checkpoints(
         cfg,
         list(checkpoints),
         cfg.baseline,
@@ -73,6 +74,21 @@ def run_evaluate(cfg: EvaluateConfig, ctx: StageContext) -> dict[str, Any]:
         ctx.run_dir,
         generate,
     )
+    Metrics(ctx.stage_dir).log(0, tracked(report))
+    return report
+
+
+def tracked(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's figures per checkpoint, for the run's trackers: accuracy, mean reward,
+    pass@k, and each checkpoint's accuracy delta to the baseline."""
+    out: dict[str, Any] = {}
+    for r in report.get("results", []):
+        name = r["checkpoint"]
+        out[f"accuracy/{name}"] = r["accuracy"]
+        out[f"mean_reward/{name}"] = r["mean_reward"]
+        out.update({f"pass@{k}/{name}": v for k, v in r.get("pass_at_k", {}).items()})
+    out.update({f"accuracy_delta/{k}": v for k, v in report.get("accuracy_delta", {}).items()})
+    return out
 
 
 class Generator:

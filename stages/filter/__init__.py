@@ -20,7 +20,8 @@ This module stays light (no numpy, no matplotlib): `pipe validate` imports it.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -81,6 +82,17 @@ class FilterConfig(StageConfig):
         if self.predicate is None:
             return []
         return check_callable(ctx, "predicate", "predicate", self.predicate, [ctx.pipeline_dir])
+
+    @classmethod
+    def headline(cls, result: Mapping[str, Any]) -> list[str]:
+        """Kept of in, and what each rule dropped."""
+        if "rows_kept" not in result:
+            return []
+        dropped = ", ".join(f"{k} {v}" for k, v in (result.get("dropped") or {}).items() if v)
+        return [
+            f"kept {result['rows_kept']} of {result.get('rows_in', 0)} rows; "
+            f"dropped: {dropped or 'none'}"
+        ]
 
 
 stage("filter", config=FilterConfig, run="stages.filter.run:run_filter")

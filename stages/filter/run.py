@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from stages.filter.rules import RULES, Counts, Rules, SeenSet
 from stages.filter.scan import BUFFER, OutOfOrder, filter_range, sort_by_prompt
 from stages.lib.jsonl import atomic_path, write_json
+from stages.lib.track import Metrics
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -119,6 +120,8 @@ def run_filter(cfg: FilterConfig, ctx: StageContext) -> dict[str, Any]:
     report["rows_per_s"] = round(counts.rows_in / seconds, 1) if seconds > 0 else None
     report["histogram"] = plot_histogram(counts, ctx.path(HISTOGRAM))
     write_json(ctx.path(REPORT), report)
+    kept = {"rows_in": counts.rows_in, "rows_kept": counts.rows_kept}
+    Metrics(ctx.stage_dir).log(0, {**kept, "dropped": dict(counts.dropped)})
     ctx.log.info(
         "filter: kept %d of %d rows (%s) in %.1f s, %s",
         counts.rows_kept,

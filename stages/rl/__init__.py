@@ -177,6 +177,21 @@ class RLConfig(StageConfig):
         """A vLLM engine's tensor-parallel group stays on one node; trained roles place by GPU."""
         return backend_gpu_unit(self.backend) if role == "vllm" else 1
 
+    @classmethod
+    def headline(cls, result: Mapping[str, Any]) -> list[str]:
+        """Reward and held-out accuracy, first -> last."""
+        if not result.get("steps"):
+            return []
+
+        def arrow(a: Any, b: Any, fmt: str) -> str:
+            return f"{format(a, fmt) if a is not None else '-'} -> {format(b, fmt) if b is not None else '-'}"
+
+        line = f"reward {arrow(result.get('reward_first'), result.get('reward_last'), '.3f')}"
+        start, end = result.get("eval_accuracy_start"), result.get("eval_accuracy_end")
+        if start is not None or end is not None:
+            line += f", held-out accuracy {arrow(start, end, '.1%')}"
+        return [f"{line} over {result['steps']} steps"]
+
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """The vLLM engines from the `vllm` role's GPUs (engines x tensor-parallel size = the
         role's GPUs), prefix caching for groups, half a shared GPU left to training."""

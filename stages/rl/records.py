@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stages.lib.jsonl import atomic_path, atomic_write, write_json
+from stages.lib.track import Metrics
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -34,8 +35,10 @@ def trim_metrics(path: str, step: int) -> None:
 
 
 def append_metrics(path: str, record: dict[str, Any]) -> None:
+    """One step's line in `metrics.jsonl`, and the same numbers to the run's trackers."""
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+    Metrics(os.path.dirname(path)).log(int(record.get("step", 0)), {**record, "step": None})
 
 
 def plot(records: list[dict[str, Any]], path: str, title: str) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field
@@ -146,6 +147,19 @@ class TrainConfig(StageConfig):
 
     def memory_changes(self) -> list[tuple[str, Any]]:
         return trainer_memory_changes(self)
+
+    @classmethod
+    def headline(cls, result: Mapping[str, Any]) -> list[str]:
+        """Final loss (from the first), steps, tokens/s, and held-out accuracy if scored."""
+        if result.get("final_loss") is None:
+            return []
+        line = (
+            f"final loss {result['final_loss']:.4f} (from {result.get('initial_loss') or 0:.4f}) "
+            f"after {result.get('steps', 0)} steps, {result.get('tokens_per_s') or 0:.0f} tokens/s"
+        )
+        if result.get("eval_accuracy") is not None:
+            line += f", held-out accuracy {result['eval_accuracy']:.1%}"
+        return [line]
 
 
 stage("train", config=TrainConfig, run="stages.train.run:run_train")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from stages.lib.track import Metrics
 from stages.train import ckpt as train_ckpt
 from stages.train.batch import BatchPlan, Micro, Step
 from stages.train.data import TrainingSet
@@ -149,11 +150,12 @@ class Loop:
         c, total = self.counters, self.plan.total_steps
         last_log = time.perf_counter()
         with contextlib.ExitStack() as stack:
-            loss_log = None
+            loss_log, track = None, Metrics(None)
             if self.rank == 0:
                 loss_log = stack.enter_context(
                     open(f"{self.stage_dir}/loss.jsonl", "a", encoding="utf-8")
                 )
+                track = Metrics(self.stage_dir)
             while c.step < total and not c.stopped:
                 if self.threads is not None:
                     torch.set_num_threads(self.threads.threads_for(c.run_steps))
@@ -171,6 +173,8 @@ class Loop:
                     c.stopped = target is not None and c.last["eval_accuracy"] >= target
                 if loss_log is not None:
                     loss_log.write(json.dumps(c.last) + "\n")
+                    per_s = {"tokens_per_s": tokens / max(seconds, 1e-9)}
+                    track.log(c.step, {**c.last, **per_s, "step": None})
                 now = time.perf_counter()
                 if (
                     c.step % self.cfg.logging_steps == 0

@@ -87,7 +87,11 @@ def test_shards_run_as_dask_tasks_and_merge_in_input_order(
     assert metrics["shards"] == 3
     assert (metrics["rows"], metrics["written"], metrics["failures"]) == (90, 90, 0)
     assert _keys(cfg.output) == [(i, s) for i in range(5, 50) for s in range(2)]
-    assert sorted(p.name for p in Path(ctx.stage_dir).iterdir()) == ["rollouts.jsonl"]
+    # the shards merged into one output; track.jsonl: their progress points for the trackers
+    assert sorted(p.name for p in Path(ctx.stage_dir).iterdir()) == [
+        "rollouts.jsonl",
+        "track.jsonl",
+    ]
     rows = [json.loads(x) for x in Path(cfg.output).read_text().splitlines()]
     assert all(r["reward"] == 1.0 for r in rows)
 

@@ -75,6 +75,12 @@ def test_quickstart_shrunk_end_to_end(tmp_path: Path):
         assert result["n"] == 24
         assert 0.0 <= result["accuracy"] <= 1.0
     assert (run_dir / "warmup" / "loss.png").exists()
+    # the run ends with each stage's headline on stdout, evaluate's accuracy table last
+    out = proc.stdout.splitlines()
+    assert out[-4] == "evaluate:"
+    assert out[-3].split() == ["checkpoint", "n", "accuracy", "pass@1", "mean_reward", "delta"]
+    assert [line.split()[0] for line in out[-2:]] == ["warmup", "rft"]
+    assert "dashboard" not in proc.stderr  # no tracker set: no dashboard, no bokeh import
     assert (run_dir / "evaluate" / "report.md").exists()
     # a second run is all cache hits
     again = _pipe(args, timeout=300)

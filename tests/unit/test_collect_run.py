@@ -119,6 +119,7 @@ def test_collects_every_pair_once_with_exact_rewards(tmp_path: Path, server: Thr
     assert sorted(p.name for p in Path(cfg.output).parent.iterdir()) == [
         "rollouts.jsonl",
         "rollouts.jsonl.failures.jsonl",
+        "track.jsonl",  # the progress points for the run's trackers (stages.lib.track)
     ]
 
 

@@ -75,13 +75,16 @@ def test_validate_imports_no_heavy_library():
     code = (
         "import sys\n"
         "from engine.cli import main\n"
-        "for args in (['pipelines/quickstart.yaml'],\n"
+        "tracked = ['--set', 'tracking.tensorboard.dir=tb', '--set', 'tracking.mlflow.experiment=x',\n"
+        "           '--set', 'tracking.wandb.mode=offline']\n"  # trackers named: found, not imported
+        "for args in (['pipelines/quickstart.yaml', *tracked],\n"
         "             ['pipelines/grpo_quickstart.yaml', '--cluster', '1x8x80GB']):\n"
         "    try:\n"
         "        main(['validate', *args])\n"  # --cluster: placement and the memory model too
         "    except SystemExit as e:\n"
         "        assert e.code in (0, None), e.code\n"
-        "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'vllm') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'vllm', 'tensorboard',\n"
+        "                     'mlflow', 'wandb', 'bokeh') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
     proc = subprocess.run(

@@ -1,0 +1,48 @@
+"""The evaluate stage's headline: its report -> an accuracy table for the terminal.
+
+Input: the stage's result (`report.json`'s `results` and `accuracy_delta`). Output: a
+header and a row per checkpoint (n, accuracy, pass@k, mean reward, delta to the
+baseline), aligned, for `pipe run` to print last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def table(result: Mapping[str, Any]) -> list[str]:
+    results = result.get("results") or []
+    if not results:
+        return []
+    baseline = result.get("baseline")
+    deltas = result.get("accuracy_delta") or {}
+    ks = list(results[0].get("pass_at_k") or {})
+    header = ["checkpoint", "n", "accuracy", *(f"pass@{k}" for k in ks), "mean_reward", "delta"]
+    rows = [header]
+    for r in results:
+        name = r["checkpoint"]
+        delta = deltas.get(name)
+        shown = (
+            "baseline"
+            if name == baseline
+            else (f"{delta * 100:+.1f} pts" if delta is not None else "")
+        )
+        rows.append(
+            [
+                str(name),
+                str(r.get("n", "")),
+                f"{r.get('accuracy', 0.0):.1%}",
+                *(f"{(r.get('pass_at_k') or {}).get(k, 0.0):.1%}" for k in ks),
+                f"{r.get('mean_reward', 0.0):.3f}",
+                shown,
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
