@@ -22,13 +22,13 @@ from tests.sleep_rank import Settings, tiny
 
 def direct(module: Any, samples: list[Any], device: str) -> torch.Tensor:
     """The old path: decoder and head called directly, the head over completion positions."""
-    from stages.rl.logprobs import _gather
+    from stages.rl.layout_batch import layout
     from stages.rl.loss import token_logprobs
 
-    ids, mask, r, c = _gather(samples, device, 0)
-    hidden = module.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-    logits = module.get_output_embeddings()(hidden[r, c])
-    return token_logprobs(logits, ids[r, c + 1], 1.0)
+    lay = layout(samples, device, 0, packed=False)
+    hidden = module.get_decoder()(**lay.inputs()).last_hidden_state
+    logits = module.get_output_embeddings()(hidden[lay.rows, lay.cols])
+    return token_logprobs(logits, lay.targets(), 1.0)
 
 
 def main(device: str, old_path: bool) -> dict[str, Any]:

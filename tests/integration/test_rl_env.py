@@ -62,6 +62,7 @@ def test_retry_episodes_train_with_a_vllm_engine(tmp_path: Path):
     rows = run(tmp_path, PIPELINE + RETRY)
     updated = [r for r in rows if r["updates"]]
     assert updated and all(r["probe_diff"] <= 1e-4 for r in updated)
-    # one request per sample, the adaptive bound: 8 prompts x 4 samples at once at turn 1
-    assert all(r["in_flight_peak"] == 32 and r["parallel_limit"] >= 64 for r in rows)
+    # one request per sample under the adaptive bound (64 to start): the step's last call
+    # (a second turn: the episodes still going, at most 8 prompts x 4 samples) all at once
+    assert all(1 <= r["in_flight_peak"] <= 32 and r["parallel_limit"] >= 64 for r in rows)
     assert all(r["queue_wait_s"] is not None and r["queue_wait_s"] >= 0 for r in rows)
