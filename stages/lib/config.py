@@ -45,15 +45,19 @@ CountOrAuto = Annotated[
 ]
 
 
-def _verifier_kind(value: Any) -> Any:
-    if not isinstance(value, str) or value in VERIFIER_KINDS or _CALLABLE.match(value):
+def named_or_callable(value: Any, names: Sequence[str], form: str) -> Any:
+    """A `kind` that is one of `names` or a `module:attr` (`form` says which attr), as is;
+    anything else a ValueError with the closest name."""
+    if not isinstance(value, str) or value in names or _CALLABLE.match(value):
         return value
     from engine.errors import did_you_mean, one_of
 
-    hint = did_you_mean(value, VERIFIER_KINDS)
-    raise ValueError(
-        f"expected {one_of((*VERIFIER_KINDS, 'module:function'))}, found '{value}'{hint}"
-    )
+    hint = did_you_mean(value, names)
+    raise ValueError(f"expected {one_of((*names, form))}, found '{value}'{hint}")
+
+
+def _verifier_kind(value: Any) -> Any:
+    return named_or_callable(value, VERIFIER_KINDS, "module:function")
 
 
 class Verifier(Block):

@@ -14,20 +14,13 @@ from pydantic import BeforeValidator, Field, model_validator
 
 from engine.errors import Diagnostic
 from engine.stage import ResolveContext
-from stages.lib.config import _CALLABLE, Block, check_callable
+from stages.lib.config import Block, check_callable, named_or_callable
 
 ENVIRONMENT_KINDS = ("single_turn", "retry", "calculator")
 
 
 def _environment_kind(value: Any) -> Any:
-    if not isinstance(value, str) or value in ENVIRONMENT_KINDS or _CALLABLE.match(value):
-        return value
-    from engine.errors import did_you_mean, one_of
-
-    hint = did_you_mean(value, ENVIRONMENT_KINDS)
-    raise ValueError(
-        f"expected {one_of((*ENVIRONMENT_KINDS, 'module:Class'))}, found '{value}'{hint}"
-    )
+    return named_or_callable(value, ENVIRONMENT_KINDS, "module:Class")
 
 
 class EnvironmentConfig(Block):
