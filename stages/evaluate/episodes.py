@@ -206,16 +206,8 @@ class _Conversation:
 async def _ask(client: OpenAIClient, idx: int, messages: Messages, seed: int) -> str:
     """The model's answer to one conversation, retried with backoff while the failure is
     retryable (`complete_all`'s rule); a request that fails for good fails the stage."""
-    from stages.lib.client import backoff_delay, classify
+    from stages.lib.client import complete_retrying
 
     url, head = client.prepare(_Conversation(idx, messages))
     body = f"{head}{seed}}}".encode()
-    for attempt in range(MAX_RETRIES + 1):
-        try:
-            return (await client.complete(url, body)).text
-        except Exception as exc:
-            error = classify(exc)
-        if not error.retryable or attempt == MAX_RETRIES:
-            raise error
-        await asyncio.sleep(backoff_delay(attempt, BACKOFF_S, error.retry_after))
-    raise AssertionError("unreachable")
+    return (await complete_retrying(client, url, body, None, MAX_RETRIES, BACKOFF_S)).text

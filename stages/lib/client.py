@@ -242,19 +242,34 @@ async def complete_all(
         ask = _Ask(i, None, prompt) if isinstance(prompt, str) else _Ask(i, prompt, None)
         url, head = client.prepare(ask)
         body = f"{head}{sample_seed(seed, i, s, num_samples)}}}".encode()
-        for attempt in range(max_retries + 1):
-            async with gate:
-                try:
-                    return await client.complete(url, body)
-                except Exception as exc:
-                    error = classify(exc)
-            if not error.retryable or attempt == max_retries:
-                raise error
-            await asyncio.sleep(backoff_delay(attempt, backoff_s, error.retry_after))
-        raise AssertionError("unreachable")
+        return await complete_retrying(client, url, body, gate, max_retries, backoff_s)
 
     async with client:
         flat = await asyncio.gather(
             *(one(i, p, s) for i, p in enumerate(prompts) for s in range(num_samples))
         )
     return [list(flat[i * num_samples : (i + 1) * num_samples]) for i in range(len(prompts))]
+
+
+async def complete_retrying(
+    client: OpenAIClient,
+    url: str,
+    body: bytes,
+    gate: asyncio.Semaphore | None = None,
+    max_retries: int = 4,
+    backoff_s: float = 0.5,
+) -> Completion:
+    """One request, retried with backoff while it fails in a retryable way (the gate held
+    only while it is in flight); a failure for good raises its RequestError."""
+    for attempt in range(max_retries + 1):
+        try:
+            if gate is None:
+                return await client.complete(url, body)
+            async with gate:
+                return await client.complete(url, body)
+        except Exception as exc:
+            error = classify(exc)
+        if not error.retryable or attempt == max_retries:
+            raise error
+        await asyncio.sleep(backoff_delay(attempt, backoff_s, error.retry_after))
+    raise AssertionError("unreachable")

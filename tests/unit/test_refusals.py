@@ -285,9 +285,6 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/evaluate/episodes.py", "unreachable"): internal(
-        "the retry loop returns or raises on its last attempt"
-    ),
     ("stages/rl/rollout_http.py", "status_error(resp.status, text, resp.hea"): transient(
         "a vLLM server's HTTP error: retried while retryable, then the step fails naming it"
     ),
