@@ -2,8 +2,9 @@
 
 PATH is dotted from the document root (`stages.collect.config.limit`, list items
 as `needs[0]`); VALUE is read as a YAML value (`64`, `true`, `[a, b]`,
-`{kind: openai}`). An overridden value is located at the override itself, so an
-error names it: `--set stages.collect.config.limit=-1: stages.collect.config.limit: ...`.
+`{kind: openai}`). An overridden value, and a mapping the override creates on its way
+(`--set stages.typo.config.x=1` makes stage `typo`), is located at the override itself,
+so an error names it: `--set stages.collect.config.limit=-1: stages.collect.config.limit: ...`.
 """
 
 from __future__ import annotations
@@ -60,8 +61,11 @@ def _assign(doc: Document, path: PathT, value: object, where: Location) -> str:
     if not isinstance(doc.data, dict):
         return "the document is not a mapping"
     node: object = doc.data
+    created: list[PathT] = []  # mappings this override makes: an error about one names it
     for i, part in enumerate(path[:-1]):
         if isinstance(node, dict) and isinstance(part, str):
+            if part not in node:
+                created.append(path[: i + 1])
             node = node.setdefault(part, {})
         elif isinstance(node, list) and isinstance(part, int) and part < len(node):
             node = node[part]
@@ -77,8 +81,9 @@ def _assign(doc: Document, path: PathT, value: object, where: Location) -> str:
     for table in (doc.values, doc.keys):
         for stale in [p for p in table if p[: len(path)] == path]:
             del table[stale]
-    doc.values[path] = where
-    doc.keys[path] = where
+    for made in (*created, path):
+        doc.values[made] = where
+        doc.keys[made] = where
     return ""
 
 

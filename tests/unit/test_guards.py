@@ -107,6 +107,21 @@ def test_set_override_is_validated_and_named():
     )
 
 
+def test_a_mapping_an_override_creates_is_located_at_the_override():
+    # a typo in the stage's name makes a new stage without a kind: the error names the --set,
+    # not the `stages:` line of the file
+    result = run_cli(
+        "validate",
+        str(ROOT / "pipelines" / "quickstart.yaml"),
+        "--set",
+        "stages.colect.config.num_repeats=8",
+    )
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "--set stages.colect.config.num_repeats=8: stages.colect: missing required field 'kind'"
+    )
+
+
 def test_set_override_applies():
     loaded = load_pipeline(
         ROOT / "pipelines" / "quickstart.yaml", ["stages.collect.config.num_repeats=8"]
