@@ -19,13 +19,16 @@ engine.cli import main; main()`) in a file, which also prints when its imports a
 the cluster until the driver logs `cluster: ... ready`, timed as the line arrives),
 `task` (until the stage's task runs: `start` of its record in report.json), `body` (the
 stage's `start` to `end` there) and `exit` (until the process has exited); CPU is the
-driver's and its waited children's (the workers). Medians of the runs; `over bare` is
+driver's and every process it started, the workers and what outlives the driver (the fork
+server, multiprocessing's resource tracker: this bench is their subreaper and waits for
+them, Linux only; wall ends when the driver exits). Medians of the runs; `over bare` is
 the run's wall (or CPU) minus the bare import's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -73,6 +76,7 @@ stages:
       verifier: {kind: exact_match}
 """
 
+KEEP: set[int] = set()  # children of this bench that outlive a run (the fake server)
 READY = re.compile(r"^cluster: .* ready in ")
 PHASES = ("imports", "cluster", "task", "body", "exit")
 
@@ -80,6 +84,34 @@ PHASES = ("imports", "cluster", "task", "body", "exit")
 def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def adopt_orphans() -> None:
+    """Become the subreaper of every process started from here (Linux): a process the driver
+    leaves behind (the fork server its workers fork from, multiprocessing's resource tracker)
+    becomes this one's child when the driver exits, so its CPU is waited for and counted."""
+    import ctypes
+
+    PR_SET_CHILD_SUBREAPER = 36
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        sys.exit("prctl(PR_SET_CHILD_SUBREAPER) failed: the CPU of orphaned processes is not seen")
+
+
+def reap_orphans(keep: set[int], timeout_s: float = 30.0) -> None:
+    """Wait for this process's children other than `keep` to exit (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        kids = set()
+        for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+            kids.update(int(p) for p in (task / "children").read_text().split())
+        left = kids - keep
+        if not left:
+            return
+        for pid in left:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.01)
+    sys.exit(f"processes left behind by the driver did not exit in {timeout_s} s")
 
 
 @dataclass
@@ -111,6 +143,7 @@ def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[Sample, dict[
     rc = proc.wait()
     t1 = time.time()
     reader.join()
+    reap_orphans(KEEP)
     if rc != 0:
         sys.exit(f"{' '.join(cmd)} failed ({rc}):\n{''.join(lines)}")
     marks["t0"], marks["exit"] = t0, t1
@@ -152,7 +185,9 @@ def main() -> None:
     tree = Path(args.tree).resolve()
     python = sys.executable
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    adopt_orphans()
     server = start_subprocess(64, 0.0)
+    KEEP.add(server.proc.pid)
     try:
         with tempfile.TemporaryDirectory(prefix="pipe-startup-") as tmp:
             cases = {"dataset": "reasoning_gym", "collect": "aiohttp"}

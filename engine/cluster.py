@@ -18,6 +18,9 @@ import subprocess
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine import worker_start
+from engine.worker_setup import PRELOAD
+
 if TYPE_CHECKING:
     from engine.slurm import SlurmRequest
 
@@ -39,6 +42,7 @@ class Cluster:
     local: Any = None
     slurm: Any = None  # the dask_jobqueue.SLURMCluster whose jobs run the workers
     serves_dashboard: bool = True  # the embedded cluster: only when asked (`connect`)
+    start_method: Any = None  # the embedded cluster: Dask's worker start method, reset at close
 
     @property
     def dashboard(self) -> str | None:
@@ -91,6 +95,9 @@ class Cluster:
         self.client.close()
         if self.local is not None:
             self.local.close()
+        if self.start_method is not None:
+            self.start_method.__exit__(None, None, None)
+            self.start_method = None
 
 
 def _job_id() -> str | None:
@@ -175,6 +182,10 @@ def connect(
     processes, or `wanted` when fewer and no GPU is visible (a GPU machine splits its GPUs
     over the `workers` declared), and serves Dask's dashboard only with `dashboard` (bokeh
     installed, importing it cost the driver about 1 s and 1 CPU-s of every start)."""
+    method = ""
+    if address == "local":
+        os.environ.update({k: os.environ.get(k, v) for k, v in THREAD_ENV.items()})
+        method = worker_start.start()  # before distributed's import: the two run side by side
     from distributed import Client
 
     if address == "slurm":
@@ -188,7 +199,7 @@ def connect(
     if address == "local":
         from distributed import LocalCluster
 
-        os.environ.update({k: os.environ.get(k, v) for k, v in THREAD_ENV.items()})
+        start_method = worker_start.configure(method)  # kept while the cluster runs (restarts)
         gpus = visible_gpus()
         if wanted is not None and not gpus:
             workers = max(1, min(workers, wanted))
@@ -197,15 +208,20 @@ def connect(
             if gpus and gpus >= workers
             else ({"GPU": gpus} if gpus else None)
         )
-        local = LocalCluster(  # type: ignore[no-untyped-call]
-            n_workers=workers if not (gpus and gpus < workers) else 1,
-            threads_per_worker=max(1, int(resources["GPU"])) if resources else 1,
-            processes=True,
-            dashboard_address=":0",  # the HTTP server on a free port (8787 clashes between runs)
-            scheduler_kwargs={"dashboard": dashboard and _has_bokeh()},  # its bokeh pages
-            resources=resources,
-            silence_logs=logging.WARNING,
-        )
+        try:
+            local = LocalCluster(  # type: ignore[no-untyped-call]
+                n_workers=workers if not (gpus and gpus < workers) else 1,
+                threads_per_worker=max(1, int(resources["GPU"])) if resources else 1,
+                processes=True,
+                dashboard_address=":0",  # the HTTP server on a free port (8787 clashes)
+                scheduler_kwargs={"dashboard": dashboard and _has_bokeh()},  # its bokeh pages
+                resources=resources,
+                silence_logs=logging.WARNING,
+                preload=[PRELOAD],  # no tracker credentials on workers (engine.worker_setup)
+            )
+        except BaseException:
+            start_method.__exit__(None, None, None)
+            raise
         client = Client(local)  # type: ignore[no-untyped-call]
         if gpus:
             # each worker sees only its own GPUs (set before anything in it touches CUDA), so the
@@ -221,7 +237,7 @@ def connect(
             for i, addr in enumerate(addresses):
                 mine = ",".join(names[i * share : (i + 1) * share])
                 client.run(_set_devices, mine, workers=[addr])
-        return Cluster(client, local, serves_dashboard=dashboard)
+        return Cluster(client, local, serves_dashboard=dashboard, start_method=start_method)
     from distributed.security import Security
 
     security = Security() if address.startswith("tls://") else None  # type: ignore[no-untyped-call]

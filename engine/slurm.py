@@ -39,6 +39,7 @@ from engine.errors import RunFailed
 from engine.plan import Plan, plan
 from engine.resolve import resolve
 from engine.slurm_spec import SlurmSpec
+from engine.worker_setup import PRELOAD
 
 log = logging.getLogger("pipe.slurm")
 
@@ -69,7 +70,10 @@ class SlurmRequest:
             "job_name": "pipe-worker",
             "job_extra_directives": [*gres, *s.job_extra_directives],
             "job_script_prologue": [*s.job_script_prologue, NODE_LINE],
-            "worker_extra_args": ["--resources", f"GPU={self.gpus}"] if self.gpus else [],
+            "worker_extra_args": [
+                *(["--resources", f"GPU={self.gpus}"] if self.gpus else []),
+                *("--preload", PRELOAD),  # no tracker credentials on workers
+            ],
             "interface": s.interface,
             "log_directory": self.log_dir,
         }

@@ -37,6 +37,9 @@ class ToyConfig(StageConfig):
         description="Sleep in a child process started with the stage's device environment; it "
         "writes what it was given to devices.json in the stage's folder.",
     )
+    env_probe: list[str] = Field(
+        default_factory=list, description="Report which of these variables the worker has."
+    )
 
 
 def toy(cfg: ToyConfig, ctx: StageContext) -> dict[str, Any]:
@@ -67,6 +70,7 @@ def toy(cfg: ToyConfig, ctx: StageContext) -> dict[str, Any]:
         "pid": os.getpid(),
         "attempt": ctx.attempt,
         "dump": json.dumps(ctx.gpus),
+        "env": {name: name in os.environ for name in cfg.env_probe},
     }
 
 

@@ -239,3 +239,28 @@ def test_only_and_from_are_validated(tmp_path: Path):
     result = pipe(tmp_path, "run", "p.yaml", "--only", "bb")
     assert result.returncode == 2
     assert result.stderr.strip() == "--only bb: no stage named 'bb'; did you mean 'b'?"
+
+
+def test_workers_of_the_embedded_cluster_hold_no_tracker_credentials(tmp_path: Path):
+    """The driver alone writes to trackers: its W&B and MLflow credentials are not in a
+    worker's environment; the other variables a stage may need are."""
+    write(
+        tmp_path,
+        """\
+        name: p
+        stages:
+          probe: {kind: toy, config: {env_probe: [WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, OPENAI_API_KEY]}}
+        """,
+    )
+    secrets = {"WANDB_API_KEY": "w" * 40, "MLFLOW_TRACKING_TOKEN": "t", "OPENAI_API_KEY": "o"}
+    result = subprocess.run(
+        [*PIPE, "run", "p.yaml"],
+        cwd=tmp_path,
+        env={**ENV, **secrets},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    seen = report(tmp_path)["stages"]["probe"]["metrics"]["env"]
+    assert seen == {"WANDB_API_KEY": False, "MLFLOW_TRACKING_TOKEN": False, "OPENAI_API_KEY": True}
