@@ -103,7 +103,8 @@ def reap_orphans(keep: set[int], timeout_s: float = 30.0) -> None:
     while time.monotonic() < deadline:
         kids = set()
         for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-            kids.update(int(p) for p in (task / "children").read_text().split())
+            with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+                kids.update(int(p) for p in (task / "children").read_text().split())
         left = kids - keep
         if not left:
             return
