@@ -18,7 +18,6 @@ import subprocess
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine import worker_start
 from engine.worker_setup import PRELOAD
 
 if TYPE_CHECKING:
@@ -184,6 +183,8 @@ def connect(
     installed, importing it cost the driver about 1 s and 1 CPU-s of every start)."""
     method = ""
     if address == "local":
+        from engine import worker_start
+
         os.environ.update({k: os.environ.get(k, v) for k, v in THREAD_ENV.items()})
         method = worker_start.start()  # before distributed's import: the two run side by side
     from distributed import Client
@@ -198,6 +199,8 @@ def connect(
 
     if address == "local":
         from distributed import LocalCluster
+
+        from engine import worker_start
 
         start_method = worker_start.configure(method)  # kept while the cluster runs (restarts)
         gpus = visible_gpus()

@@ -53,7 +53,10 @@ def start() -> str:
     or `spawn`; for `forkserver`, the server is started now (call this before importing
     `distributed`) and Dask is told to use it as it is."""
     global _started
-    if sys.platform != "linux" or os.environ.get("PIPE_WORKER_START", "") == "spawn":
+    asked = os.environ.get("PIPE_WORKER_START", "").strip().lower()
+    if asked not in ("", "spawn", "forkserver"):
+        log.warning("PIPE_WORKER_START=%s: expected spawn or forkserver; ignored", asked)
+    if sys.platform != "linux" or asked == "spawn":
         return "spawn"
     server: Any = getattr(forkserver, "_forkserver", None)
     if _started is None:

@@ -41,7 +41,7 @@ print(json.dumps(out))
 """
 
 
-def test_workers_fork_from_a_preloaded_server_until_the_environment_changes():
+def test_workers_fork_from_a_preloaded_server_until_the_environment_changes() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PIPE_WORKER_START", "OMP_NUM_THREADS")}
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT],
@@ -64,3 +64,17 @@ def test_workers_fork_from_a_preloaded_server_until_the_environment_changes():
     assert not changed["preloaded"]
     assert changed["parent"] == changed["driver"]
     assert after == "spawn"  # Dask's default again once the cluster closed
+
+
+def test_the_switch_asks_for_spawn_and_an_unknown_value_is_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from engine import worker_start
+
+    monkeypatch.setenv("PIPE_WORKER_START", "spawn")
+    assert worker_start.start() == "spawn"
+    monkeypatch.setenv("PIPE_WORKER_START", "fork")
+    monkeypatch.setattr(sys, "platform", "darwin")  # spawn there: no server started here
+    with caplog.at_level("WARNING", logger="pipe.cluster"):
+        assert worker_start.start() == "spawn"
+    assert "PIPE_WORKER_START=fork: expected spawn or forkserver" in caplog.text
