@@ -200,8 +200,6 @@ def connect(
     if address == "local":
         from distributed import LocalCluster
 
-        from engine import worker_start
-
         start_method = worker_start.configure(method)  # kept while the cluster runs (restarts)
         gpus = visible_gpus()
         if wanted is not None and not gpus:

@@ -29,9 +29,12 @@ import sys
 from multiprocessing import forkserver
 from typing import Any
 
+from engine import worker_setup
+
 log = logging.getLogger("pipe.cluster")
 
-PRELOAD = ("__main__", "distributed", "distributed.nanny", "engine.task", "engine.worker_setup")
+# what the server imports before it forks a worker
+PRELOADED = ("__main__", "distributed", "distributed.nanny", "engine.task", worker_setup.PRELOAD)
 CONFIG_KEY = "distributed.worker.multiprocessing-method"
 
 # what Dask's Nanny sets in its own environment before it spawns a worker (its default
@@ -65,7 +68,7 @@ def start() -> str:
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", PRE_SPAWN["MALLOC_TRIM_THRESHOLD_"])
         if os.environ.get("PYTHONHASHSEED") in (None, "0"):  # as the Nanny does
             os.environ["PYTHONHASHSEED"] = PRE_SPAWN["PYTHONHASHSEED"]
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOADED))
         forkserver.ensure_running()  # returns at once; the server imports on its own core
         _started = _state()
     elif _started != _state():
