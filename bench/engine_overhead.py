@@ -41,12 +41,12 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=200)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from engine.cluster import connect
-    from engine.execute import RunOptions, execute, prepare
-    from engine.load import load_pipeline
-    from engine.plan import plan
-    from engine.report import RunReport, new_run_id
-    from engine.resolve import resolve
+    from engine.cluster.connect import connect
+    from engine.plan.dag import plan
+    from engine.plan.resolve import resolve
+    from engine.run.execute import RunOptions, execute, prepare
+    from engine.run.report import RunReport, new_run_id
+    from engine.spec.load import load_pipeline
     from tests.kinds import register
 
     register()

@@ -6,7 +6,7 @@ A ~66M-parameter Llama (fp32, micro batch 2, 128 tokens) trains a few steps in 2
 ranks over gloo on the CPU, under ZeRO 0, 2 and 3, with and without `adam_offload`, through
 the train stage's own code: `build_ds_config`, `load_model` (ZeRO-3 partitioned at
 construction), `make_trainer`, and the rank environment of `stages.lib.launch`. A rank's
-peak RSS is compared with `engine.memory.cpu_rank_bytes`, whose runtime term is measured
+peak RSS is compared with `engine.plan.memory.cpu_rank_bytes`, whose runtime term is measured
 here once: the peak RSS of a rank that imported everything and joined the process group,
 with no model. With `--device cuda` (2 GPUs: NCCL; 1 GPU: one rank) the peak of
 `torch.cuda.max_memory_allocated` is compared with the per-GPU estimate instead.
@@ -154,7 +154,7 @@ def measure(
     runtime: int = 0,
 ) -> tuple[int, int]:
     """(estimate, measured) for one configuration: RSS on the CPU, else CUDA's allocated."""
-    from engine.memory import cpu_rank_bytes, estimate
+    from engine.plan.memory import cpu_rank_bytes, estimate
     from engine.stage import MemoryNeed
     from stages.lib.ds_config import build_ds_config, trainer_memory
 
@@ -180,7 +180,7 @@ def runtime_rss(device: str = "cpu", world: int = 2) -> int:
 
 
 def main() -> None:
-    from engine.memory import GB, shape_from_config
+    from engine.plan.memory import GB, shape_from_config
 
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=512)

@@ -14,7 +14,7 @@ the fake server stay the same), so a tree before a change can be measured the sa
 
 Each run is timed from outside: the driver is the console script's two lines (`from
 engine.cli import main; main()`) in a file, which also prints when its imports are done
-(`engine.cli` and `engine.run`, what `pipe run` imports before it starts). The breakdown:
+(`engine.cli` and `engine.run.driver`, what `pipe run` imports before it starts). The breakdown:
 `imports` (interpreter start and those imports), `cluster` (load, resolve, plan, and
 the cluster until the driver logs `cluster: ... ready`, timed as the line arrives),
 `task` (until the stage's task runs: `start` of its record in report.json), `body` (the
@@ -51,7 +51,7 @@ LAUNCHER = """\
 import sys, time
 from engine.cli import main
 if __name__ == "__main__":  # spawned workers import this file as __mp_main__, as they do `pipe`
-    import engine.run
+    import engine.run.driver
     print("pipe-bench imported", time.time(), file=sys.stderr, flush=True)
     sys.argv[0] = "pipe"
     sys.exit(main())

@@ -22,7 +22,7 @@ import click
 from engine.errors import PipeError, RunFailed
 
 if TYPE_CHECKING:
-    from engine.plan import Plan
+    from engine.plan.dag import Plan
 
 F = TypeVar("F", bound=Callable[..., Any])
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
@@ -146,13 +146,13 @@ def build_plan(
 ) -> Plan:
     """load -> resolve -> plan (placed on a declared `cluster` when given); warnings and notes
     go to stderr (unless `notes` is off)."""
-    from engine.load import load_pipeline
-    from engine.plan import plan
-    from engine.resolve import resolve
+    from engine.plan.dag import plan
+    from engine.plan.resolve import resolve
+    from engine.spec.load import load_pipeline
 
     view = None
     if cluster is not None:
-        from engine.cluster_spec import load_cluster_spec
+        from engine.plan.cluster_file import load_cluster_spec
 
         view = load_cluster_spec(cluster)
     with _gc_paused():
@@ -212,7 +212,7 @@ def plan_cmd(
     if fmt == "json":
         data = result.as_dict()
         if result.resolved.loaded.spec.cluster.scheduler == "slurm":
-            from engine.slurm import request
+            from engine.cluster.slurm import request
 
             data["slurm"] = request(result).as_dict()  # builds the job script, submits nothing
         click.echo(json.dumps(data, indent=2))
@@ -221,7 +221,7 @@ def plan_cmd(
         if fmt == "text" and result.placement is not None and result.cluster is not None:
             click.echo("\n" + result.placement.render_text(result.cluster), nl=False)
     else:
-        from engine.explain import explain as explain_text
+        from engine.plan.explain import explain as explain_text
 
         click.echo(explain_text(result), nl=False)
 
@@ -265,13 +265,13 @@ def run(
     dashboard: bool,
 ) -> None:
     """Run PIPELINE on Dask: skip up-to-date stages, retry failures, record everything."""
-    from engine.execute import RunOptions
-    from engine.run import RunRequest, run_pipeline
+    from engine.run.driver import RunRequest, run_pipeline
+    from engine.run.execute import RunOptions
 
     options = RunOptions(only=only, from_stage=from_stage, force=force, keep_going=keep_going)
     request = RunRequest(pipeline, overrides, scheduler, run_dir, options, dashboard=dashboard)
     report = run_pipeline(request)
-    from engine.headline import headlines
+    from engine.run.headline import headlines
 
     for line in headlines(report):  # the result, on stdout: each stage's headline, the trackers
         click.echo(line)
@@ -289,7 +289,7 @@ def run(
 @_guard
 def presets(base: str | None) -> None:
     """List the profiles and memory presets, each setting with its reason."""
-    from engine.presets import all_presets
+    from engine.spec.presets import all_presets
 
     for src in all_presets(Path(base) if base else None):
         p = src.preset
@@ -314,7 +314,7 @@ def presets(base: str | None) -> None:
 @_guard
 def schema(out_dir: str, check: bool) -> None:
     """Write the pipeline file's JSON Schema to OUT/pipeline.schema.json."""
-    from engine.jsonschema import SCHEMA_FILE, schema_text
+    from engine.spec.jsonschema import SCHEMA_FILE, schema_text
 
     target = Path(out_dir) / SCHEMA_FILE
     text = schema_text()
@@ -354,8 +354,8 @@ def stages() -> None:
 @_guard
 def graph(pipeline: str, fmt: str, overrides: tuple[str, ...]) -> None:
     """Print the stage graph of PIPELINE."""
-    from engine.graph import render_graph
-    from engine.load import load_pipeline
+    from engine.spec.graph import render_graph
+    from engine.spec.load import load_pipeline
 
     click.echo(render_graph(load_pipeline(pipeline, overrides).spec, fmt), nl=False)
 

@@ -67,7 +67,7 @@ class Derived:
 @dataclass(frozen=True)
 class MemoryNeed:
     """What a role of a stage needs memory for: a kind's `memory_needs` hook returns them and
-    `engine.memory` estimates them (role empty: the stage's role, or its kind's name)."""
+    `engine.plan.memory` estimates them (role empty: the stage's role, or its kind's name)."""
 
     role: str = ""
     profile: str = (

@@ -46,7 +46,7 @@ def fresh_kinds():
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu`-marked tests skip where no CUDA device is visible (nvidia-smi, no torch import)."""
-    from engine.cluster import visible_gpus
+    from engine.cluster.connect import visible_gpus
 
     gpus = None
     for item in items:

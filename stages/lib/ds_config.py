@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from engine.errors import Diagnostic
-from engine.memory import ds_buckets, read_shape
+from engine.plan.memory import ds_buckets, read_shape
 from engine.stage import MemoryNeed, ResolveContext
 
 
@@ -47,7 +47,7 @@ def build_ds_config(
     model_dir: str | None = None,
 ) -> dict[str, Any]:
     """The ds_config dict for `cfg` trained on `world_size` ranks; with the model's
-    directory, buckets sized from its hidden size (`engine.memory.ds_buckets`)."""
+    directory, buckets sized from its hidden size (`engine.plan.memory.ds_buckets`)."""
     zero: dict[str, Any] = {
         "stage": cfg.zero_stage,
         "overlap_comm": cfg.overlap_comm,
@@ -100,7 +100,7 @@ def check_deepspeed(cfg: DeepSpeedSettings, ctx: ResolveContext, ranks: int) -> 
 
 
 def trainer_memory(cfg: Any, model: Any, seq_len: int, role: str = "") -> MemoryNeed:
-    """What a trainer configured by `cfg` needs memory for (engine.memory estimates it)."""
+    """What a trainer configured by `cfg` needs memory for (engine.plan.memory estimates it)."""
     return MemoryNeed(
         role=role,
         profile="trainer",

@@ -4,7 +4,7 @@ Input: `Metrics(stage_dir).log(step, {"loss": 0.41, ...})` from wherever a metri
 made: a training rank, a collector's progress tick, a controller's step, a stage's
 last lines. Output: one JSON line per call appended to `<stage_dir>/track.jsonl`
 (`{"step", "t", "metrics"}`, numbers only). The driver's tracking writer
-(`engine.tracking`) tails that file while the stage runs and forwards the events to
+(`engine.run.tracking.recorder`) tails that file while the stage runs and forwards the events to
 TensorBoard, MLflow and W&B; it is the only writer to a tracker, so no process that
 emits needs a tracker library or a credential.
 

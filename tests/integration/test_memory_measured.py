@@ -2,7 +2,7 @@
 
 A ~66M-parameter Llama trains 3 steps in 2 DeepSpeed ranks through the train stage's code
 (`bench/memory.py`). On the CPU (gloo) a rank's peak RSS is within 25% of
-`engine.memory.cpu_rank_bytes` under ZeRO 0, 2 and 3, with and without `adam_offload`;
+`engine.plan.memory.cpu_rank_bytes` under ZeRO 0, 2 and 3, with and without `adam_offload`;
 with CUDA, `torch.cuda.max_memory_allocated` is within 15% of the per-GPU estimate."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_a_cpu_ranks_peak_rss_is_within_25_percent(
 def test_cuda_max_allocated_is_within_15_percent(model_dir: Path, zero: int, offload: bool):
     import memory as bench
 
-    from engine.cluster import visible_gpus
+    from engine.cluster.connect import visible_gpus
 
     world = min(2, visible_gpus())
     predicted, measured = bench.measure(str(model_dir), zero, offload, device="cuda", world=world)

@@ -1,6 +1,6 @@
 """The embedded cluster's workers fork from a server that preloaded distributed and the stage
 API, with the driver's environment; a later cluster in the same process whose environment
-changed spawns its workers instead (engine/worker_start.py)."""
+changed spawns its workers instead (engine/cluster/worker_start.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ pytestmark = pytest.mark.integration
 
 SCRIPT = """
 import json, os, sys
-from engine.cluster import connect
+from engine.cluster.connect import connect
 
 def probe():
     return {"probe": os.environ.get("PIPE_PROBE"), "parent": os.getppid(),
-            "preloaded": "engine.task" in sys.modules, "threads": os.environ.get("OMP_NUM_THREADS")}
+            "preloaded": "engine.run.task" in sys.modules, "threads": os.environ.get("OMP_NUM_THREADS")}
 
 out = []
 for value in ("one", "one", "two"):
@@ -69,7 +69,7 @@ def test_workers_fork_from_a_preloaded_server_until_the_environment_changes() ->
 def test_the_switch_asks_for_spawn_and_an_unknown_value_is_named(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from engine import worker_start
+    from engine.cluster import worker_start
 
     monkeypatch.setenv("PIPE_WORKER_START", "spawn")
     assert worker_start.start() == "spawn"

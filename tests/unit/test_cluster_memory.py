@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.cluster_view import view_from_workers
 from engine.errors import PipeError
-from engine.load import load_pipeline
-from engine.plan import plan
-from engine.resolve import resolve
+from engine.plan.cluster import view_from_workers
+from engine.plan.dag import plan
+from engine.plan.resolve import resolve
+from engine.spec.load import load_pipeline
 from tests.conftest import run_cli
 from tests.unit.test_memory import LLAMA
 
@@ -168,7 +168,7 @@ def test_a_dask_worker_reports_its_hosts_memory():
     import psutil
     from distributed import Client, LocalCluster
 
-    from engine.cluster import Cluster
+    from engine.cluster.connect import Cluster
 
     with (
         LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as local,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.jsonschema import schema_text
-from engine.load import load_pipeline
-from engine.source import load_document
+from engine.spec.jsonschema import schema_text
+from engine.spec.load import load_pipeline
+from engine.spec.source import load_document
 from tests.conftest import ROOT, run_cli
 
 PIPELINES = sorted((ROOT / "pipelines").glob("*.yaml"))

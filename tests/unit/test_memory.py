@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.memory import (
+from engine.plan.memory import (
     MemoryNeed,
     colocated,
     estimate,

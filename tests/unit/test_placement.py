@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from engine.cluster_view import view_from_workers
-from engine.placement import (
+from engine.plan.cluster import view_from_workers
+from engine.plan.placement import (
     ClusterView,
     Placement,
     PlacementError,
@@ -211,8 +211,8 @@ def test_validate_with_a_declared_cluster_gives_a_located_error(tmp_path, monkey
 
 
 def test_a_cluster_file_error_is_located(tmp_path):
-    from engine.cluster_spec import load_cluster_spec
     from engine.errors import PipeError
+    from engine.plan.cluster_file import load_cluster_spec
 
     path = tmp_path / "c.yaml"
     path.write_text("nodes: 2\ngpus_per_nod: 8\n")
@@ -272,7 +272,7 @@ def test_colocated_roles_ask_dask_for_each_device_once():
     """`colocate: all` on one GPU: the vllm and actor slots name the same device; the task
     asks the worker for 1 GPU, not 2 (a worker offering GPU=1 never ran it: the rl stage
     waited forever on the first real GPU run)."""
-    from engine.execute import held_gpus
+    from engine.run.execute import held_gpus
 
     w, other = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
     slots = (

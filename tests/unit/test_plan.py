@@ -79,9 +79,9 @@ def test_ds_config_passes_deepspeed_for_every_preset_pair(
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from engine.load import load_pipeline
-    from engine.plan import plan
-    from engine.resolve import resolve
+    from engine.plan.dag import plan
+    from engine.plan.resolve import resolve
+    from engine.spec.load import load_pipeline
     from stages.lib.ds_config import build_ds_config
 
     overrides = [f"profile={profile}", f"memory={memory}"]

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from engine.errors import PipeError
-from engine.load import load_pipeline
-from engine.plan import Plan, plan
-from engine.resolve import resolve
+from engine.plan.dag import Plan, plan
+from engine.plan.resolve import resolve
+from engine.spec.load import load_pipeline
 
 
 @pytest.fixture(autouse=True)

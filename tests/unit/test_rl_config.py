@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from engine.errors import PipeError
-from engine.load import load_pipeline
-from engine.plan import plan
-from engine.resolve import resolve
+from engine.plan.dag import plan
+from engine.plan.resolve import resolve
+from engine.spec.load import load_pipeline
 from stages.rl import RLConfig
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.memory import read_shape
+from engine.plan.memory import read_shape
 from engine.stage import Slot
 from stages.rl.reference import in_actor
 from tests.conftest import run_cli

@@ -90,7 +90,7 @@ def test_the_job_script_carries_every_setting_of_the_slurm_block(tmp_path: Path)
     assert "distributed.cli.dask_worker tcp://SCHEDULER:PORT" in worker
     assert "--nthreads 16" in worker and "--resources GPU=8" in worker
     # no tracker credentials on workers: a preload drops them from each job's environment
-    assert worker.endswith("--preload engine.worker_setup")
+    assert worker.endswith("--preload engine.cluster.worker_setup")
 
 
 def test_validate_of_a_slurm_pipeline_imports_no_dask_jobqueue(tmp_path: Path):

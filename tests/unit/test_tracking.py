@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from engine.errors import PipeError
-from engine.headline import headlines
-from engine.load import load_pipeline
-from engine.plan import plan
-from engine.report import RunReport
-from engine.resolve import resolve
-from engine.tracking import start_tracking
+from engine.plan.dag import plan
+from engine.plan.resolve import resolve
+from engine.run.headline import headlines
+from engine.run.report import RunReport
+from engine.run.tracking.recorder import start_tracking
+from engine.spec.load import load_pipeline
 from stages.lib.track import Metrics
 from tests.conftest import run_cli
 

@@ -39,7 +39,7 @@ from stages.collect.tune.sweep import (
 from stages.lib.jsonl import read_jsonl
 
 if TYPE_CHECKING:
-    from engine.load import LoadedPipeline
+    from engine.spec.load import LoadedPipeline
     from stages.collect import CollectConfig
 
 log = logging.getLogger("pipe.tune")
@@ -116,7 +116,7 @@ class Target:
 def _collect_config(loaded: LoadedPipeline, stage: str) -> CollectConfig:
     """The stage's config as `pipe run` would run it: resolved, presets and derived rules
     applied (`PipeError` when the stage is not a collect stage or the pipeline is invalid)."""
-    from engine.resolve import resolve
+    from engine.plan.resolve import resolve
     from stages.collect import CollectConfig
 
     spec = loaded.spec
@@ -137,7 +137,7 @@ def _collect_config(loaded: LoadedPipeline, stage: str) -> CollectConfig:
 
 def _sample_rows(loaded: LoadedPipeline, stage: str, cfg: CollectConfig) -> list[dict[str, Any]]:
     """The first `SAMPLE_ROWS` prompt rows from `start_idx` of the stage's input file."""
-    from engine.load import stage_config_data
+    from engine.spec.load import stage_config_data
     from engine.stage import get_kind
 
     path = ("stages", stage, "config", "input")
@@ -168,7 +168,7 @@ def _sample_rows(loaded: LoadedPipeline, stage: str, cfg: CollectConfig) -> list
 
 def load_target(pipeline: str, stage: str, overrides: tuple[str, ...] = ()) -> Target:
     """Load the pipeline and the collect stage's config and prompt sample; `PipeError` if unusable."""
-    from engine.load import load_pipeline
+    from engine.spec.load import load_pipeline
 
     loaded = load_pipeline(pipeline, overrides)
     cfg = _collect_config(loaded, stage)

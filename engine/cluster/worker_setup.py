@@ -1,0 +1,32 @@
+"""Set-up of each worker process `pipe run` starts (a Dask preload: Dask imports this module
+in the worker and calls `dask_setup` before the worker takes tasks, at every start and
+restart), for the embedded `LocalCluster` and the Slurm jobs alike.
+
+The driver alone writes to trackers (design, Tracking: no credentials on workers), yet a
+worker process inherits the driver's environment: the trackers' credentials in it are
+removed here, so no stage, and no process a stage starts, can read them. Other variables
+stay (a collect stage against a hosted API needs its `OPENAI_API_KEY`; fsspec reads its
+storage credentials). Workers of an existing cluster are started by their owner: `dask
+worker ADDR --preload engine.cluster.worker_setup` does the same there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# what the trackers' libraries read (engine.run.tracking): W&B's key, MLflow's HTTP auth
+CREDENTIALS = (
+    "WANDB_API_KEY",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+)
+
+PRELOAD = __name__
+
+
+def dask_setup(worker: Any) -> None:
+    """Drop the tracker credentials from this worker's environment."""
+    for name in CREDENTIALS:
+        os.environ.pop(name, None)

@@ -1,0 +1,240 @@
+"""Plan: `ResolvedPipeline` -> `Plan`, the DAG in execution order with a cache key per stage.
+
+The graph comes from `needs:` (cycles were rejected at load). Each stage's
+static key hashes its resolved config and its kind's code version; execution
+adds the hashes of its inputs (upstream keys and external file contents).
+`Plan.as_dict()` is what `pipe plan --format json|yaml` prints and what
+`pipe run` writes as `plan.lock.yaml`; `engine.plan.explain` adds each value's source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import Diagnostic, PipeError
+from engine.plan.budget import Grow, Grown, check_memory
+from engine.plan.memory import Estimate
+from engine.plan.paths import shown_config
+from engine.plan.placement import (
+    ClusterView,
+    Placement,
+    PlacementError,
+    Pool,
+    RoleRequest,
+    StageRequest,
+    solve,
+)
+from engine.plan.resolved import ResolvedPipeline, ResolvedStage
+from engine.spec.graph import topological
+from engine.spec.schema import ROLES
+from engine.stage import kinds
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """A stage ready to run: resolved config, resources and static cache key."""
+
+    resolved: ResolvedStage
+    config_hash: str
+    code_version: str
+
+    @property
+    def name(self) -> str:
+        return self.resolved.name
+
+    @property
+    def outputs(self) -> dict[str, str]:
+        cfg = self.resolved.config
+        return {f: str(getattr(cfg, f)) for f in type(cfg).OUTPUTS}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The stages in execution order; where they sit when a cluster is known."""
+
+    resolved: ResolvedPipeline
+    order: tuple[str, ...]
+    stages: dict[str, PlannedStage]
+    cluster: ClusterView | None = None
+    placement: Placement | None = None
+    memory: dict[str, dict[str, Estimate]] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.resolved.name
+
+    def as_dict(self) -> dict[str, Any]:
+        spec = self.resolved.loaded.spec
+        gpus_auto = spec.cluster.gpus == "auto" and not self.resolved.roles
+        roles: dict[str, Any] = {r: a.as_dict() for r, a in self.resolved.roles.items()}
+        raw = self.resolved.loaded.doc.data.get("resources")
+        if gpus_auto and isinstance(raw, dict) and "ratio" in raw:
+            # resolved from the workers at run time; the run's plan.lock.yaml has the numbers
+            roles = {r: {"gpus": "auto", "colocated_with": []} for r in spec.resources.ratio}
+        return {
+            "name": spec.name,
+            "profile": spec.profile,
+            "memory": spec.memory,
+            "stages": {
+                n: {
+                    "kind": s.resolved.kind,
+                    "needs": list(s.resolved.needs),
+                    "resources": {"role": s.resolved.role, "gpus": s.resolved.gpus},
+                    "config": shown_config(s.resolved.config),
+                }
+                for n, s in self.stages.items()
+            },
+            "roles": roles,
+            **({"placement": self.placement.as_dict()} if self.placement is not None else {}),
+            **(
+                {
+                    "memory": {
+                        s: {r: e.as_dict() for r, e in m.items()} for s, m in self.memory.items()
+                    }
+                }
+                if self.memory is not None
+                else {}
+            ),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2) + "\n"
+
+    def to_yaml(self) -> str:
+        from ruamel.yaml import YAML
+
+        yaml = YAML(typ="safe", pure=True)
+        yaml.default_flow_style = False
+        buf = io.StringIO()
+        buf.write(f"# plan of {self.resolved.loaded.path}: every value resolved\n")
+        yaml.dump(self.as_dict(), buf)
+        return buf.getvalue()
+
+
+def config_hash(stage: ResolvedStage) -> str:
+    """Hash of the resolved config, paths as shown (so a moved project keeps its cache)."""
+    text = json.dumps(shown_config(stage.config), sort_keys=True)
+    return hashlib.sha256(f"{stage.kind}\n{text}".encode()).hexdigest()[:16]
+
+
+def plan(resolved: ResolvedPipeline, cluster: ClusterView | None = None) -> Plan:
+    """Order the stages and compute their static cache keys; with a cluster (declared or
+    live), place every GPU stage (`PipeError` with located messages when they do not fit)."""
+    order = tuple(topological(resolved.loaded.spec))
+    registry = kinds()
+    stages = {
+        name: PlannedStage(
+            resolved.stages[name],
+            config_hash(resolved.stages[name]),
+            registry[resolved.stages[name].kind].code_version(),
+        )
+        for name in order
+    }
+    placement = place(resolved, order, cluster) if cluster is not None else None
+    memory = None
+    if placement is not None and cluster is not None:
+        memory, warnings = check_memory(resolved, placement, cluster, _grower(resolved, cluster))
+        resolved.notes.extend(warnings)
+    return Plan(resolved, order, stages, cluster, placement, memory)
+
+
+def _grower(resolved: ResolvedPipeline, cluster: ClusterView) -> Grow:
+    """The pipeline planned on k times `cluster` with k times its GPUs (None where it does
+    not resolve or place), each k computed once: how `engine.plan.budget` tries a bigger cluster."""
+    memo: dict[int, Grown | None] = {}
+
+    def grow(k: int) -> Grown | None:
+        if k not in memo:
+            memo[k] = _grown(resolved, cluster, k)
+        return memo[k]
+
+    return grow
+
+
+def _grown(resolved: ResolvedPipeline, cluster: ClusterView, k: int) -> Grown | None:
+    import copy
+
+    from engine.plan.resolve import resolve
+    from engine.spec.load import validate_document
+    from engine.spec.source import Document
+
+    loaded = resolved.loaded
+    bigger = cluster.grown(k)
+    data = copy.deepcopy(loaded.doc.data)
+    declared = loaded.spec.cluster.gpus
+    gpus = None
+    if isinstance(declared, int):
+        data.setdefault("cluster", {})["gpus"] = declared * k
+    else:  # auto: the cluster's GPUs
+        gpus = len(bigger.devices())
+    doc = Document(loaded.doc.name, data, loaded.doc.values, loaded.doc.keys)
+    try:
+        other = resolve(validate_document(doc, loaded.path), resolved.run_dir, gpus)
+        return other, place(other, tuple(topological(other.loaded.spec)), bigger), bigger
+    except PipeError:
+        return None
+
+
+def place(resolved: ResolvedPipeline, order: tuple[str, ...], cluster: ClusterView) -> Placement:
+    """The placement of the GPU stages on `cluster`; located errors when they do not fit."""
+    requests = []
+    for name in order:
+        st = resolved.stages[name]
+        if st.gpus and st.roles:  # a stage holding several roles: each on its pool
+            held = tuple(
+                RoleRequest(r, resolved.roles[r].gpus, st.config.gpu_unit(r))
+                for r in st.roles
+                if r in resolved.roles and resolved.roles[r].gpus
+            )
+            requests.append(StageRequest(name, held))
+        elif st.gpus:
+            unit = st.config.gpu_unit()
+            requests.append(StageRequest(name, (RoleRequest(st.role, st.gpus, unit),)))
+    groups = {
+        tuple(r for r in ROLES if r == role or r in alloc.colocated_with): alloc.gpus
+        for role, alloc in resolved.roles.items()
+    }
+    pools = [Pool(roles, gpus) for roles, gpus in groups.items() if gpus]
+    spec = resolved.loaded.spec
+    declared = spec.cluster.gpus if isinstance(spec.cluster.gpus, int) else None
+    needs = {n: s.needs for n, s in spec.stages.items()}
+    try:
+        placement = solve(requests, needs, pools, cluster, declared if declared else None)
+    except PlacementError as exc:
+        raise PipeError(_located(resolved, exc.problems)) from None
+    problems = []
+    for name, slots in placement.stages.items():
+        tasks = {(s.node, s.worker) for s in slots}
+        if len(tasks) > 1 and not type(resolved.stages[name].config).SPANS_NODES:
+            problems.append(
+                (
+                    name,
+                    f"a {resolved.stages[name].kind} stage runs on one worker; its "
+                    f"{resolved.stages[name].gpus} GPUs were placed on {len(tasks)}: ask for at "
+                    f"most one worker's GPUs",
+                )
+            )
+    if problems:
+        raise PipeError(_located(resolved, problems))
+    return placement
+
+
+def _located(resolved: ResolvedPipeline, problems: list[tuple[str, str]]) -> list[Diagnostic]:
+    doc = resolved.loaded.doc
+    out = []
+    for stage, message in problems:
+        if stage:
+            path: tuple[str, ...] = ("stages", stage, "resources")
+            where = (
+                doc.value_loc(path)
+                if "resources" in doc.data["stages"][stage]
+                else doc.key_loc(("stages", stage))
+            )
+            out.append(Diagnostic(where, ".".join(path), message))
+        else:
+            out.append(Diagnostic(doc.value_loc(("cluster", "gpus")), "cluster.gpus", message))
+    return out

@@ -1,0 +1,228 @@
+"""Resolve, part of: `@stage` references, default inputs, and relative paths of one stage.
+
+- `"@data"` names stage data's main output, `"@data.test_output"` a named one; the
+  stage referred to must be among this stage's (transitive) `needs`.
+- An empty `input` takes the main output of the first stage in `needs`; an empty
+  list input the kind types (`INPUT_TYPES`, e.g. checkpoints) takes the main
+  outputs of the stages in `needs` whose main output has that type.
+- A relative input resolves against the pipeline file's folder; one of the
+  kind's `MODEL_INPUTS` does too when it exists there (otherwise it is kept: a
+  hub id such as `org/model`); a relative output lands in `<run-dir>/<stage>/`.
+  Both become absolute, so the config means the same in every process it
+  reaches; `shown()` gives the paths back relative to the working directory,
+  as `pipe plan` prints them and cache keys hash them.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import TYPE_CHECKING, Any, Protocol
+
+from engine.errors import Diagnostic, did_you_mean, one_of
+from engine.plan.resolved import ResolvedStage, Source
+from engine.spec.source import PathT, get_at, set_at
+
+if TYPE_CHECKING:
+    from engine.spec.load import LoadedPipeline
+    from engine.spec.source import Document
+    from engine.stage import StageKind
+
+
+class _State(Protocol):
+    """What path resolution needs of the resolution under way."""
+
+    loaded: LoadedPipeline
+    doc: Document
+    run_dir: str
+    errors: list[Diagnostic]
+
+
+def is_remote(value: str) -> bool:
+    return "://" in value
+
+
+def ancestors(spec: Any, name: str) -> set[str]:
+    seen: set[str] = set()
+    stack = list(spec.stages[name].needs)
+    while stack:
+        need = stack.pop()
+        if need in seen or need not in spec.stages:
+            continue
+        seen.add(need)
+        stack.extend(spec.stages[need].needs)
+    return seen
+
+
+def resolve_paths(
+    state: _State,
+    name: str,
+    kind: StageKind,
+    merged: dict[str, Any],
+    sources: dict[str, Source],
+    done: dict[str, ResolvedStage],
+) -> None:
+    """Rewrite references and relative paths in `merged` in place, recording sources."""
+    base = os.path.abspath(state.loaded.base_dir)
+    for field in kind.config.INPUTS:
+        path = tuple(field.split("."))
+        value = get_at(merged, path)
+        model = field in kind.config.MODEL_INPUTS
+        if isinstance(value, str):
+            set_at(merged, path, _input_path(base, value, model))
+        elif isinstance(value, list):
+            set_at(
+                merged,
+                path,
+                [_input_path(base, v, model) if isinstance(v, str) else v for v in value],
+            )
+    _references(state, name, merged, sources, done, ())
+    _defaults(state, name, kind, merged, sources, done)
+    for field in kind.config.OUTPUTS:
+        value = merged.get(field, kind.config.model_fields[field].default)
+        if isinstance(value, str) and not (value.startswith("/") or is_remote(value)):
+            run_dir = os.path.abspath(state.run_dir)
+            merged[field] = posixpath.normpath(posixpath.join(run_dir, name, value))
+            src = sources.get(field)
+            if src is None:
+                sources[field] = Source("kind default", "inside the stage's folder")
+
+
+def _input_path(base: str, value: str, model: bool) -> str:
+    if value.startswith("/") or is_remote(value) or value.startswith("@"):
+        return value
+    candidate = posixpath.normpath(posixpath.join(base, value))
+    if model:
+        return candidate if os.path.exists(candidate) else value
+    return candidate
+
+
+def shown(value: str) -> str:
+    """A resolved path as people read it: relative to the working directory when under it."""
+    if not value.startswith("/"):
+        return value
+    rel = os.path.relpath(value)
+    return value if rel.startswith("..") else rel
+
+
+def shown_config(config: Any) -> dict[str, Any]:
+    """The config as JSON data, every absolute path in it as `shown`."""
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, str):
+            return shown(value)
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        return value
+
+    data: dict[str, Any] = walk(config.model_dump(mode="json"))
+    return data
+
+
+def _references(
+    state: _State,
+    name: str,
+    node: Any,
+    sources: dict[str, Source],
+    done: dict[str, ResolvedStage],
+    path: PathT,
+) -> None:
+    items = (
+        node.items()
+        if isinstance(node, dict)
+        else enumerate(node)
+        if isinstance(node, list)
+        else ()
+    )
+    for key, value in list(items):
+        sub = (*path, key)
+        if isinstance(value, dict | list):
+            _references(state, name, value, sources, done, sub)
+        elif isinstance(value, str) and value.startswith("@"):
+            target = _target(state, name, value, sources, done, sub)
+            if target is not None:
+                node[key] = target
+
+
+def _target(
+    state: _State,
+    name: str,
+    ref: str,
+    sources: dict[str, Source],
+    done: dict[str, ResolvedStage],
+    path: PathT,
+) -> str | None:
+    spec = state.loaded.spec
+    stage, _, field = ref[1:].partition(".")
+    src = sources.get(".".join(str(p) for p in path if isinstance(p, str)))
+    where = src.location if src is not None else state.doc.key_loc(("stages", name))
+    dotted = f"stages.{name}.config." + ".".join(str(p) for p in path if isinstance(p, str))
+    if stage not in spec.stages:
+        msg = f"'{ref}' refers to no stage named '{stage}'{did_you_mean(stage, list(spec.stages))}"
+        state.errors.append(Diagnostic(where, dotted, msg))
+        return None
+    if stage not in ancestors(spec, name):
+        msg = f"'{ref}' refers to stage '{stage}', which stage '{name}' does not need; add it to needs"
+        state.errors.append(Diagnostic(where, dotted, msg))
+        return None
+    upstream = done.get(stage)
+    if upstream is None:
+        return None
+    outputs = type(upstream.config).OUTPUTS
+    field = field or (outputs[0] if outputs else "")
+    if field not in outputs:
+        msg = f"stage '{stage}' ({upstream.kind}) has no output '{field}'; its outputs: {one_of(outputs)}"
+        state.errors.append(Diagnostic(where, dotted, msg))
+        return None
+    if src is not None:
+        key = ".".join(str(p) for p in path if isinstance(p, str))
+        sources[key] = Source(src.label, ref if src.reason == "" else src.reason, src.location)
+    return str(getattr(upstream.config, field))
+
+
+def _defaults(
+    state: _State,
+    name: str,
+    kind: StageKind,
+    merged: dict[str, Any],
+    sources: dict[str, Source],
+    done: dict[str, ResolvedStage],
+) -> None:
+    needs = state.loaded.spec.stages[name].needs
+    for field in kind.config.INPUTS:
+        if "." in field or merged.get(field) not in (None, []):
+            continue
+        wanted = kind.config.INPUT_TYPES.get(field)
+        if wanted is not None:
+            ups = [n for n in needs if n in done and _main_output_type(done[n]) == wanted]
+            if ups:
+                merged[field] = [
+                    str(getattr(done[n].config, type(done[n].config).OUTPUTS[0])) for n in ups
+                ]
+                sources[field] = Source(
+                    "upstream", f"{wanted} outputs of the stages in needs: {', '.join(ups)}"
+                )
+        elif field == "input":
+            if not needs and kind.config.INPUT_OPTIONAL:
+                continue
+            if not needs:
+                where = state.doc.key_loc(("stages", name))
+                state.errors.append(
+                    Diagnostic(
+                        where,
+                        f"stages.{name}.config.input",
+                        "no input: set 'input' or add the stage that produces it to 'needs'",
+                    )
+                )
+                continue
+            up = done.get(needs[0])
+            if up is not None and type(up.config).OUTPUTS:
+                merged[field] = str(getattr(up.config, type(up.config).OUTPUTS[0]))
+                sources[field] = Source("upstream", f"main output of stage '{needs[0]}'")
+
+
+def _main_output_type(stage: ResolvedStage) -> str | None:
+    model = type(stage.config)
+    return model.OUTPUT_TYPES.get(model.OUTPUTS[0]) if model.OUTPUTS else None

@@ -1,0 +1,61 @@
+"""Resolve, part of: its output types. A `ResolvedPipeline` holds `ResolvedStage`s, each a
+typed, frozen config whose every value remembers its `Source` (provenance)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import Diagnostic, Location
+from engine.spec.load import LoadedPipeline
+from engine.stage import RoleAlloc, StageConfig
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a resolved value came from."""
+
+    label: str
+    reason: str = ""
+    location: Location | None = None
+
+    def render(self) -> str:
+        return f"{self.label}: {self.reason}" if self.reason else self.label
+
+
+DEFAULT = Source("kind default")
+
+
+@dataclass(frozen=True)
+class ResolvedStage:
+    """A stage with its typed, fully explicit config."""
+
+    name: str
+    kind: str
+    needs: tuple[str, ...]
+    role: str | None
+    gpus: int
+    retries: int
+    config: StageConfig
+    sources: dict[str, Source]
+    roles: tuple[str, ...] = ()  # roles held besides `role` (a kind's roles_used)
+
+    def source(self, dotted: str) -> Source:
+        return self.sources.get(dotted, DEFAULT)
+
+
+@dataclass(frozen=True)
+class ResolvedPipeline:
+    """The pipeline after presets, references, paths and resources are resolved."""
+
+    loaded: LoadedPipeline
+    run_dir: str
+    colocate: Any
+    colocate_source: Source
+    roles: dict[str, RoleAlloc]
+    stages: dict[str, ResolvedStage]
+    notes: list[Diagnostic] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.loaded.spec.name

@@ -1,0 +1,52 @@
+"""The run's result where the user looks: each stage's headline, then the tracker links.
+
+Input: a `RunReport` (and each stage's `metrics.json`, so a cached stage shows what it
+found when it ran). Output: the lines `pipe run` prints on stdout at the end; each
+kind says what matters through its config's `headline` hook (evaluate: the accuracy
+table; train: the final loss; ...), the engine only lays them out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from engine.run.report import RunReport
+from engine.stage import kinds
+
+log = logging.getLogger("pipe.run")
+
+
+def _result(record: Any) -> dict[str, Any]:
+    if record.metrics:
+        return dict(record.metrics)
+    try:
+        with open(f"{record.stage_dir}/metrics.json", encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def headlines(report: RunReport) -> list[str]:
+    """One line per stage that has something to say (more for a table), then the links."""
+    lines: list[str] = []
+    for name, rec in report.stages.items():
+        if rec.status not in ("succeeded", "cached"):
+            continue
+        kind = kinds().get(rec.kind)
+        try:
+            said = kind.config.headline(_result(rec)) if kind is not None else []
+        except Exception as exc:  # a kind's bug must not hide the run's result
+            log.debug("%s: headline failed: %s", name, exc, exc_info=True)
+            continue
+        cached = " (cached)" if rec.status == "cached" else ""
+        if len(said) == 1:
+            lines.append(f"{name}{cached}: {said[0]}")
+        elif said:
+            lines.append(f"{name}{cached}:")
+            lines.extend(f"  {line}" for line in said)
+    for tracker, where in report.tracking.items():
+        lines.append(f"{tracker}: {where}")
+    return lines
