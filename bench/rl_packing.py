@@ -29,7 +29,7 @@ QUICKSTART = {"hidden_size": 128, "num_layers": 2, "num_heads": 16, "vocab_size"
 
 
 def make_samples(n: int, seed: int) -> list[Any]:
-    from stages.rl.logprobs import Sample
+    from stages.rl.algo.logprobs import Sample
 
     rng = random.Random(seed)
     out = []
@@ -45,9 +45,9 @@ def step(model: Any, opt: Any, samples: list[Any], micro: int, packed: bool) -> 
     """One optimizer step over `samples` as the rl actor takes it; its wall seconds."""
     import torch
 
-    from stages.rl.logprobs import completion_logprobs
-    from stages.rl.loss import masked_policy_terms
-    from stages.rl.micro import plan_micros
+    from stages.rl.algo.logprobs import completion_logprobs
+    from stages.rl.algo.loss import masked_policy_terms
+    from stages.rl.algo.micro import plan_micros
 
     began = time.perf_counter()
     norm = sum(s.trained_len for s in samples)
@@ -70,7 +70,7 @@ def main(n_samples: int, micro: int, rounds: int) -> None:
 
     from stages.lib.config import TinyModel
     from stages.lib.model import build_tiny_model
-    from stages.rl.logprobs import completion_logprobs
+    from stages.rl.algo.logprobs import completion_logprobs
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

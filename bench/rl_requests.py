@@ -4,7 +4,7 @@
 
 The fake OpenAI server of the tests (bench/collect/fake_server.py, its own process, on
 127.0.0.1) with `capacity` slots of `latency_ms` each answers token-id prompts as vLLM does;
-`stages.rl.rollout_http.HTTPRollouts` sends it steps of 64 prompts x 8 samples (one request
+`stages.rl.rollout.vllm_requests.HTTPRollouts` sends it steps of 64 prompts x 8 samples (one request
 per sample) with `num_samples_in_parallel` auto, 16 (the old rl stage kept 16 requests in
 flight per server) and the capacity. Printed per step: wall seconds, requests in flight
 (mean and peak, from the client), the bound, and the share of the server's limit used
@@ -31,7 +31,7 @@ def main() -> None:
     from fake_server import start_subprocess
 
     from stages.lib.prompt import TokenPrompt
-    from stages.rl.rollout_http import HTTPRollouts
+    from stages.rl.rollout.vllm_requests import HTTPRollouts
 
     p = argparse.ArgumentParser()
     p.add_argument("--capacity", type=int, default=128)

@@ -5,9 +5,9 @@ raw torch.distributed broadcast of the same bytes (the limit), in one run.
 
 The model: a Llama built from config (hidden 768, 12 layers: 113 M parameters, 0.45 GB in
 fp32). The actor is a plain process holding the model (`--actor`), sending as an rl actor's
-rank 0 does (`stages.rl.sync`: `GroupPublisher` buckets over gloo, `DiskPublisher` a
+rank 0 does (`stages.rl.sync.backends`: `GroupPublisher` buckets over gloo, `DiskPublisher` a
 safetensors file); the servers are the rl stage's own (`VLLMEngine`, with our worker
-extension) and receive as a run does (`stages.rl.vllm_sync`). One sync = from the actor
+extension) and receive as a run does (`stages.rl.sync.vllm`). One sync = from the actor
 being told to send until every server holds the weights (the probe after it is not
 counted; it is scored once per case, to check the weights arrived). For 1 and 2 engines:
 the median seconds per sync of `--repeats` syncs each way (the collective's first sync,
@@ -43,8 +43,8 @@ def actor(model_dir: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.rl.logprobs import Sample, completion_logprobs
-    from stages.rl.sync import DiskPublisher, GroupPublisher, tied_aliases
+    from stages.rl.algo.logprobs import Sample, completion_logprobs
+    from stages.rl.sync.backends import DiskPublisher, GroupPublisher, tied_aliases
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -165,9 +165,9 @@ def case(engines: int, path: str, act: Actor, repeats: int) -> dict[str, Any]:
     """`repeats` syncs each way into `engines` fresh servers; seconds and parts."""
     from stages.lib.config import VLLMBackend
     from stages.lib.vllm_auth import new_secret
-    from stages.rl.logprobs import Sample
-    from stages.rl.vllm_engine import VLLMEngine
-    from stages.rl.vllm_sync import VLLMDiskReceiver, VLLMGroupReceiver
+    from stages.rl.algo.logprobs import Sample
+    from stages.rl.rollout.vllm import VLLMEngine
+    from stages.rl.sync.vllm import VLLMDiskReceiver, VLLMGroupReceiver
 
     started = time.perf_counter()
     backend = VLLMBackend(kind="vllm", model=path, vllm_num_engines=engines)

@@ -2,7 +2,7 @@
 prints one JSON line.
 
 The rl actor's log-probabilities through the model's top-level forward (DeepSpeed's engine:
-`stages.rl.logprobs.completion_logprobs` with `call=trainer`) beside the old path (the
+`stages.rl.algo.logprobs.completion_logprobs` with `call=trainer`) beside the old path (the
 decoder and the output head called directly, bypassing the root module). Output: the
 largest difference between the two, and after each of three optimizer steps whether ZeRO-3's
 parameter coordinator holds a complete trace (recorded at the root module's forward hook:
@@ -22,8 +22,8 @@ from tests.sleep_rank import Settings, tiny
 
 def direct(module: Any, samples: list[Any], device: str) -> torch.Tensor:
     """The old path: decoder and head called directly, the head over completion positions."""
-    from stages.rl.layout_batch import layout
-    from stages.rl.loss import token_logprobs
+    from stages.rl.algo.loss import token_logprobs
+    from stages.rl.algo.packing import layout
 
     lay = layout(samples, device, 0, packed=False)
     hidden = module.get_decoder()(**lay.inputs()).last_hidden_state
@@ -36,7 +36,7 @@ def main(device: str, old_path: bool) -> dict[str, Any]:
 
     from stages.lib.ds_config import build_ds_config
     from stages.lib.trainer import DeepSpeedTrainer
-    from stages.rl.logprobs import Sample, completion_logprobs
+    from stages.rl.algo.logprobs import Sample, completion_logprobs
 
     deepspeed.init_distributed(dist_backend="nccl" if device != "cpu" else "gloo")
     cfg = Settings(3, False)

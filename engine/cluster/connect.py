@@ -193,7 +193,9 @@ def connect(
         from engine.cluster.slurm import start
 
         if slurm is None:
-            raise ValueError("scheduler 'slurm' needs the jobs to submit (engine.cluster.slurm.request)")
+            raise ValueError(
+                "scheduler 'slurm' needs the jobs to submit (engine.cluster.slurm.request)"
+            )
         client, jobs = start(slurm)
         return Cluster(client, slurm=jobs)
 
@@ -218,7 +220,9 @@ def connect(
                 scheduler_kwargs={"dashboard": dashboard and _has_bokeh()},  # its bokeh pages
                 resources=resources,
                 silence_logs=logging.WARNING,
-                preload=[PRELOAD],  # no tracker credentials on workers (engine.cluster.worker_setup)
+                preload=[
+                    PRELOAD
+                ],  # no tracker credentials on workers (engine.cluster.worker_setup)
             )
         except BaseException:
             start_method.__exit__(None, None, None)

@@ -30,7 +30,7 @@ ROLLOUT_FIELDS = (
     "latency_s",
 )
 _RESERVED = frozenset(ROLLOUT_FIELDS)
-# Fields an episode row adds (`stages.collect.episodes`); `messages` becomes the conversation.
+# Fields an episode row adds (`stages.collect.multiturn`); `messages` becomes the conversation.
 EPISODE_FIELDS = frozenset(
     (*ROLLOUT_FIELDS, "messages", "rewards", "total_reward", "turns", "solved", "end", "error")
 )

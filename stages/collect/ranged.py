@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from stages.collect import CollectConfig
     from stages.collect.collector import Recorder
     from stages.lib.backends import Endpoint
-    from stages.lib.episodes import MakeEnv
+    from stages.lib.play import MakeEnv
 
 T = TypeVar("T")
 
@@ -180,9 +180,9 @@ async def _collect_async(
     make_env: MakeEnv | None,
 ) -> None:
     """Every pair through the collector: one request each, or with `make_env` one episode
-    each (`stages.collect.episodes`)."""
+    each (`stages.collect.multiturn`)."""
     from stages.collect.collector import Collector
-    from stages.collect.episodes import EpisodeCollector
+    from stages.collect.multiturn import EpisodeCollector
     from stages.lib.adaptive import AdaptiveLimit
     from stages.lib.backends import make_client
 

@@ -30,10 +30,10 @@ if TYPE_CHECKING:
 def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     """Collect every (prompt, sample) pair of the configured range into cfg.output; with an
     environment, the task that publishes the output also sums up its episodes and fails the
-    stage when too many failed (`stages.collect.episodes.check_episodes`)."""
+    stage when too many failed (`stages.collect.multiturn.check_episodes`)."""
     metrics = _collect(cfg, ctx)
     if cfg.environment is not None and (ctx.link is None or ctx.node_rank == 0):
-        from stages.collect.episodes import check_episodes
+        from stages.collect.multiturn import check_episodes
 
         metrics["episodes"] = check_episodes(cfg.output, cfg.environment, ctx.log)
     return metrics

@@ -11,7 +11,7 @@ Output, in the folder of `cfg.output`: `report.json`
 baseline), `report.png` (a bar chart) and `generations.jsonl` (every sample
 with its reward). Returns the report plus the accuracy differences.
 
-With an `environment`, each checkpoint plays episodes instead (`stages.evaluate.episodes`):
+With an `environment`, each checkpoint plays episodes instead (`stages.evaluate.multiturn`):
 a result's `accuracy` is then the share of episodes solved within `max_turns`, its
 pass@k counts solved episodes, its `mean_reward` is a model turn's mean reward, and it
 adds `first_turn_accuracy`, `mean_turns`, `mean_total_reward` and `failed_episodes`;
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.evaluate.episodes import Play
+from stages.evaluate.multiturn import Play
 from stages.lib.config import LocalBackend, OpenAIBackend, VLLMBackend
 from stages.lib.jsonl import atomic_path, atomic_write, read_jsonl, write_jsonl
 from stages.lib.track import Metrics

@@ -1,7 +1,7 @@
 """rl: online RL (GRPO) with placed roles, live weight sync to the rollout engine.
 
 The config model, its registration and its rules; the body (`stages.rl.run`) and the
-actor ranks (`stages.rl.actor`) are imported only when a stage runs.
+actor ranks (`stages.rl.roles.actor`) are imported only when a stage runs.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class RLConfig(StageConfig):
         """The engine (a vLLM share, or the local engine's copy of the weights), the actor as a
         trainer, and the frozen reference when kl_coef > 0: in the compute dtype, split by
         ZeRO-3 under DeepSpeed, on the ref role's devices or, when that role has none of its
-        own, inside the actor's ranks (`stages.rl.reference`; colocated with the actor, the two
+        own, inside the actor's ranks (`stages.rl.roles.ref_model`; colocated with the actor, the two
         share devices and are summed there)."""
         model = self.model if isinstance(self.model, str) else self.model.model_dump()
         engines = [replace(n, role="vllm") for n in backend_memory(self.backend)]
@@ -298,8 +298,8 @@ class RLConfig(StageConfig):
 
     def _check_sync(self, ctx: ResolveContext) -> list[Diagnostic]:
         """Which weight-sync backend will run, where it is not the one asked for on GPUs
-        (`stages.rl.sync_plan`): an engine colocated with the actor gets gloo."""
-        from stages.rl.sync_plan import choose_sync
+        (`stages.rl.sync.choice`): an engine colocated with the actor gets gloo."""
+        from stages.rl.sync.choice import choose_sync
 
         engine = ctx.roles.get("vllm")
         actor = ctx.roles.get("actor")

@@ -116,8 +116,8 @@ def test_a_sync_that_moves_no_weights_fails_within_one_step_naming_the_engine(
     from stages.dataset.run import run_dataset
     from stages.lib.weight_group import receive
     from stages.rl import RLConfig
-    from stages.rl import sync as rl_sync
     from stages.rl.run import run_rl
+    from stages.rl.sync import backends as rl_sync
 
     class Discards(rl_sync.GroupReceiver):
         def apply(self, model: torch.nn.Module) -> None:
@@ -197,7 +197,7 @@ def test_a_killed_run_resumes_from_its_checkpoint(tmp_path: Path):
     assert int(resumed[1]) % 2 == 0 and 2 <= int(resumed[1]) < steps  # a save_steps checkpoint
     report = json.loads((tmp_path / "runs/rl/report.json").read_text())
     assert report["stages"]["rl"]["metrics"]["resumed_from_step"] == int(resumed[1])
-    from stages.rl.data import Stream
+    from stages.rl.rollout.prompts import Stream
 
     stream = Stream(64, 8, 0)  # the batches an uninterrupted run takes
     assert [r["prompts"] for r in rows] == [stream.indices(s) for s in range(1, steps + 1)]

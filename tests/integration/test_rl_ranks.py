@@ -23,8 +23,8 @@ from stages.lib.config import TinyModel
 from stages.lib.ds_config import build_ds_config
 from stages.lib.launch import Ranks, launch
 from stages.rl import RLConfig
-from stages.rl.channel import StageEnd
-from stages.rl.spec import ActorSpec
+from stages.rl.roles.channel import StageEnd
+from stages.rl.roles.spec import ActorSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -142,8 +142,8 @@ def test_zero3_actor_on_three_ranks_finishes_an_uneven_step_with_one_ranks_loss(
 ):
     (tmp_path / "one").mkdir()
     (tmp_path / "three").mkdir()
-    one = run_role(tmp_path / "one", model_dir, "stages.rl.actor", 1, dynamic, zero=0)
-    three = run_role(tmp_path / "three", model_dir, "stages.rl.actor", 3, dynamic)
+    one = run_role(tmp_path / "one", model_dir, "stages.rl.roles.actor", 1, dynamic, zero=0)
+    three = run_role(tmp_path / "three", model_dir, "stages.rl.roles.actor", 3, dynamic)
     assert three["updates"] == one["updates"] == 2
     assert three["tokens"] == one["tokens"]
     for key in ("loss", "entropy", "grad_norm"):
@@ -155,8 +155,8 @@ def test_zero3_critic_on_three_ranks_finishes_an_uneven_step_with_one_ranks_loss
 ):
     (tmp_path / "one").mkdir()
     (tmp_path / "three").mkdir()
-    one = run_role(tmp_path / "one", model_dir, "stages.rl.critic", 1, False, zero=0)
-    three = run_role(tmp_path / "three", model_dir, "stages.rl.critic", 3, False)
+    one = run_role(tmp_path / "one", model_dir, "stages.rl.roles.critic", 1, False, zero=0)
+    three = run_role(tmp_path / "three", model_dir, "stages.rl.roles.critic", 3, False)
     assert one["value_loss"] > 0
     assert three["value_loss"] == pytest.approx(one["value_loss"], rel=1e-4)
 
@@ -170,7 +170,7 @@ def test_ranks_idle_past_the_collective_timeout_still_serve(
     monkeypatch.setenv("PIPE_COLLECTIVE_TIMEOUT_S", "2")
     monkeypatch.setenv("PIPE_REQUEST_POLL_S", "1")  # rank 1's waits time out and go on
     probe = {"ids": (5, 6, 7, 8, 9), "prompt_len": 2}
-    with serving(tmp_path, model_dir, "stages.rl.actor", 2, zero=0) as request:
+    with serving(tmp_path, model_dir, "stages.rl.roles.actor", 2, zero=0) as request:
         first = request("probe", probe)
         time.sleep(6)
         assert request("probe", probe) == first

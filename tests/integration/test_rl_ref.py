@@ -118,10 +118,10 @@ def test_two_zero3_reference_ranks_score_an_uneven_batch_like_one_whole_model(tm
     from stages.lib.launch import Ranks, launch
     from stages.lib.model import build_tiny_model
     from stages.rl import RLConfig
-    from stages.rl.channel import StageEnd
-    from stages.rl.logprobs import Sample
-    from stages.rl.reference import load_reference, reference_logprobs
-    from stages.rl.spec import ActorSpec
+    from stages.rl.algo.logprobs import Sample
+    from stages.rl.roles.channel import StageEnd
+    from stages.rl.roles.ref_model import load_reference, reference_logprobs
+    from stages.rl.roles.spec import ActorSpec
 
     # hidden 160: the MLP matrices pass ZeRO-3's persistence threshold and are really split
     tiny = {"hidden_size": 160, "num_layers": 1, "num_heads": 4, "vocab_size": 300}
@@ -146,7 +146,7 @@ def test_two_zero3_reference_ranks_score_an_uneven_batch_like_one_whole_model(tm
     )
     spec.write(str(tmp_path / "ref_spec.json"))
     log = str(tmp_path / "ref_log.txt")
-    args = ("stages.rl.ref", str(tmp_path / "ref_spec.json"), Ranks(world=2), "cpu", 1, log)
+    args = ("stages.rl.roles.ref", str(tmp_path / "ref_spec.json"), Ranks(world=2), "cpu", 1, log)
     ranks = threading.Thread(target=launch, args=(*args, logging.getLogger("test")), daemon=True)
     ranks.start()
     end.accept(ranks.is_alive, timeout_s=300)

@@ -113,7 +113,7 @@ def test_a_reload_that_moves_no_weights_fails_within_one_step_naming_the_engine(
     from stages.dataset.run import run_dataset
     from stages.rl import RLConfig, vllm_engine
     from stages.rl.run import run_rl
-    from stages.rl.sync import SyncFailed
+    from stages.rl.sync.backends import SyncFailed
 
     monkeypatch.setattr(vllm_engine.VLLMEngine, "reload", lambda self, weights_dir: None)
     monkeypatch.chdir(tmp_path)
@@ -215,7 +215,7 @@ def test_an_engine_killed_mid_sync_fails_the_step_naming_it_and_the_retry_resume
     from stages.dataset.run import run_dataset
     from stages.rl import RLConfig, vllm_sync
     from stages.rl.run import run_rl
-    from stages.rl.sync import SyncFailed
+    from stages.rl.sync.backends import SyncFailed
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))

@@ -15,8 +15,8 @@ import pytest
 
 from engine.stage import StageContext
 from stages.collect import CollectConfig, io
-from stages.collect.episodes import check_episodes, episode_line
 from stages.collect.inputs import parse_row
+from stages.collect.multiturn import check_episodes, episode_line
 from stages.collect.run import run_collect
 from stages.filter import FilterConfig
 from stages.filter.rules import Counts, Rules, completion_text

@@ -21,7 +21,7 @@ INTERNAL = {
     "filter": "stages/filter/rules.py",
     "train": "stages/train/loop.py",
     "evaluate": "stages/evaluate/run.py",
-    "rl": "stages/rl/loss.py",
+    "rl": "stages/rl/algo/loss.py",
 }
 
 

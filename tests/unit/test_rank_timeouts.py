@@ -80,7 +80,7 @@ def test_nccl_sync_group_blocks_and_spares_the_process(monkeypatch: pytest.Monke
     timeout raises SyncFailed in the step) and error handling 2 (abort the communicator,
     keep the process); a user's own setting stays. Built on CUDA only: the group itself is
     in the gpu-marked rl tests."""
-    from stages.rl import sync
+    from stages.rl.sync import backends as sync
 
     assert sync.NCCL_ENV == {
         "TORCH_NCCL_BLOCKING_WAIT": "1",

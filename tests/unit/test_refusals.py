@@ -272,7 +272,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/trainer.py", "deepspeed could not load the checkpoint"): data(
         "a checkpoint on disk that DeepSpeed cannot read"
     ),
-    ("stages/evaluate/episodes.py", "evaluate: an environment's episodes are "): plan(
+    ("stages/evaluate/multiturn.py", "evaluate: an environment's episodes are "): plan(
         Case(
             """\
             name: p
@@ -285,13 +285,13 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/rl/rollout_http.py", "status_error(resp.status, text, resp.hea"): transient(
+    ("stages/rl/rollout/vllm_requests.py", "status_error(resp.status, text, resp.hea"): transient(
         "a vLLM server's HTTP error: retried while retryable, then the step fails naming it"
     ),
-    ("stages/rl/rollout_http.py", "{}: {}"): transient(
+    ("stages/rl/rollout/vllm_requests.py", "{}: {}"): transient(
         "a sample request that failed for good (after its retries): the step fails naming the server"
     ),
-    ("stages/rl/rollout_http.py", "the loop returns or raises on its last a"): internal(
+    ("stages/rl/rollout/vllm_requests.py", "the loop returns or raises on its last a"): internal(
         "the retry loop returns or raises on its last attempt"
     ),
     # --- environments (an episode's failure is counted; only the share ends a stage) -------
@@ -418,44 +418,46 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "the server's environment always carries the secret its starter made"
     ),
     # --- rl --------------------------------------------------------------------------------
-    ("stages/rl/channel.py", "{} failed '{}'"): environment(
+    ("stages/rl/roles/channel.py", "{} failed '{}'"): environment(
         "a role's process reports its own failure (its log has the traceback)"
     ),
-    ("stages/rl/channel.py", "{} exited before connecting"): environment(
+    ("stages/rl/roles/channel.py", "{} exited before connecting"): environment(
         "a role's process died while starting; its log says why"
     ),
-    ("stages/rl/channel.py", "{} did not connect in"): transient(
+    ("stages/rl/roles/channel.py", "{} did not connect in"): transient(
         "a role's process too slow to start"
     ),
-    ("stages/rl/channel.py", "{} is gone"): environment("a role's process died"),
-    ("stages/rl/channel.py", "{} exited during"): environment("a role's process died"),
-    ("stages/rl/channel.py", "{} did not answer"): transient("a role's process too slow to answer"),
-    ("stages/rl/channel.py", "{} closed the channel"): environment("a role's process died"),
-    ("stages/rl/data.py", "{}: no prompt rows"): data("an empty prompt file"),
-    ("stages/rl/data.py", "{}:{}: a row needs"): data("a prompt row without a prompt"),
-    ("stages/rl/records.py", "settings not accounted for"): internal(
-        "stages.rl.settings.account names every field"
+    ("stages/rl/roles/channel.py", "{} is gone"): environment("a role's process died"),
+    ("stages/rl/roles/channel.py", "{} exited during"): environment("a role's process died"),
+    ("stages/rl/roles/channel.py", "{} did not answer"): transient(
+        "a role's process too slow to answer"
     ),
-    ("stages/rl/run.py", "rl needs prompts"): plan(no_input("rl", "{}")),
-    ("stages/rl/sync.py", "step {}: engine '{}' scored"): environment(
+    ("stages/rl/roles/channel.py", "{} closed the channel"): environment("a role's process died"),
+    ("stages/rl/rollout/prompts.py", "{}: no prompt rows"): data("an empty prompt file"),
+    ("stages/rl/rollout/prompts.py", "{}:{}: a row needs"): data("a prompt row without a prompt"),
+    ("stages/rl/controller/records.py", "settings not accounted for"): internal(
+        "stages.rl.controller.settings.account names every field"
+    ),
+    ("stages/rl/controller/core.py", "rl needs prompts"): plan(no_input("rl", "{}")),
+    ("stages/rl/sync/backends.py", "step {}: engine '{}' scored"): environment(
         "an engine's probe after a weight sync; a transfer that silently failed shows here"
     ),
-    ("stages/rl/sync.py", "step {}: engine '{}' does not match"): environment(
+    ("stages/rl/sync/backends.py", "step {}: engine '{}' does not match"): environment(
         "an engine's probe after a weight sync; a transfer that silently failed shows here"
     ),
-    ("stages/rl/sync.py", "engine '{}': weights did not arrive"): environment(
+    ("stages/rl/sync/backends.py", "engine '{}': weights did not arrive"): environment(
         "the weight transfer failed or timed out"
     ),
-    ("stages/rl/sync.py", "engine '{}': no parameter '{}'"): internal(
+    ("stages/rl/sync/backends.py", "engine '{}': no parameter '{}'"): internal(
         "actor and engine build the same model from one model directory"
     ),
-    ("stages/rl/vllm_sync.py", "SyncFailed('; '.join(errors))"): environment(
+    ("stages/rl/sync/vllm.py", "SyncFailed('; '.join(errors))"): environment(
         "a vLLM server failed its part of a weight sync (each failure names its engine)"
     ),
-    ("stages/rl/vllm_sync.py", "the server stopped answering /health du"): environment(
+    ("stages/rl/sync/vllm.py", "the server stopped answering /health du"): environment(
         "a vLLM server's engine core died during a weight sync"
     ),
-    ("stages/rl/vllm_sync.py", "could not join the weight-sync group of "): environment(
+    ("stages/rl/sync/vllm.py", "could not join the weight-sync group of "): environment(
         "an engine cannot reach the rendezvous or actor rank 0 (network between nodes)"
     ),
     ("stages/lib/vllm_ext.py", "pipe_sync_receive before pipe_sync_join"): internal(
@@ -464,8 +466,8 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/weight_group.py", "weight sync: parameter '{}' where '{}' w"): internal(
         "the sender announces the parameters in the order it sends them"
     ),
-    ("stages/rl/vllm_engine.py", "{}: HTTP {}"): environment("a vLLM server refused a request"),
-    ("stages/rl/vllm_engine.py", "{}: {}"): transient("a vLLM server could not be reached"),
+    ("stages/rl/rollout/vllm.py", "{}: HTTP {}"): environment("a vLLM server refused a request"),
+    ("stages/rl/rollout/vllm.py", "{}: {}"): transient("a vLLM server could not be reached"),
     # --- train -----------------------------------------------------------------------------
     ("stages/train/batch.py", "no training data"): data("an empty training set"),
     ("stages/train/data.py", "has neither 'messages'"): data("a malformed training row"),

@@ -20,7 +20,7 @@ from stages.lib.environment import environment_factory  # noqa: E402
 from stages.lib.model import build_tiny_model  # noqa: E402
 from stages.lib.verify import make_verifier  # noqa: E402
 from stages.rl import RLConfig  # noqa: E402
-from stages.rl.data import Stream  # noqa: E402
+from stages.rl.rollout.prompts import Stream  # noqa: E402
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "vocab_size": 300}
 ROWS = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a in range(4) for b in range(3)]
@@ -65,7 +65,7 @@ class Flaky(OneTurn):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from stages.rl.engine import LocalEngine
+    from stages.rl.rollout.local import LocalEngine
 
     folder = tmp_path_factory.mktemp("m")
     texts = [f"{r['prompt']} {r['answer']}" for r in ROWS] * 5 + ["wrong, try again"] * 5
@@ -99,7 +99,7 @@ def controller(
 
 def todays_rollout(c: Any, step: int) -> tuple[list[Any], list[list[float]]]:
     """The one-turn rollout as it was before episodes: the oracle for the one-turn case."""
-    from stages.rl.loss import group_advantages
+    from stages.rl.algo.loss import group_advantages
 
     cfg, indices = c.cfg, c.stream.indices(step)
     gens = c.engine.generate(
@@ -125,7 +125,7 @@ def todays_rollout(c: Any, step: int) -> tuple[list[Any], list[list[float]]]:
 
 @pytest.mark.parametrize("environment", [None, {"kind": f"{__name__}:OneTurn", "max_turns": 1}])
 def test_one_turn_episodes_are_todays_rollout(engine: Any, environment: Any):
-    from stages.rl.rollout import rollout
+    from stages.rl.controller.batch import rollout
 
     c = controller(engine, environment)
     for step in (1, 2):
@@ -141,7 +141,7 @@ def test_one_turn_episodes_are_todays_rollout(engine: Any, environment: Any):
 
 
 def test_retry_episodes_mask_the_feedback_and_give_a_second_turn(engine: Any):
-    from stages.rl.rollout import rollout
+    from stages.rl.controller.batch import rollout
 
     c = controller(engine, {"kind": "retry"}, CHANCE, temperature=1.5)
     batch = rollout(c, 1)
@@ -165,11 +165,11 @@ def test_observation_positions_get_exactly_zero_gradient(engine: Any):
     """The actor's loss (`masked_policy_terms` over `completion_logprobs`) on a two-turn
     sample: d loss / d logits is zero at every position predicting an observation token,
     and not at the positions predicting the model's own tokens."""
-    from stages.rl.logprobs import Sample, completion_logprobs
-    from stages.rl.loss import masked_policy_terms
+    from stages.rl.algo.logprobs import Sample, completion_logprobs
+    from stages.rl.algo.loss import masked_policy_terms
 
     c = controller(engine, {"kind": "retry"}, CHANCE, temperature=1.5)
-    from stages.rl.rollout import rollout
+    from stages.rl.controller.batch import rollout
 
     sample = next(s for s in rollout(c, 1).samples if s.mask)
     sample = Sample(**{**sample.__dict__, "advantage": 1.0})
@@ -209,7 +209,7 @@ def test_observation_positions_get_exactly_zero_gradient(engine: Any):
 
 @pytest.mark.parametrize("how", ["raise", "nan", "text", "hang"])
 def test_a_broken_environment_fails_episodes_not_the_step(engine: Any, how: str):
-    from stages.rl.rollout import rollout
+    from stages.rl.controller.batch import rollout
 
     env = {"kind": f"{__name__}:Flaky", "max_turns": 1, "config": {"how": how}, "timeout_s": 0.5}
     # every step's rows: 2 of 12 prompts start with "0 ": a sixth of the episodes at most
@@ -226,7 +226,7 @@ def test_a_broken_environment_fails_episodes_not_the_step(engine: Any, how: str)
 
 
 def test_held_out_reports_solved_and_first_turn(engine: Any):
-    from stages.rl.rollout import held_out
+    from stages.rl.controller.batch import held_out
 
     c = controller(engine, {"kind": "retry"})
     solved = held_out(c)

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stages.rl.loss import (  # noqa: E402
+from stages.rl.algo.loss import (  # noqa: E402
     clipped_policy_loss,
     group_advantages,
     kl_k3,

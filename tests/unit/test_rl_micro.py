@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from stages.rl.micro import plan_micros
+from stages.rl.algo.micro import plan_micros
 
 
 @dataclass(frozen=True)

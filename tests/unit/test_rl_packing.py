@@ -15,10 +15,10 @@ torch = pytest.importorskip("torch")
 
 from stages.lib.config import TinyModel  # noqa: E402
 from stages.lib.model import build_tiny_model  # noqa: E402
-from stages.rl.layout_batch import layout, pack  # noqa: E402
-from stages.rl.logprobs import Sample, completion_logprobs, completion_values  # noqa: E402
-from stages.rl.loss import masked_policy_terms  # noqa: E402
-from stages.rl.micro import cut  # noqa: E402
+from stages.rl.algo.logprobs import Sample, completion_logprobs, completion_values  # noqa: E402
+from stages.rl.algo.loss import masked_policy_terms  # noqa: E402
+from stages.rl.algo.micro import cut  # noqa: E402
+from stages.rl.algo.packing import layout, pack  # noqa: E402
 
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "vocab_size": 300}
 
@@ -93,7 +93,7 @@ def test_packed_and_padded_give_the_same_logprobs_loss_and_gradients(model_dir: 
 
 
 def test_packed_and_padded_give_the_same_critic_values(model_dir: Path):
-    from stages.rl.critic import build_critic
+    from stages.rl.roles.critic import build_critic
 
     critic = build_critic(str(model_dir), None)
     torch.nn.init.normal_(critic.value_head.weight)  # a zero head would hide any difference

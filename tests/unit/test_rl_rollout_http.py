@@ -1,4 +1,4 @@
-"""The rl stage's requests to vLLM engines (`stages.rl.rollout_http`), against the tests'
+"""The rl stage's requests to vLLM engines (`stages.rl.rollout.vllm_requests`), against the tests'
 fake OpenAI server (token-id prompts answered with token ids and log-probabilities): with
 `num_samples_in_parallel: auto` one step of 64 prompts x 8 samples keeps the server full;
 a number bounds what is in flight; the knob is validated; every step records it."""
@@ -34,7 +34,7 @@ def server() -> Any:
 
 
 def rollouts(server: Any, parallel: int | str) -> Any:
-    from stages.rl.rollout_http import HTTPRollouts
+    from stages.rl.rollout.vllm_requests import HTTPRollouts
 
     url = server.url.removesuffix("/v1")
     return HTTPRollouts([url], Tokens(), "fake", {}, 30.0, parallel)
@@ -93,9 +93,9 @@ def test_each_sample_is_seeded_and_a_group_goes_to_one_server(server: Any):
 def test_every_step_records_what_was_in_flight(server: Any):
     from stages.lib.env_config import EnvironmentConfig  # noqa: F401  (the rollout's imports)
     from stages.lib.environment import environment_factory
-    from stages.rl.data import Stream
-    from stages.rl.loop import ENGINE_FIELDS
-    from stages.rl.rollout import rollout
+    from stages.rl.controller.batch import rollout
+    from stages.rl.controller.loop import ENGINE_FIELDS
+    from stages.rl.rollout.prompts import Stream
 
     engine = rollouts(server, "auto")
     cfg = RLConfig(input="x.jsonl", rollout_batch_size=4, num_repeats=2)

@@ -1,5 +1,5 @@
 """The weight-sync backend that runs, from where actor rank 0 and the engines are: one rule
-for `pipe plan` and the run (`stages.rl.sync_plan`)."""
+for `pipe plan` and the run (`stages.rl.sync.choice`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 from engine.stage import Slot
-from stages.rl.sync_plan import SAME_GPU, SyncChoice, choose_sync, shared_gpu
+from stages.rl.sync.choice import SAME_GPU, SyncChoice, choose_sync, shared_gpu
 from tests.conftest import run_cli
 
 W0, W1 = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"

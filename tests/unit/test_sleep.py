@@ -13,8 +13,8 @@ import torch
 from stages.lib.sleep import sleep_method
 from stages.lib.trainer import HostStates, optimizer_tensors
 from stages.rl import RLConfig
-from stages.rl.logprobs import Sample
-from stages.rl.loop import Batch, run_steps
+from stages.rl.algo.logprobs import Sample
+from stages.rl.controller.loop import Batch, run_steps
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 def test_torch_trainer_bf16_autocast_applies_to_actor_logprobs():
     from stages.lib.trainer import TorchTrainer
-    from stages.rl.logprobs import Sample, completion_logprobs
+    from stages.rl.algo.logprobs import Sample, completion_logprobs
     from tests.sleep_rank import Settings, tiny
 
     samples = [Sample(ids=(1, 5, 9, 2, 7, 3, 11, 4), prompt_len=3)]

@@ -86,7 +86,7 @@ class _Servers:
         self.name = ",".join(self.names)
 
     def post(self, url: str, body: dict | None = None, timeout: float = 600) -> dict:
-        from stages.rl.vllm_engine import EngineFailed
+        from stages.rl.rollout.vllm import EngineFailed
 
         method = (body or {}).get("method")
         if method == "pipe_sync_info":
@@ -97,8 +97,8 @@ class _Servers:
 
 
 def test_a_server_that_cannot_join_fails_the_first_sync_naming_both_ends():
-    from stages.rl.sync import SyncFailed
-    from stages.rl.vllm_sync import VLLMGroupReceiver
+    from stages.rl.sync.backends import SyncFailed
+    from stages.rl.sync.vllm import VLLMGroupReceiver
 
     receiver = VLLMGroupReceiver(_Servers(), "127.0.0.1", 5.0, nccl=False)  # type: ignore[arg-type]
     assert (receiver.world, receiver.bases) == (3, [1, 2])  # actor rank 0, then each worker

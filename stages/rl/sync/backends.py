@@ -8,7 +8,7 @@ may repack weights), a mismatch fails the step naming the engine.
 
 - `gloo`: one process group of actor rank 0 (group rank 0) and every engine (ranks 1..E:
   the controller's own engine, which hosts the TCP store, then the engines other tasks
-  host; with vLLM servers every worker of every server, `stages.rl.vllm_sync`), on the
+  host; with vLLM servers every worker of every server, `stages.rl.sync.vllm`), on the
   controller's reachable address; the parameters are broadcast once to all engines at
   once, in buckets of `sync_bucket_mb` (`stages.lib.weight_group`: the same protocol into
   a local engine and into vLLM's workers); a sync past `timeout_s` raises.

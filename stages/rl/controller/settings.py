@@ -2,7 +2,7 @@
 
 Input: the resolved `RLConfig` and what the stage decided (trainer, device, actor ranks,
 weight-sync backend). Output: `{field: (status, how)}` for every field, written to the
-stage's `settings.json`; a field missing here fails the run (`stages.rl.records`), so a
+stage's `settings.json`; a field missing here fails the run (`stages.rl.controller.records`), so a
 new setting cannot be resolved and then ignored.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.sleep import sleep_method
-from stages.rl.sync_plan import SyncChoice
+from stages.rl.sync.choice import SyncChoice
 
 if TYPE_CHECKING:
     from stages.rl import RLConfig

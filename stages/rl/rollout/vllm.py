@@ -6,12 +6,12 @@ block, the devices the plan gives the `vllm` role. Output: what `LocalEngine` gi
 answers, the probe's log-probabilities), from `vllm_num_engines` OpenAI-compatible
 servers (`stages.lib.vllm_server`, one per tensor-parallel slice of the devices), each
 prompt's group sent to one server, prompts spread over the servers in turn, one request
-per sample with `num_samples_in_parallel` in flight (`stages.rl.rollout_http`). The role's
+per sample with `num_samples_in_parallel` in flight (`stages.rl.rollout.vllm_requests`). The role's
 other workers start the servers on their own devices (`host_servers`, in the stage's task
 there), bound to the worker's reachable address, and publish their URLs through the
 link; the controller reaches, syncs and probes every server alike.
 
-Weights (`stages.rl.vllm_sync`): a gloo or NCCL group from actor rank 0 into every
+Weights (`stages.rl.sync.vllm`): a gloo or NCCL group from actor rank 0 into every
 server's workers, through our worker extension (`--worker-extension-cls`,
 `stages.lib.vllm_ext`) and vLLM's `/collective_rpc`; or, with `disk`, a safetensors file
 every server reloads. Either way each server then drops its prefix cache and scores the
@@ -40,8 +40,8 @@ from engine.stage import visible_names
 from stages.lib.config import VLLMBackend
 from stages.lib.generate import Generation
 from stages.lib.prompt import Prompt
-from stages.rl.logprobs import Sample
-from stages.rl.rollout_http import HTTPRollouts
+from stages.rl.algo.logprobs import Sample
+from stages.rl.rollout.vllm_requests import HTTPRollouts
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -132,7 +132,7 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
     import json
 
     from stages.lib.vllm_auth import new_secret
-    from stages.rl.layout import role_workers
+    from stages.rl.roles.layout import role_workers
 
     assert isinstance(cfg.backend, VLLMBackend)
     here = ctx.tasks[0] if ctx.tasks else (None, None)
@@ -173,7 +173,7 @@ def host_servers(cfg: RLConfig, ctx: StageContext) -> None:
     controller says stop (or the stage aborts)."""
     import json
 
-    from stages.rl.layout import worker_host
+    from stages.rl.roles.layout import worker_host
 
     assert ctx.link is not None and isinstance(cfg.backend, VLLMBackend)
     node, worker = ctx.tasks[ctx.node_rank]
@@ -300,7 +300,7 @@ class VLLMEngine:
     def generate(self, prompts: Sequence[Prompt], **kwargs: Any) -> list[list[Generation]]:
         """`num_samples` answers per prompt with token ids and, when sampling, the sampling
         distribution's log-probabilities: one request per sample, `num_samples_in_parallel`
-        in flight (`stages.rl.rollout_http`)."""
+        in flight (`stages.rl.rollout.vllm_requests`)."""
         return self.requests.generate(prompts, **kwargs)
 
     @property

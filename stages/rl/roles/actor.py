@@ -1,4 +1,4 @@
-"""One actor rank, run as its own process: `python -m stages.rl.actor SPEC.json`.
+"""One actor rank, run as its own process: `python -m stages.rl.roles.actor SPEC.json`.
 
 Input: the `ActorSpec` (resolved `RLConfig`, model directory, trainer, ds_config, the
 stage's channel and the weight-sync rendezvous) and the rank in the environment.
@@ -50,7 +50,7 @@ class Actor:
         )
         self.reference: Any = None  # here when the ref role has no devices of its own
         if self.cfg.kl_coef > 0 and spec.ref_in_actor:
-            from stages.rl.reference import load_reference
+            from stages.rl.roles.ref_model import load_reference
 
             self.reference, self.ref_engine = load_reference(
                 spec.model_dir, self.cfg.bf16, spec.ds_config, device
@@ -65,7 +65,7 @@ class Actor:
     # --- requests ----------------------------------------------------------------------
     def train(self, payload: dict[str, Any]) -> dict[str, float]:
         """`ppo_epochs` passes over the batch; one optimizer step per `train_batch_size`."""
-        from stages.rl.logprobs import Sample
+        from stages.rl.algo.logprobs import Sample
 
         samples = [Sample(**s) for s in payload["samples"]]
         rng = random.Random(self.cfg.seed * 1_000_003 + payload["step"])
@@ -92,8 +92,8 @@ class Actor:
 
     def _micros(self, chunk: list[Any]) -> list[list[Any]]:
         """This rank's micro batches of the step `chunk`, as many as every other rank's (an
-        empty one is a dummy pass: `stages.rl.micro`)."""
-        from stages.rl.micro import plan_micros
+        empty one is a dummy pass: `stages.rl.algo.micro`)."""
+        from stages.rl.algo.micro import plan_micros
 
         size, dynamic = self.cfg.micro_train_batch_size, self.cfg.use_dynamic_batch
         return plan_micros(chunk, self.world, size, dynamic, self.cfg.packing_samples)[self.rank]
@@ -103,8 +103,8 @@ class Actor:
         forward/backward passes as every other rank)."""
         import torch
 
-        from stages.rl.logprobs import completion_logprobs
-        from stages.rl.loss import masked_policy_terms
+        from stages.rl.algo.logprobs import completion_logprobs
+        from stages.rl.algo.loss import masked_policy_terms
 
         norm = sum(s.trained_len for s in chunk)  # the step's trained tokens, over all ranks
         micros = self._micros(chunk)
@@ -165,7 +165,7 @@ class Actor:
         if all(s.ref_logprobs for s in micro):
             flat = [x for s in micro for x in s.ref_logprobs]
             return torch.tensor(flat, device=self.device)
-        from stages.rl.logprobs import completion_logprobs
+        from stages.rl.algo.logprobs import completion_logprobs
 
         assert self.reference is not None, "no reference here and none sent with the samples"
         with torch.no_grad():  # one pass per micro batch, as the actor's own
@@ -194,7 +194,7 @@ class Actor:
 
     def sync(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Publish the weights (rank 0 sends, every rank gathers), then score the probe."""
-        from stages.rl.sync import make_publisher, sync_file, tied_aliases, wire_dtype
+        from stages.rl.sync.backends import make_publisher, sync_file, tied_aliases, wire_dtype
 
         start = time.perf_counter()
         if self.rank == 0 and self.publisher is None:
@@ -228,8 +228,8 @@ class Actor:
     def ref_logprobs(self, payload: dict[str, Any]) -> list[list[float]]:
         """The frozen reference's log-probabilities of each sample's completion, when it
         loads here (PPO's KL penalty in the reward); every rank scores every sample."""
-        from stages.rl.logprobs import Sample
-        from stages.rl.reference import reference_logprobs
+        from stages.rl.algo.logprobs import Sample
+        from stages.rl.roles.ref_model import reference_logprobs
 
         assert self.reference is not None
         samples = [Sample(**s) for s in payload["samples"]]
@@ -238,7 +238,7 @@ class Actor:
     def probe(self, sample: dict[str, Any]) -> list[float]:
         import torch
 
-        from stages.rl.logprobs import Sample, completion_logprobs
+        from stages.rl.algo.logprobs import Sample, completion_logprobs
 
         with torch.no_grad():
             lp, _ = completion_logprobs(
@@ -320,8 +320,8 @@ def run_role(
     `handlers(role)` until `stop`."""
     import torch
 
-    from stages.rl.channel import connect
-    from stages.rl.spec import ActorSpec
+    from stages.rl.roles.channel import connect
+    from stages.rl.roles.spec import ActorSpec
 
     args = sys.argv[1:] if argv is None else argv
     die_with_parent()
@@ -333,7 +333,7 @@ def run_role(
     if device != "cpu":
         torch.cuda.set_device(local)
     init_distributed(spec.trainer, device, world)
-    from stages.rl.roles import record_rank
+    from stages.rl.roles.launch import record_rank
 
     record_rank(spec.stage_dir, os.environ.get("PIPE_ROLE", "actor"), rank, world, device)
     random.seed(spec.config.seed + seed_offset)

@@ -5,7 +5,7 @@ dtype and the actor's ds_config. Output: `in_actor` (does the reference load ins
 actor's ranks?), `load_reference` (the model in the compute dtype: bf16 when `bf16`, else
 fp32; split over its ranks under ZeRO-3), `reference_logprobs` (each sample's completion
 log-probabilities under it), and `RefRanks`, the controller's side of the ref role's own
-ranks (`stages.rl.ref`).
+ranks (`stages.rl.roles.ref`).
 
 Where it loads, the rule the memory model (`RLConfig.memory_needs`) counts too:
 - the `ref` role holds devices of its own: its own ranks there, one torch.distributed job;
@@ -80,7 +80,7 @@ def reference_logprobs(
     samples scores the first sample again and is dropped: ZeRO-3 needs every rank in each)."""
     import torch
 
-    from stages.rl.logprobs import completion_logprobs
+    from stages.rl.algo.logprobs import completion_logprobs
 
     size = cfg.micro_train_batch_size
     out: list[list[float]] = []
@@ -104,7 +104,7 @@ class RefRanks:
         """`spec`: the actor's; the ranks take their own channel and, under DeepSpeed, a
         ds_config for the ref role's rank count (it only says how the weights split)."""
         from stages.lib.ds_config import build_ds_config
-        from stages.rl.channel import StageEnd
+        from stages.rl.roles.channel import StageEnd
 
         self.roles, self.end = roles, StageEnd(host)
         world = roles.devices("ref")[1]

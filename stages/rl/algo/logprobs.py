@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from stages.rl.layout_batch import layout
-from stages.rl.loss import entropy, token_logprobs
+from stages.rl.algo.loss import entropy, token_logprobs
+from stages.rl.algo.packing import layout
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def completion_logprobs(
     """Per-sample completion log-probabilities (with gradients when enabled), and the mean
     entropy over every completion token (without gradients) when asked for. `call` runs the
     forward (a trainer: its engine or autocast); the module itself otherwise. `packed`: the
-    samples packed into rows (`stages.rl.layout_batch`), the same numbers."""
+    samples packed into rows (`stages.rl.algo.packing`), the same numbers."""
     lay = layout(samples, device, pad_id, packed)
     out = (call or module)(**lay.inputs(), logits_to_keep=lay.keep)
     logits = lay.pick(out.logits)

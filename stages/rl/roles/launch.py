@@ -4,7 +4,7 @@ Input: the stage's context (its slots: which workers hold each role's devices), 
 config and folder. Output: each role's ranks started as one torch.distributed job across
 the workers the placement gives it: the controller's task starts the ranks on its own
 worker (a thread follows them) and publishes the role's spec path for the tasks on the
-role's other workers (`stages.rl.remote`), which start theirs; the role's rank 0 then
+role's other workers (`stages.rl.controller.remote`), which start theirs; the role's rank 0 then
 connects to the controller. Each rank records what it was given in
 `<stage>/ranks/<role>-<rank>.json` (`records_of`).
 """
@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from stages.rl.layout import local_ranks, rendezvous, role_table, role_workers, worker_host
+from stages.rl.roles.layout import local_ranks, rendezvous, role_table, role_workers, worker_host
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -54,7 +54,7 @@ def start_ranks(
     def follow() -> None:
         try:
             launch(
-                f"stages.rl.{role}",
+                f"stages.rl.roles.{role}",
                 spec_path,
                 rendezvous(ctx, role, ranks),
                 device,

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from stages.rl.records import append_metrics
+from stages.rl.controller.records import append_metrics
 
 SYNC_PARTS = ("sync_gather_s", "sync_send_s", "sync_load_s")  # the sync's parts, per step
 ENGINE_FIELDS = ("in_flight", "in_flight_peak", "parallel_limit", "queue_wait_s")
@@ -28,8 +28,8 @@ ENGINE_FIELDS = ("in_flight", "in_flight_peak", "parallel_limit", "queue_wait_s"
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.rl import RLConfig
-    from stages.rl.channel import StageEnd
-    from stages.rl.logprobs import Sample
+    from stages.rl.algo.logprobs import Sample
+    from stages.rl.roles.channel import StageEnd
 
 
 @dataclass
@@ -105,7 +105,7 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
             if cfg.kl_coef > 0:  # the ref role's ranks score the batch (when it has its own)
                 batch.samples = c.with_reference(batch.samples)
             if cfg.algorithm == "ppo":
-                from stages.rl.ppo import ppo_samples
+                from stages.rl.algo.ppo import ppo_samples
 
                 batch.samples = ppo_samples(c, batch.samples)
             payload = {"step": step, "samples": [asdict(s) for s in batch.samples]}

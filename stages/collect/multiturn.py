@@ -32,7 +32,7 @@ from stages.lib.client import RequestError
 from stages.lib.client import sample_seed as _seed
 from stages.lib.env_config import EnvironmentConfig
 from stages.lib.environment import Episode, check_failures, max_turns, open_episode, take_turn
-from stages.lib.episodes import MakeEnv
+from stages.lib.play import MakeEnv
 
 _dumps = json.JSONEncoder(ensure_ascii=False).encode
 

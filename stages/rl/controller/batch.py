@@ -5,7 +5,7 @@ and the step. Output: a `Batch` of samples (token ids, loss mask, behaviour
 log-probabilities, advantages) for the groups that carry a signal (GRPO drops groups
 whose rewards are all equal; PPO keeps all).
 
-Every sample is an episode (`stages.rl.episodes`); without an environment it is the
+Every sample is an episode (`stages.rl.rollout.play`); without an environment it is the
 verifier's one turn (`single_turn`), the same engine call and numbers as a plain rollout.
 An episode's reward is its total over turns, and advantages are normalised within the
 prompt's group of episodes. An episode the environment broke (raised, hung, answered
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from stages.rl.loop import Batch
+from stages.rl.controller.loop import Batch
 
 
 def rollout(c: Any, step: int) -> Batch:
@@ -26,9 +26,9 @@ def rollout(c: Any, step: int) -> Batch:
     import torch
 
     from stages.lib.environment import check_failures, max_turns
-    from stages.rl.episodes import Sampling, play
-    from stages.rl.logprobs import Sample
-    from stages.rl.loss import group_advantages
+    from stages.rl.algo.logprobs import Sample
+    from stages.rl.algo.loss import group_advantages
+    from stages.rl.rollout.play import Sampling, play
 
     cfg = c.cfg
     env = cfg.environment
@@ -99,7 +99,7 @@ def held_out(c: Any) -> float:
     """The share of held-out episodes solved within `max_turns`, greedy (one per prompt);
     the first-turn share goes to `c.first_turn` (the report puts the two side by side)."""
     from stages.lib.environment import check_failures, max_turns
-    from stages.rl.episodes import Sampling, play
+    from stages.rl.rollout.play import Sampling, play
 
     cfg, env = c.cfg, c.cfg.environment
     sampling = Sampling(

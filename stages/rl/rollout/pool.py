@@ -3,7 +3,7 @@
 Input: the controller's own engine (`LocalEngine`, on its worker) and, for each other
 worker the placement gives the `vllm` role, an engine that worker's task hosts
 (`host_engine`: a `LocalEngine` on that worker's devices, reached over an authenticated
-socket, `stages.rl.channel`). Output: what one engine gives the controller: a step's
+socket, `stages.rl.roles.channel`). Output: what one engine gives the controller: a step's
 groups spread over all engines (each prompt's group to one engine, the engines working
 at once, answers back in prompt order), the probe scored by every engine, the weights
 loaded into every engine at once (`load`), and a record of where each engine ran.
@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from stages.lib.generate import Generation
 from stages.lib.prompt import Prompt
-from stages.rl.logprobs import Sample
+from stages.rl.algo.logprobs import Sample
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.rl import RLConfig
-    from stages.rl.channel import StageEnd
-    from stages.rl.engine import LocalEngine
+    from stages.rl.roles.channel import StageEnd
+    from stages.rl.rollout.local import LocalEngine
 
 log = logging.getLogger("pipe.rl")
 SPEC_TIMEOUT_S = 900.0
@@ -130,9 +130,9 @@ def start_pool(
     """The pool of `local` and one engine per other worker of the `vllm` role: each gets
     its spec through the link (`join`: the model, the sync backend and where its group
     meets; and its own group rank) and connects back."""
-    from stages.rl.channel import StageEnd
-    from stages.rl.layout import role_table
-    from stages.rl.roles import host_of
+    from stages.rl.roles.channel import StageEnd
+    from stages.rl.roles.launch import host_of
+    from stages.rl.roles.layout import role_table
 
     table = role_table(ctx, "vllm")
     workers = list(dict.fromkeys((r["node"], r["worker"]) for r in table))
@@ -168,9 +168,9 @@ def host_engine(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     import torch
 
     from stages.lib.devices import torch_device
-    from stages.rl.channel import connect
-    from stages.rl.engine import LocalEngine
-    from stages.rl.sync import make_receiver, wire_dtype
+    from stages.rl.roles.channel import connect
+    from stages.rl.rollout.local import LocalEngine
+    from stages.rl.sync.backends import make_receiver, wire_dtype
 
     assert ctx.link is not None
     torch.set_num_threads(cfg.num_threads)

@@ -13,7 +13,7 @@ Two drivers, one per kind of model access:
   episode runs on its own, up to `concurrency` episodes at once, so an environment that
   waits holds up only its own episode.
 
-The rl stage drives its episodes at the level of tokens (`stages.rl.episodes`) with the
+The rl stage drives its episodes at the level of tokens (`stages.rl.rollout.play`) with the
 same environment calls (`open_episode`, `take_turn`).
 """
 

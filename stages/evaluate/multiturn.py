@@ -38,7 +38,7 @@ from stages.lib.environment import (
     max_turns,
     open_episode,
 )
-from stages.lib.episodes import play_batched, play_one, summary
+from stages.lib.play import play_batched, play_one, summary
 
 if TYPE_CHECKING:
     from engine.stage import StageContext

@@ -1,8 +1,8 @@
-"""One rank of the `ref` role, run as its own process: `python -m stages.rl.ref SPEC.json`.
+"""One rank of the `ref` role, run as its own process: `python -m stages.rl.roles.ref SPEC.json`.
 
 Input: the `ActorSpec` the actor reads (its ds_config says whether ZeRO-3 splits the
 weights) and the rank in the environment; the ref role's ranks form their own
-torch.distributed job on the role's devices (`stages.rl.reference` says when it has them).
+torch.distributed job on the role's devices (`stages.rl.roles.ref_model` says when it has them).
 Output: answers to the stage's requests: `ref_logprobs` (each sample's completion
 log-probabilities under the frozen reference, in the compute dtype; every rank scores every
 world-th sample, in as many passes as the busiest rank, and rank 0 returns them in order),
@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from stages.lib.rank import exit_now
-from stages.rl.reference import load_reference, reference_logprobs
+from stages.rl.roles.ref_model import load_reference, reference_logprobs
 
 log = logging.getLogger("pipe.rl.ref")
 
@@ -50,7 +50,7 @@ class RefRank:
 
     def ref_logprobs(self, payload: dict[str, Any]) -> list[list[float]] | None:
         """Every world-th sample from this rank; rank 0 returns them all, in order."""
-        from stages.rl.logprobs import Sample
+        from stages.rl.algo.logprobs import Sample
 
         samples = [Sample(**s) for s in payload["samples"]]
         mine = samples[self.rank :: self.world]
@@ -73,6 +73,6 @@ class RefRank:
 
 
 if __name__ == "__main__":
-    from stages.rl.actor import run_role
+    from stages.rl.roles.actor import run_role
 
     exit_now(run_role(None, log, RefRank, lambda r: {"ref_logprobs": r.ref_logprobs}))

@@ -26,12 +26,28 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from stages.rl.sync import SyncFailed
+from stages.rl.sync.backends import SyncFailed
 
-if TYPE_CHECKING:
-    from stages.rl.vllm_engine import VLLMEngine
+
+class VLLMEngine(Protocol):
+    """What the sync needs of the vLLM engines (`stages.rl.rollout.vllm.VLLMEngine`): each
+    server's name and URL, a POST, a health check, and a reload from a folder."""
+
+    name: str
+    names: list[str]
+    urls: list[str]
+
+    def post(self, url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
+        """POST `body` as JSON to `url`; the reply's JSON."""
+
+    def healthy(self, url: str) -> bool:
+        """Whether the server at `url` answers `/health`."""
+
+    def reload(self, weights_dir: str) -> None:
+        """Every server loads the weights saved in `weights_dir`."""
+
 
 WATCH_S = 2.0  # how often a server is checked while its workers receive
 

@@ -23,10 +23,10 @@ TRAINED = ("actor", "critic", "ref")
 def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     """Start every role placed on this worker; return when all of them have exited."""
     from stages.lib.config import VLLMBackend
-    from stages.rl.engines import host_engine, spawn
-    from stages.rl.layout import local_ranks
-    from stages.rl.reference import in_actor
-    from stages.rl.roles import start_ranks
+    from stages.rl.roles.launch import start_ranks
+    from stages.rl.roles.layout import local_ranks
+    from stages.rl.roles.ref_model import in_actor
+    from stages.rl.rollout.pool import host_engine, spawn
 
     assert ctx.link is not None
     link = ctx.link
@@ -43,7 +43,7 @@ def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
         roles.append(role)
     if ctx.node_slots("vllm"):
         if isinstance(cfg.backend, VLLMBackend):
-            from stages.rl.vllm_engine import host_servers
+            from stages.rl.rollout.vllm import host_servers
 
             threads.append(spawn(lambda: host_servers(cfg, ctx), "rl-vllm", errors))
         else:

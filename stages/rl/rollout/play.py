@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.lib.environment import Environment, Episode, take_turn
-from stages.lib.episodes import open_all
+from stages.lib.play import open_all
 from stages.lib.prompt import TokenPrompt, continuation_ids
 
 

@@ -20,7 +20,7 @@ import torch
 
 from stages.lib.generate import Generation, generate_with
 from stages.lib.prompt import Prompt
-from stages.rl.logprobs import Sample, completion_logprobs
+from stages.rl.algo.logprobs import Sample, completion_logprobs
 
 log = logging.getLogger("pipe.rl")
 

@@ -1,4 +1,4 @@
-"""One critic rank (PPO), run as its own process: `python -m stages.rl.critic SPEC.json`.
+"""One critic rank (PPO), run as its own process: `python -m stages.rl.roles.critic SPEC.json`.
 
 Input: the same `ActorSpec` the actor reads (the critic starts from the policy's
 checkpoint: its decoder, and a value head initialised to zero) and the rank in the
@@ -80,7 +80,7 @@ class CriticRank:
     def values(self, payload: dict[str, Any]) -> list[list[float]]:
         import torch
 
-        from stages.rl.logprobs import Sample, completion_values
+        from stages.rl.algo.logprobs import Sample, completion_values
 
         samples = [Sample(**s) for s in payload["samples"]]
         out: list[list[float]] = []
@@ -98,9 +98,9 @@ class CriticRank:
 
     def train(self, payload: dict[str, Any]) -> dict[str, float]:
         """`ppo_epochs` passes over the batch; one optimizer step per `train_batch_size`
-        samples, in as many forward/backward passes on every rank (`stages.rl.micro`);
+        samples, in as many forward/backward passes on every rank (`stages.rl.algo.micro`);
         returns the value loss per token over all ranks."""
-        from stages.rl.logprobs import Sample
+        from stages.rl.algo.logprobs import Sample
 
         samples = [Sample(**s) for s in payload["samples"]]
         rng = random.Random(self.cfg.seed * 7_919 + payload["step"])
@@ -120,9 +120,9 @@ class CriticRank:
         gradients over ranks, hence the factor `world`)."""
         import torch
 
-        from stages.rl.logprobs import completion_values
-        from stages.rl.micro import plan_micros
-        from stages.rl.ppo import value_loss
+        from stages.rl.algo.logprobs import completion_values
+        from stages.rl.algo.micro import plan_micros
+        from stages.rl.algo.ppo import value_loss
 
         norm = sum(s.completion_len for s in chunk)
         size, dynamic = self.cfg.micro_train_batch_size, self.cfg.use_dynamic_batch
@@ -175,7 +175,7 @@ class CriticRank:
 
 
 if __name__ == "__main__":
-    from stages.rl.actor import run_role
+    from stages.rl.roles.actor import run_role
 
     exit_now(
         run_role(

@@ -1,0 +1,13 @@
+"""The algorithms: what a step computes from samples, free of processes and engines.
+
+Input: samples (token ids, where the completion starts, behaviour log-probabilities,
+rewards) and a model's logits. Output: log-probabilities, advantages and losses.
+
+- `loss`: GRPO's group advantages, the clipped policy loss per token, k3 KL.
+- `ppo`: per-token rewards with a KL penalty, GAE on the critic's values, the value loss.
+- `logprobs`: completion log-probabilities under a model (the actor's and the engine's).
+- `packing`: a micro batch laid out as model inputs (padded or packed rows).
+- `micro`: each rank's micro batches of one optimizer step, the same count on every rank.
+
+Imports nothing else of the rl stage.
+"""

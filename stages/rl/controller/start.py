@@ -1,0 +1,195 @@
+"""The rl controller's start: the model, the roles' ranks, the engines and the first sync.
+
+Input: a `Controller` just made (config, context, prompts, the roles' launcher). Output: the
+controller holding its engine (local pool or vLLM servers) and weight-sync receiver, the
+actor's ranks (and the critic's and reference's) started and connected, the settings
+accounted for, the first weights synced; `start` returns the step to start after (a
+checkpoint's on resume, else 0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from typing import TYPE_CHECKING, Any
+
+from stages.lib.config import VLLMBackend
+from stages.rl.controller.records import fingerprint, resume_point
+from stages.rl.controller.settings import account
+from stages.rl.roles.launch import host_of
+from stages.rl.roles.layout import role_workers
+from stages.rl.rollout.prompts import probe_ids
+
+if TYPE_CHECKING:
+    from stages.rl.controller.core import Controller
+
+UNHASHED = ("save_steps", "eval_every", "eval_limit", "num_threads", "sync_timeout_s")
+
+
+def init_model_dir(c: Controller) -> str:
+    if isinstance(c.cfg.model, str):
+        return c.cfg.model
+    path = f"{c.dir}/init_model"
+    if not os.path.exists(f"{path}/config.json"):
+        from stages.lib.model import build_tiny_model
+        from stages.lib.prompt import as_messages
+
+        texts: list[str] = []
+        for p in c.data.prompts:
+            texts += [p] if isinstance(p, str) else [m["content"] for m in as_messages(p)]
+        texts += [str(r.get(c.cfg.verifier.answer_field, "")) for r in c.data.rows]
+        build_tiny_model(c.cfg.model, texts, path, seed=c.cfg.seed)
+    return path
+
+
+def _fingerprint(c: Controller, world: int, trainer: str) -> str:
+    return fingerprint(c.cfg, world, trainer, UNHASHED)
+
+
+def _resume(c: Controller, fingerprint: str) -> tuple[str | None, int]:
+    """The checkpoint tag to resume from and its step (None, 0: a fresh start)."""
+    tag, step, version = resume_point(c.dir, fingerprint, c.ctx.log)
+    c.version = version if tag else c.version
+    return tag, step
+
+
+def start(c: Controller) -> int:
+    """Build the engine, launch the actor, sync the first weights; the step to start at."""
+    from stages.lib.ds_config import build_ds_config
+    from stages.rl.roles.channel import StageEnd
+    from stages.rl.roles.spec import ActorSpec
+    from stages.rl.rollout.local import LocalEngine
+    from stages.rl.sync.backends import make_receiver, sync_file, wire_dtype
+
+    cfg = c.cfg
+    model_dir = init_model_dir(c)
+    device, world, _ = c.roles.devices("actor")
+    has_ds = importlib.util.find_spec("deepspeed") is not None
+    trainer = (
+        "deepspeed" if cfg.trainer == "deepspeed" or (cfg.trainer == "auto" and has_ds) else "torch"
+    )
+    fingerprint = _fingerprint(c, world, trainer)
+    tag, start = _resume(c, fingerprint)
+    c.fingerprint = fingerprint
+    from stages.lib.devices import torch_device
+    from stages.lib.launch import rank_table
+    from stages.rl.sync.choice import choose_sync, shared_gpu
+
+    engine_device = torch_device(c.ctx, "vllm")
+    vllm = isinstance(cfg.backend, VLLMBackend)
+    rank0 = next(((r["worker"], r["device"]) for r in rank_table(c.ctx, "actor")), None)
+    c.sync_choice = choose_sync(
+        cfg.vllm_sync_backend,
+        actor_gpu=device != "cpu",
+        engine_gpu=engine_device.startswith("cuda"),
+        shared_gpu=shared_gpu(rank0, c.ctx.slots),
+    )
+    c.sync_kind = sync = c.sync_choice.backend
+    c.host = host_of(c.ctx)
+    c.channel = StageEnd(c.host)
+    sync_path = sync_file(c.dir)
+    os.makedirs(os.path.dirname(sync_path), exist_ok=True)
+    shutil.rmtree(f"{c.dir}/ranks", ignore_errors=True)  # each rank records itself anew
+    engines = max(1, len(role_workers(c.ctx, "vllm")))  # local: one per worker of the role
+    sync_world = 1 + engines
+    c.receiver = (
+        None
+        if vllm
+        else make_receiver(
+            sync,
+            "local-0",
+            sync_path,
+            cfg.sync_timeout_s,
+            engine_device,
+            host=c.host,
+            world=sync_world,
+            wire=wire_dtype(cfg.bf16),
+        )
+    )
+    join = {  # what the engines of other workers need to join the sync
+        "model_dir": model_dir,
+        "kind": sync,
+        "path": sync_path,
+        "timeout_s": cfg.sync_timeout_s,
+        "world": sync_world,
+        "store": getattr(c.receiver, "address", ""),
+    }
+    from stages.rl.roles.ref_model import RefRanks, in_actor
+
+    ref_in_actor = cfg.kl_coef > 0 and in_actor(c.ctx.slots)
+    spec = ActorSpec(
+        config=cfg,
+        model_dir=model_dir,
+        stage_dir=c.dir,
+        device=device,
+        trainer=trainer,  # type: ignore[arg-type]
+        ds_config=build_ds_config(cfg, world, pin_memory=device == "cuda", model_dir=model_dir)
+        if trainer == "deepspeed"
+        else None,
+        threads=cfg.num_threads,
+        channel=c.channel.address,
+        authkey=c.channel.authkey.hex(),
+        sync_backend=sync,
+        sync_store=getattr(c.receiver, "address", ""),
+        sync_world=sync_world,
+        resume_tag=tag,
+        total_updates=max(1, c.total * cfg.ppo_epochs),
+        ref_in_actor=ref_in_actor,
+    )
+    c.actor_thread = c.roles.start("actor", spec, c.channel)
+    if cfg.kl_coef > 0 and not ref_in_actor:  # started as the critic's ranks are
+        c.ref = RefRanks(c.roles, c.host, spec, model_dir)
+    if cfg.algorithm == "ppo":  # the critic: its own ranks, on the critic role's devices
+        c.critic = StageEnd(c.host)
+        c_world = c.roles.devices("critic")[1]
+        critic_spec = spec.model_copy(
+            update={
+                "channel": c.critic.address,
+                "authkey": c.critic.authkey.hex(),
+                "ds_config": build_ds_config(
+                    cfg, c_world, pin_memory=device == "cuda", model_dir=model_dir
+                )
+                if trainer == "deepspeed"
+                else None,
+            }
+        )
+        c.critic_thread = c.roles.start("critic", critic_spec, c.critic)
+    if vllm:
+        c.engine = _vllm_engine(c, model_dir, sync_path)
+    else:
+        from stages.rl.rollout.pool import start_pool
+
+        local = LocalEngine(model_dir, engine_device)
+        c.engine = start_pool(c.ctx, local, join, c.roles.remote_alive)
+    tok = c.engine.tokenizer
+    row = c.data.rows[0]
+    c.probe = probe_ids(tok, c.data.prompts[0], str(row.get(cfg.verifier.answer_field, "")))
+    _account(c, trainer, device, world)
+    # the actor's optimizer states leave the GPU while the engine generates (sync steps)
+    c.sleeps = cfg.deepspeed_enable_sleep and device == "cuda" and not cfg.async_train
+    c.sync(c.version)  # the engine takes the actor's weights (a checkpoint's too)
+    return start
+
+
+def _vllm_engine(c: Controller, model_dir: str, sync_path: str) -> Any:
+    from stages.rl.rollout.vllm import start_vllm
+    from stages.rl.sync.vllm import VLLMDiskReceiver, VLLMGroupReceiver
+
+    engine = start_vllm(c.cfg, c.ctx, model_dir, f"{c.dir}/vllm.log")
+    try:
+        c.receiver = (
+            VLLMDiskReceiver(engine, sync_path)
+            if c.sync_kind == "disk"
+            else VLLMGroupReceiver(engine, c.host, c.cfg.sync_timeout_s, nccl=c.sync_kind == "nccl")
+        )
+    except BaseException:
+        engine.close()
+        raise
+    # the hybrid engine: vLLM's weights and KV cache leave the GPU while the actor trains
+    c.engine_sleeps = engine.sleeping_allowed and not c.cfg.async_train
+    return engine
+
+
+def _account(c: Controller, trainer: str, device: str, world: int) -> None:
+    c.how = account(c.cfg, trainer, device, world, c.sync_choice, c.engine.where)
