@@ -38,19 +38,19 @@ def generate(n: int, nodes: int) -> str:
             lines.append("    resources: {role: vllm}")
             source = ", input: prompts.jsonl" if i < 4 else ""
             lines.append(
-                "    config: {num_repeats: 4, backend: {kind: vllm, model: /m, "
+                "    config: {num_repeats: 4, backend: {kind: vllm, model: m, "
                 f"vllm_tensor_parallel_size: 2}}{source}}}"
             )
         elif kind == "train":
             lines.append("    resources: {role: actor}")
             source = ", input: rollouts.jsonl" if i < 4 else ""
             lines.append(
-                "    config: {model: /m, micro_train_batch_size: 1, train_batch_size: 256"
+                "    config: {model: m, micro_train_batch_size: 1, train_batch_size: 256"
                 f"{source}}}"
             )
         elif kind == "evaluate":
             lines.append("    resources: {gpus: 8}")
-            lines.append("    config: {input: prompts.jsonl, checkpoints: [/m]}")
+            lines.append("    config: {input: prompts.jsonl, checkpoints: [m]}")
         elif i < 4:
             lines.append("    config: {input: rollouts.jsonl}")
     return "\n".join(lines) + "\n"
@@ -69,6 +69,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "big.yaml"
         path.write_text(generate(args.stages, args.nodes))
+        (Path(tmp) / "m").mkdir()  # the checkpoint `model: m` names: its config.json is checked
+        shape = '"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8'
+        heads = '"num_attention_heads": 8, "vocab_size": 32000'
+        (Path(tmp) / "m" / "config.json").write_text(f'{{"model_type": "llama", {shape}, {heads}}}')
         cluster = f"{args.nodes}x8x80GB"
         resolved = resolve(load_pipeline(path))
         view = load_cluster_spec(cluster)

@@ -3,15 +3,14 @@
     @stage("mykind", config=MyConfig)
     def run(cfg: MyConfig, ctx: StageContext) -> dict[str, Any]: ...
 
-or, for a kind whose body is heavy and lives beside its light `__init__.py`,
-`stage("mykind", config=MyConfig, run="mypkg.mykind.run:run")`: the
-body is imported only when the stage runs, and it may import the config from
-the package without an import cycle.
+or, for a kind whose body is heavy and lives beside its light `__init__.py`, `stage("mykind",
+config=MyConfig, run="mypkg.mykind.run:run")`: the body is imported only when the stage runs,
+and it may import the config from the package without an import cycle.
 
-Kinds are found through the entry-point group `pipe.stages` (built-ins and
-plugins alike): each entry point names a module whose `@stage` decorators
-register its kinds, or a `StageKind` object. Stage modules must stay light at
-import time (no torch): `pipe validate` imports them all.
+Kinds are found through the entry-point group `pipe.stages` (built-ins and plugins alike): each
+entry point names a module whose `@stage` decorators register its kinds, or a `StageKind`
+object. Stage modules must stay light at import time (no torch): `pipe validate` imports them
+all.
 
 A kind owns its rules, as hooks on its config model; the engine calls them and
 names no kind and no kind's field:
@@ -100,6 +99,7 @@ class ResolveContext:
     explicit: frozenset[str] = frozenset()  # dotted config paths set by the user or a preset
     # the pipeline file's folder (absolute): a run imports a filter's predicate from there
     pipeline_dir: str = ""
+    produced: frozenset[str] = frozenset()  # earlier stages' outputs: made when they run
     locate: Callable[[str], Location | None] = field(default=lambda _: None, repr=False)
     describe: Callable[[str], str] = field(default=lambda _: "kind default", repr=False)
 
@@ -114,6 +114,10 @@ class ResolveContext:
     def source(self, path: str) -> str:
         """Where the value at `path` came from, as `pipe plan --explain` shows it."""
         return self.describe(path)
+
+    def is_produced(self, path: str) -> bool:
+        """Whether `path` is, or lies under, an earlier stage's output (made when it runs)."""
+        return any(path == p or path.startswith(p.rstrip("/") + "/") for p in self.produced)
 
 
 class StageConfig(BaseModel):

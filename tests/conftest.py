@@ -57,3 +57,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         need = int(item.get_closest_marker("gpu").kwargs.get("count", 1))  # type: ignore[union-attr]
         if gpus < need:
             item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s); {gpus} visible"))
+
+
+def stub_checkpoint(folder: Path) -> Path:
+    """A checkpoint folder as `pipe validate` checks it (a `config.json`, a tiny Llama's shape),
+    for tests that plan a pipeline without running it."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 512,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.errors import Diagnostic, did_you_mean, one_of
@@ -95,6 +96,16 @@ def _input_path(base: str, value: str, model: bool) -> str:
     if model:
         return candidate if os.path.exists(candidate) else value
     return candidate
+
+
+def stage_outputs(done: Mapping[str, ResolvedStage]) -> frozenset[str]:
+    """Every output path of the stages resolved so far (absolute)."""
+    return frozenset(
+        out
+        for st in done.values()
+        for field in type(st.config).OUTPUTS
+        if isinstance(out := getattr(st.config, field, None), str)
+    )
 
 
 def shown(value: str) -> str:

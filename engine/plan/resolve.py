@@ -1,23 +1,20 @@
 """Resolve: `LoadedPipeline` -> `ResolvedPipeline`, every value explicit and its source known.
 
-Merge order, lowest first: stage-kind defaults < profile < memory preset <
-pipeline `defaults:` < stage `config:` < `--set` (already applied to the
-document). A preset applies each setting to the stages that have it: where the
-kind's `preset_path` hook puts it (a top-level field by default; a kind with a
-vLLM backend block puts the vLLM settings there).
+Merge order, lowest first: stage-kind defaults < profile < memory preset < pipeline `defaults:`
+< stage `config:` < `--set` (already applied to the document). A preset applies each setting to
+the stages that have it: where the kind's `preset_path` hook puts it (a top-level field by
+default; a kind with a vLLM backend block puts the vLLM settings there).
 
 Conflict rules, always reported:
 - the memory preset wins over the profile (e.g. `memory_constrained` turns off
   `high-performance`'s colocation and `overlap_comm`): a warning names both;
-- an explicit user value wins over any preset: a note where it contradicts the
-  memory preset.
+- an explicit user value wins over any preset: a note where it contradicts the memory preset.
 
-Then `@stage` references and relative paths are resolved (inputs against the
-pipeline's folder, outputs inside `<run-dir>/<stage>/`, both made absolute),
-GPU roles are allocated (`engine.plan.resources`), the kind derives what it derives
-from the rest (its `derive` hook: values nobody set), and the stage is checked:
-stage GPUs within the cluster here, the kind's own rules (engines x
-tensor-parallel size, batch sizes that divide, ...) through its `check` hook.
+Then `@stage` references and relative paths are resolved (inputs against the pipeline's folder,
+outputs inside `<run-dir>/<stage>/`, both made absolute), GPU roles are allocated
+(`engine.plan.resources`), the kind derives what it derives from the rest (its `derive` hook:
+values nobody set), and the stage is checked: stage GPUs within the cluster here, the kind's own
+rules (engines x tensor-parallel size, batch sizes that divide, ...) through its `check` hook.
 """
 
 from __future__ import annotations
@@ -216,7 +213,7 @@ class _State:
         except ValidationError as exc:
             self.errors.extend(validation_diagnostics(exc, view, (), merged, kind.config))
             return None
-        ctx = self.context(name, gpus, roles, sources, view)
+        ctx = self.context(name, gpus, roles, sources, view, done)
         final = self.derive(config, ctx, merged, sources)
         if final is None:
             return None
@@ -264,6 +261,7 @@ class _State:
         roles: dict[str, RoleAlloc],
         sources: dict[str, Source],
         view: Document,
+        done: dict[str, ResolvedStage],
     ) -> ResolveContext:
         def locate(dotted: str) -> Location:
             return view.value_loc(tuple(dotted.split(".")) if dotted else ())
@@ -271,15 +269,17 @@ class _State:
         def describe(dotted: str) -> str:
             return sources[dotted].render() if dotted in sources else DEFAULT.render()
 
-        spec = self.loaded.spec
+        from engine.plan.paths import stage_outputs
+
         return ResolveContext(
             stage=name,
             gpus=gpus,
-            role=spec.stages[name].resources.role,
+            role=self.loaded.spec.stages[name].resources.role,
             roles=roles,
-            gpus_per_node=spec.cluster.gpus_per_node,
+            gpus_per_node=self.loaded.spec.cluster.gpus_per_node,
             explicit=frozenset(sources),
             pipeline_dir=os.path.abspath(self.loaded.base_dir),
+            produced=stage_outputs(done),
             locate=locate,
             describe=describe,
         )

@@ -18,6 +18,7 @@ from stages.lib.config import (
     backend_memory,
     backend_preset_path,
     check_backend,
+    check_checkpoint,
     check_model,
     check_verifier,
     derive_backend,
@@ -85,6 +86,8 @@ class EvaluateConfig(StageConfig):
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         out = check_model(self.backend, ctx, wanted=False) + check_backend(self.backend, ctx)
+        for checkpoint in self.checkpoints:
+            out += check_checkpoint(ctx, "checkpoints", checkpoint)
         if isinstance(self.backend, OpenAIBackend) and self.checkpoints:
             out.append(
                 ctx.error(

@@ -257,7 +257,43 @@ def check_model(backend: Any, ctx: ResolveContext, wanted: bool) -> list[Diagnos
                 "this stage generates with each of its checkpoints in turn; leave backend.model empty",
             )
         ]
-    return []
+    return check_model_ref(ctx, "backend.model", backend.model)
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_checkpoint(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:
+    """A checkpoint path as runs read it: a local folder holding `config.json`, or an output
+    of an earlier stage (made when that stage runs). Runs are offline (nothing is fetched from
+    a model hub), so a hub id is named as such and refused; a remote URL (`s3://...`) is read
+    through fsspec at run time and not checked here."""
+    import os
+
+    if ctx.is_produced(value) or "://" in value:
+        return []
+    if os.path.isdir(value):
+        if os.path.isfile(os.path.join(value, "config.json")):
+            return []
+        return [
+            ctx.error(
+                field,
+                f"'{value}' holds no config.json: not a Hugging Face checkpoint folder",
+            )
+        ]
+    hub = (
+        f"; as a Hugging Face hub id it would need a download, and runs are offline: fetch it "
+        f"first (`huggingface-cli download {value} --local-dir DIR`) and point {field} at DIR"
+        if HUB_ID.match(value)
+        else ""
+    )
+    where = "" if value.startswith("/") else " (relative to the pipeline's folder)"
+    return [ctx.error(field, f"no checkpoint folder '{value}'{where}{hub}")]
+
+
+def check_model_ref(ctx: ResolveContext, field: str, model: Any) -> list[Diagnostic]:
+    """`model` as a path (`check_checkpoint`); a tiny-model spec is built by the run."""
+    return check_checkpoint(ctx, field, model) if isinstance(model, str) else []
 
 
 def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:

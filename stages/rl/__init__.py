@@ -26,6 +26,7 @@ from stages.lib.config import (
     backend_memory,
     backend_preset_path,
     check_backend,
+    check_model_ref,
     check_verifier,
     derive_backend,
 )
@@ -224,6 +225,7 @@ class RLConfig(StageConfig):
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         out = check_deepspeed(self, ctx, self.num_processes)
         out += check_backend(self.backend, engine_context(ctx))
+        out += check_model_ref(ctx, "model", self.model)
         if not isinstance(self.backend, LocalBackend | VLLMBackend):
             out.append(
                 ctx.error(

@@ -9,7 +9,14 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import MemoryNeed, ResolveContext, StageConfig, stage
-from stages.lib.config import CountOrAuto, ModelRef, TinyModel, Verifier, check_verifier
+from stages.lib.config import (
+    CountOrAuto,
+    ModelRef,
+    TinyModel,
+    Verifier,
+    check_model_ref,
+    check_verifier,
+)
 from stages.lib.ds_config import trainer_memory, trainer_memory_changes
 
 
@@ -124,6 +131,7 @@ class TrainConfig(StageConfig):
         from stages.lib.ds_config import check_deepspeed
 
         out = check_deepspeed(self, ctx, ctx.gpus or self.num_processes)
+        out += check_model_ref(ctx, "model", self.model)
         if self.target_accuracy is not None and self.eval_input is None:
             out.append(
                 ctx.error(

@@ -23,7 +23,7 @@ from stages.filter.rules import Counts, Rules, completion_text
 from stages.filter.rules import parse_row as filter_row
 from stages.lib.env_config import EnvironmentConfig
 from stages.lib.environment import Episode
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, stub_checkpoint
 
 sys.path.insert(0, str(ROOT / "bench" / "collect"))
 from fake_server import Faults, ThreadHandle, start_in_thread
@@ -175,6 +175,7 @@ def test_the_environment_is_part_of_the_resume_fingerprint(tmp_path: Path):
 
 
 def test_backends_that_cannot_run_episodes_are_refused(tmp_path: Path):
+    stub_checkpoint(tmp_path / "m")
     (tmp_path / "p.yaml").write_text(
         textwrap.dedent(
             """\

@@ -18,6 +18,7 @@ from engine.plan.placement import (
     solve,
 )
 from engine.stage import Slot
+from tests.conftest import stub_checkpoint
 
 
 def nodes(n: int, gpus: int = 8) -> ClusterView:
@@ -191,6 +192,7 @@ def test_validate_with_a_declared_cluster_gives_a_located_error(tmp_path, monkey
     from tests.conftest import run_cli
 
     monkeypatch.chdir(tmp_path)
+    stub_checkpoint(tmp_path / "m1")
     (tmp_path / "p.yaml").write_text(
         "name: p\n"
         "cluster: {gpus: 16, gpus_per_node: 8}\n"
@@ -198,7 +200,7 @@ def test_validate_with_a_declared_cluster_gives_a_located_error(tmp_path, monkey
         "  t:\n"
         "    kind: train\n"
         "    resources: {gpus: 16}\n"
-        "    config: {input: d.jsonl, model: /m, micro_train_batch_size: 4}\n"
+        "    config: {input: d.jsonl, model: m1, micro_train_batch_size: 4}\n"
     )
     (tmp_path / "c.yaml").write_text("nodes: 1\ngpus_per_node: 8\ngpu_memory_gb: 80\n")
     result = run_cli("validate", "p.yaml", "--cluster", "c.yaml")

@@ -32,7 +32,7 @@ from typing import Literal
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, stub_checkpoint
 
 Kind = Literal["plan", "data", "environment", "internal", "transient"]
 PLAN_SIDE = ("stages/lib/config.py", "stages/lib/ds_config.py", "stages/lib/env_config.py")
@@ -588,6 +588,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 @pytest.mark.parametrize("verb", ["plan", "validate"])
 def test_plan_time_twin_refuses_the_same_condition(tmp_path: Path, verb: str, case: Case) -> None:
+    stub_checkpoint(tmp_path / "m")
     (tmp_path / "p.yaml").write_text(textwrap.dedent(case.yaml))
     args = [verb, "p.yaml", *(a for s in case.sets for a in ("--set", s))]
     if case.cluster:

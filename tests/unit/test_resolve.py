@@ -12,11 +12,14 @@ from engine.errors import PipeError
 from engine.plan.dag import Plan, plan
 from engine.plan.resolve import resolve
 from engine.spec.load import load_pipeline
+from tests.conftest import stub_checkpoint
 
 
 @pytest.fixture(autouse=True)
 def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    for folder in ("m", "m1", "models/m1"):
+        stub_checkpoint(tmp_path / folder)
 
 
 def build(tmp_path: Path, text: str, overrides: tuple[str, ...] = ()) -> Plan:
@@ -44,17 +47,17 @@ TRAIN_VLLM = """\
         config:
           input: prompts.jsonl
           num_repeats: 4
-          backend: {{kind: vllm, model: /models/m, vllm_tensor_parallel_size: 2}}
+          backend: {{kind: vllm, model: models/m1, vllm_tensor_parallel_size: 2}}
       train:
         kind: train
         needs: [collect]
         resources: {{role: actor}}
-        config: {{model: /models/m, micro_train_batch_size: 2, train_batch_size: 64}}
+        config: {{model: models/m1, micro_train_batch_size: 2, train_batch_size: 64}}
       value:
         kind: train
         needs: [collect]
         resources: {{role: critic}}
-        config: {{model: /models/m, micro_train_batch_size: 2}}
+        config: {{model: models/m1, micro_train_batch_size: 2}}
 """
 
 
@@ -249,7 +252,7 @@ def test_one_actor_stage_on_8_gpus_gets_all_8(tmp_path: Path):
         name: p
         cluster: {gpus: 8}
         stages:
-          t: {kind: train, resources: {role: actor}, config: {input: d.jsonl, model: /m, micro_train_batch_size: 8}}
+          t: {kind: train, resources: {role: actor}, config: {input: d.jsonl, model: m1, micro_train_batch_size: 8}}
     """
     p = build(tmp_path, text)
     assert p.as_dict()["roles"] == {"actor": {"gpus": 8, "colocated_with": []}}
@@ -264,7 +267,7 @@ def test_a_ratio_role_no_stage_uses_gets_no_gpus_and_a_warning(tmp_path: Path):
         resources:
           ratio: {vllm: 1, actor: 1, critic: 1}
         stages:
-          t: {kind: train, resources: {role: actor}, config: {input: d.jsonl, model: /m, micro_train_batch_size: 8}}
+          t: {kind: train, resources: {role: actor}, config: {input: d.jsonl, model: m1, micro_train_batch_size: 8}}
     """
     p = build(tmp_path, text)
     assert p.as_dict()["roles"] == {"actor": {"gpus": 8, "colocated_with": []}}

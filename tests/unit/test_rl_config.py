@@ -12,11 +12,13 @@ from engine.plan.dag import plan
 from engine.plan.resolve import resolve
 from engine.spec.load import load_pipeline
 from stages.rl import RLConfig
+from tests.conftest import stub_checkpoint
 
 
 @pytest.fixture(autouse=True)
 def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    stub_checkpoint(tmp_path / "m")
 
 
 def build(tmp_path: Path, text: str, *overrides: str):
