@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
+from tests.families import family_checkpoint  # noqa: F401  (a fixture, for every test)
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 

@@ -1,6 +1,7 @@
 """Tiny models built from config, with a tokenizer trained locally.
 
-Input: a `TinyModel` spec and the texts to train a tokenizer on.
+Input: a `TinyModel` spec and the texts to train a tokenizer on (a `FamilyModel` spec: a
+real family's test checkpoint, built by `stages.lib.families`).
 Output: an ordinary Hugging Face checkpoint directory (config, weights,
 tokenizer with the shared chat template of `stages.lib.prompt`) that
 `AutoModelForCausalLM` and `AutoTokenizer` load like any other.
@@ -16,39 +17,21 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from stages.lib.bpe import train_bpe
+from stages.lib.families import Sizes, build_family
 from stages.lib.prompt import BOS, CHAT_TEMPLATE, EOS, PAD, ROLE_TOKENS, SPECIAL_TOKENS
 
 if TYPE_CHECKING:
-    from stages.lib.config import TinyModel
+    from stages.lib.config import FamilyModel, TinyModel
 
 log = logging.getLogger("pipe.stages.lib.model")
-
-BYTE_ALPHABET = 256
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
     """A fast byte-level BPE tokenizer trained on `texts`, digits split one per token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    floor = BYTE_ALPHABET + len(SPECIAL_TOKENS)
-    if vocab_size < floor:
-        raise ValueError(f"vocab_size must be at least {floor} for a byte-level BPE")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok = train_bpe(texts, vocab_size, SPECIAL_TOKENS)
     wrap: Any = PreTrainedTokenizerFast  # untyped constructor
     fast = wrap(
         tokenizer_object=tok,
@@ -84,12 +67,20 @@ def _llama_config(spec: TinyModel, tokenizer: Any) -> Any:
     )
 
 
-def build_tiny_model(spec: TinyModel, texts: Iterable[str], out_dir: str, seed: int) -> None:
-    """Build a fresh Llama from `spec`, train its tokenizer on `texts`, save both to `out_dir`.
+def build_tiny_model(
+    spec: TinyModel | FamilyModel, texts: Iterable[str], out_dir: str, seed: int
+) -> None:
+    """Build a fresh Llama from `spec`, train its tokenizer on `texts`, save both to `out_dir`
+    (a `FamilyModel` spec: that family's checkpoint, by `stages.lib.families`).
 
     The directory appears complete or not at all: everything is written to a
     temporary sibling first, then renamed into place.
     """
+    from stages.lib.config import FamilyModel
+
+    if isinstance(spec, FamilyModel):
+        _build_family(spec, texts, out_dir, seed)
+        return
     import shutil
 
     import torch
@@ -111,4 +102,25 @@ def build_tiny_model(spec: TinyModel, texts: Iterable[str], out_dir: str, seed: 
     n_params = sum(p.numel() for p in model.parameters())
     log.info(
         "built tiny llama: %d parameters, vocabulary %d, in %s", n_params, len(tokenizer), out_dir
+    )
+
+
+def _build_family(spec: FamilyModel, texts: Iterable[str], out_dir: str, seed: int) -> None:
+    """A `model:` block with a `family`: that family's checkpoint (`stages.lib.families`)."""
+    sizes = Sizes(
+        hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+    )
+    build_family(
+        spec.family,
+        out_dir,
+        sizes,
+        vocab=spec.vocab,
+        vocab_size=spec.vocab_size,
+        dtype=spec.dtype,
+        seed=seed,
+        texts=texts,
     )

@@ -246,7 +246,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/launch.py", "training rank {} {}; last lines"): environment(
         "a rank process exited non-zero (out of memory, a signal, its own error in its log)"
     ),
-    ("stages/lib/model.py", "vocab_size must be at least"): plan(
+    ("stages/lib/bpe.py", "vocab_size must be at least"): plan(
         Case(
             TINY.format(config="model: {vocab_size: 100}"),
             (
@@ -258,6 +258,36 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         Case(
             TINY.format(config="model: {num_heads: 3}"),
             ("p.yaml:3:52: stages.t.config.model: num_heads 3 must divide hidden_size 128",),
+        )
+    ),
+    ("stages/lib/families.py", "no package ships the real vocabulary"): plan(
+        Case(
+            TINY.format(config="model: {family: gemma, vocab: real}"),
+            (
+                "p.yaml:3:52: stages.t.config.model: no package ships the real vocabulary of "
+                "family 'gemma'; use vocab 'small'",
+            ),
+        )
+    ),
+    ("stages/lib/families.py", "vocab 'real' for family '{}' reads {} fr"): environment(
+        "the package shipping the vocabulary is installed, or not, where the stage runs"
+    ),
+    ("stages/lib/families.py", "unknown family '{}'; expected one of {}"): plan(
+        Case(
+            TINY.format(config="model: {family: qwen}"),
+            (
+                "p.yaml:3:61: stages.t.config.model.family: expected 'chatml', 'llama3', "
+                "'gemma' or 'mistral', found 'qwen'",
+            ),
+        )
+    ),
+    ("stages/lib/families.py", "unknown dtype '{}'; expected one of {}"): plan(
+        Case(
+            TINY.format(config="model: {family: chatml, dtype: bf16}"),
+            (
+                "p.yaml:3:76: stages.t.config.model.dtype: expected 'bfloat16', 'float32' or "
+                "'float16', found 'bf16'; did you mean 'bfloat16'?",
+            ),
         )
     ),
     ("stages/lib/schedule.py", "unknown lr_scheduler"): plan(

@@ -1,0 +1,51 @@
+"""Test checkpoints of the four real families, built once per session.
+
+A test that takes `family_checkpoint` calls it with a family's name (and `vocab="real"`
+where it needs the released vocabulary) and gets the checkpoint's folder; parametrize over
+`FAMILIES` to run a check on every family:
+
+    @pytest.mark.parametrize("family", FAMILIES)
+    def test_something(family_checkpoint, family):
+        path = family_checkpoint(family)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+FAMILIES = ("chatml", "llama3", "gemma", "mistral")
+SIZES = {"hidden_size": 32, "num_layers": 2, "num_heads": 4}
+
+
+def real_vocab_missing(family: str) -> str | None:
+    """Why the family's real vocabulary cannot be built here (None: it can)."""
+    from stages.lib.families import FAMILIES as SPECS
+
+    shipped = SPECS[family].real_vocab
+    if shipped is None:
+        return f"no package ships {family}'s vocabulary"
+    if importlib.util.find_spec(shipped[0]) is None:
+        return f"{family}'s real vocabulary needs the package {shipped[0].replace('_', '-')}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`family_checkpoint(family, vocab="small") -> Path`, each built once per session."""
+    from stages.lib.families import build_family_checkpoint
+
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, vocab: str = "small") -> Path:
+        if (family, vocab) not in built:
+            if vocab == "real" and (why := real_vocab_missing(family)):
+                pytest.skip(why)
+            folder = tmp_path_factory.mktemp(f"{family}-{vocab}") / "checkpoint"
+            built[family, vocab] = build_family_checkpoint(family, folder, vocab=vocab, **SIZES)  # type: ignore[arg-type]
+        return built[family, vocab]
+
+    return get
