@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: install install-slurm stop-slurm install-vllm quickstart test test-fast test-vllm test-gpu lint fmt schemas bench bench-rl bench-rl-setup clean
+.PHONY: install install-slurm stop-slurm install-vllm quickstart test test-fast test-vllm test-gpu wheelhouse gpu-check lint fmt schemas bench bench-rl bench-rl-setup clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,25 @@ test-vllm: install install-vllm
 # `gpu`-marked tests, each skipped where fewer GPUs are visible than it needs
 test-gpu: install
 	$(PY) -m pytest -m gpu -v -rs
+
+# wheelhouse/: every wheel the project needs for an offline machine, one version each, DeepSpeed's
+# sdist beside them, and wheelhouse/requirements.lock. PY=3.12 PLATFORM=manylinux_2_28_x86_64
+# (default: this machine's), PROFILE=gpu|full|base, TARGET_FREEZE=freeze.txt (a `pip freeze` of the
+# target: leave out what it pins) or TARGET_HAS="torch triton nvidia-*" (the default).
+# PY names a Python version here, not an interpreter: scripts/wheelhouse.py runs with .venv's or python3
+PROFILE ?= gpu
+WHEELHOUSE_PYTHON = $(firstword $(wildcard $(VENV)/bin/python) $(PYTHON))
+wheelhouse:
+	$(WHEELHOUSE_PYTHON) scripts/wheelhouse.py build --profile $(PROFILE) \
+	  $(if $(filter command line,$(origin PY)),--python-version $(PY)) \
+	  $(if $(PLATFORM),--platform $(PLATFORM)) \
+	  $(if $(TARGET_FREEZE),--target-freeze $(TARGET_FREEZE)) \
+	  $(if $(TARGET_HAS),--target-has $(foreach h,$(TARGET_HAS),'$(h)'))
+
+# on a GPU machine, offline: install from wheelhouse/ when pipe is missing, print the machine, run
+# the `gpu` tests and the GRPO quickstart, each bounded; summary in runs/gpu-check/summary.md
+gpu-check:
+	bash scripts/gpu_check.sh
 
 quickstart: install
 	$(VENV)/bin/pipe run pipelines/quickstart.yaml
