@@ -87,20 +87,85 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def content_hash(path: str) -> str:
-    """sha256 of a file, or of every file under a directory (names and bytes)."""
+    """sha256 of a file's bytes."""
     digest = hashlib.sha256()
     fs, real = _fs(path)
-    if fs.isdir(real):
-        for name in sorted(fs.find(real)):
-            digest.update(name[len(real) :].encode())
-            with fs.open(name, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
-    else:
-        with fs.open(real, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
+    with fs.open(real, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
     return digest.hexdigest()[:16]
+
+
+def isdir(path: str) -> bool:
+    if is_local(path):
+        return os.path.isdir(local_path(path))
+    fs, real = _fs(path)
+    return bool(fs.isdir(real))
+
+
+SMALL = 1 << 20  # files below this are hashed whole: configs, tokenizers, templates
+SKIPPED_DIRS = {".cache"}  # the Hub's download bookkeeping (`huggingface_hub` local_dir)
+# remote stat fields that change when an object is rewritten (s3, gcs, hf, http)
+_STAMPS = ("mtime", "LastModified", "last_modified", "updated", "ETag", "etag", "md5Hash")
+
+
+def folder_key(path: str) -> str:
+    """A key over every file under a folder: its name relative to the folder, size and
+    modification time, and for files under 1 MiB (`SMALL`) a hash of their bytes.
+
+    Rewriting a file in place leaves the folder's own mtime alone, so the key looks at
+    the files. Large files (weights) are not read: a rewrite moves their mtime. Skipped:
+    `.cache/` folders and `*.lock` files, which downloads leave behind and which say nothing
+    of the checkpoint. A file that is a link counts as its target (a Hub snapshot links its
+    files to blobs); links to folders are not walked.
+    """
+    digest = hashlib.sha256()
+    for rel, size, stamp, opener in sorted(_files(path), key=lambda f: f[0]):
+        digest.update(f"{rel}\0{size}\0{stamp}\n".encode())
+        if size < SMALL:
+            with opener() as f:
+                digest.update(hashlib.sha256(f.read()).digest())
+    return digest.hexdigest()[:16]
+
+
+def _skipped(rel: str) -> bool:
+    *dirs, name = rel.split("/")
+    return name.endswith(".lock") or any(d in SKIPPED_DIRS for d in dirs)
+
+
+def _files(path: str) -> list[tuple[str, int, str, Any]]:
+    """(relative name, size, stamp, opener) of every file under `path`, `_skipped` left out."""
+    out: list[tuple[str, int, str, Any]] = []
+    if is_local(path):
+        root = local_path(path)
+        for top, dirs, names in os.walk(root):
+            dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]
+            for name in names:
+                full = os.path.join(top, name)
+                rel = os.path.relpath(full, root).replace(os.sep, "/")
+                try:
+                    st = os.stat(full)
+                except OSError:  # a dangling link
+                    continue
+                if not _skipped(rel):
+                    out.append((rel, st.st_size, str(st.st_mtime_ns), _open_local(full)))
+        return out
+    fs, real = _fs(path)
+    root = real.rstrip("/")
+    for name, info in fs.find(root, detail=True).items():
+        rel = name[len(root) :].lstrip("/")
+        if not _skipped(rel):
+            stamp = "|".join(str(info[k]) for k in _STAMPS if info.get(k) is not None)
+            out.append((rel, int(info.get("size") or 0), stamp, _open_remote(fs, name)))
+    return out
+
+
+def _open_local(full: str) -> Any:
+    return lambda: open(full, "rb")
+
+
+def _open_remote(fs: Any, name: str) -> Any:
+    return lambda: fs.open(name, "rb")
 
 
 def fingerprint(path: str) -> tuple[int, float] | None:

@@ -25,7 +25,7 @@ class ToyConfig(StageConfig):
     OUTPUTS = ("output",)
     INPUT_OPTIONAL = True
 
-    input: str | None = Field(None, description="Upstream file.")
+    input: str | None = Field(None, description="Upstream file, or a folder of files.")
     output: str = Field("out.txt", description="File written.")
     value: str = Field("x", description="Text appended.")
     sleep_s: float = Field(0.0, ge=0, description="Seconds to sleep.")
@@ -56,9 +56,9 @@ def toy(cfg: ToyConfig, ctx: StageContext) -> dict[str, Any]:
     else:
         time.sleep(cfg.sleep_s)
     text = ""
-    if cfg.input:
-        with open(cfg.input) as f:
-            text = f.read()
+    for path in _files(cfg.input) if cfg.input else []:
+        with open(path) as f:
+            text += f.read()
     tmp = cfg.output + ".tmp"
     with open(tmp, "w") as f:
         f.write(text + cfg.value + "\n")
@@ -72,6 +72,13 @@ def toy(cfg: ToyConfig, ctx: StageContext) -> dict[str, Any]:
         "dump": json.dumps(ctx.gpus),
         "env": {name: name in os.environ for name in cfg.env_probe},
     }
+
+
+def _files(path: str) -> list[str]:
+    """`path`, or the files of a folder (a checkpoint) by name."""
+    if not os.path.isdir(path):
+        return [path]
+    return [os.path.join(path, n) for n in sorted(os.listdir(path))]
 
 
 CHILD = """

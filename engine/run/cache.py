@@ -2,9 +2,12 @@
 
 A stage's key hashes its resolved config (with its kind), its kind's code
 version, the keys of the stages it needs, and the content of its external
-input files (files it reads that no stage of the pipeline writes). Content
-hashes are remembered per (path, size, mtime) in `<run-dir>/.pipe-hashes.json`
-so unchanged large inputs are not read again. A stage is up to date when its
+input files (files it reads that no stage of the pipeline writes). A file's
+content hash is remembered per (path, size, mtime) in `<run-dir>/.pipe-hashes.json`
+so unchanged large inputs are not read again. A folder (a checkpoint) is keyed by
+its files (`engine.fsio.folder_key`: names, sizes, mtimes, and the bytes of the
+small ones), never by the folder's own size and mtime, which a file rewritten in
+place leaves alone. A stage is up to date when its
 stamp holds the same key and all its outputs exist.
 """
 
@@ -14,7 +17,16 @@ import hashlib
 import json
 from typing import Any
 
-from engine.fsio import atomic_write_text, content_hash, exists, fingerprint, is_local, read_text
+from engine.fsio import (
+    atomic_write_text,
+    content_hash,
+    exists,
+    fingerprint,
+    folder_key,
+    is_local,
+    isdir,
+    read_text,
+)
 from engine.plan.dag import Plan
 from engine.plan.paths import shown
 from engine.run.task import STAMP
@@ -36,7 +48,8 @@ def input_paths(config: Any) -> list[str]:
 
 
 class HashCache:
-    """Content hashes of external inputs, keyed by path and (size, mtime)."""
+    """Content hashes of external inputs: files' keyed by path and (size, mtime); folders'
+    computed each time from their files (stat calls and a few small reads)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -49,6 +62,8 @@ class HashCache:
         self.dirty = False
 
     def get(self, path: str) -> str:
+        if isdir(path):
+            return folder_key(path)
         fp = fingerprint(path)
         hit = self.entries.get(path)
         if fp is not None and hit is not None and hit[:2] == list(fp):

@@ -3,7 +3,7 @@
 ```yaml
 tracking:
   tensorboard: {dir: runs/tb}                          # default: <run dir>/tensorboard
-  mlflow: {tracking_uri: file:./mlruns, experiment: grpo}
+  mlflow: {tracking_uri: http://mlflow:5000, experiment: grpo}  # default: sqlite in the run dir
   wandb: {project: pipe, mode: offline, entity: null}
 ```
 
@@ -45,9 +45,10 @@ class MlflowSpec(_Model):
 
     tracking_uri: str | None = Field(
         None,
-        description="Tracking server or store, e.g. http://mlflow:5000 or file:./mlruns "
-        "(default: MLFLOW_TRACKING_URI, else file:<run dir>/mlruns). Credentials come from "
-        "MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN in the environment.",
+        description="Tracking server or store, e.g. http://mlflow:5000 or sqlite:///mlflow.db "
+        "(default: MLFLOW_TRACKING_URI, else sqlite:///<run dir>/mlflow.db with artifacts in "
+        "<run dir>/mlartifacts). Credentials come from MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN "
+        "in the environment.",
     )
     experiment: str | None = Field(
         None, description="Experiment name (default: the pipeline's name)."
@@ -65,7 +66,9 @@ class WandbSpec(_Model):
         "online needs WANDB_API_KEY in the environment (or `wandb login`).",
     )
     dir: str | None = Field(
-        None, description="Folder that holds W&B's wandb/ folder (default: the run dir)."
+        None,
+        description="Folder that holds W&B's wandb/ folder (default: WANDB_DIR when set, "
+        "else the run dir).",
     )
 
 

@@ -214,6 +214,7 @@ def _decode(
     # no_grad under lockstep: ZeRO-3 gathers parameters in the forward, and inference-mode
     # tensors must not become a trained parameter's storage
     with torch.no_grad() if lockstep else torch.inference_mode():
+        cache_arg = _cache_arg(model)
         cache, logits, mask = _prefill(model, ids, pad, repeats)
         last = mask.sum(-1) - 1
         alive = torch.arange(logits.shape[0], device=logits.device)
@@ -244,10 +245,10 @@ def _decode(
                 input_ids=token[:, None],
                 attention_mask=mask,
                 position_ids=last[:, None],
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_arg: cache},
             )
-            cache, logits = step.past_key_values, step.logits[:, -1].float()
+            cache, logits = getattr(step, cache_arg), step.logits[:, -1].float()
     return list(zip(new, lps, strict=True))
 
 
@@ -260,12 +261,22 @@ def _prefill(model: Any, ids: list[list[int]], pad: int, repeats: int) -> tuple[
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=model.device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     step = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    cache, logits = step.past_key_values, step.logits[:, -1].float()
+    cache, logits = getattr(step, _cache_arg(model)), step.logits[:, -1].float()
     if repeats > 1:
         cache.batch_repeat_interleave(repeats)
         logits = logits.repeat_interleave(repeats, 0)
         mask = mask.repeat_interleave(repeats, 0)
     return cache, logits, mask
+
+
+def _cache_arg(model: Any) -> str:
+    """The forward's name for the KV cache, in and out: `cache` where the model's forward
+    takes it (transformers 5.24 on, where `past_key_values` warns and goes in 5.40),
+    `past_key_values` before."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _pick(logits: Any, temperature: float, top_p: float, rng: Any) -> Any:

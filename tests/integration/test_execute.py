@@ -129,6 +129,32 @@ def test_second_run_is_all_cache_hits_and_touches_nothing(tmp_path: Path):
     }
 
 
+def test_a_checkpoint_rewritten_in_place_reruns_the_stage_that_reads_it(tmp_path: Path):
+    """The folder's own mtime and size stay when a file in it is rewritten in place."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("config\n")
+    (ckpt / "model.safetensors").write_text("old weights\n")
+    write(tmp_path, "name: p\nstages:\n  ev: {kind: toy, config: {input: ckpt, value: e}}\n")
+    first = pipe(tmp_path, "run", "p.yaml")
+    assert first.returncode == 0, first.stderr
+    folder = os.stat(ckpt).st_mtime_ns
+    weights = ckpt / "model.safetensors"
+    with open(weights, "r+") as f:
+        f.write("new weights\n")  # same size
+    later = os.stat(weights).st_mtime_ns + 1_000_000_000  # as a write a second later leaves it
+    os.utime(weights, ns=(later, later))
+    assert os.stat(ckpt).st_mtime_ns == folder
+    second = pipe(tmp_path, "run", "p.yaml")
+    assert second.returncode == 0, second.stderr
+    assert report(tmp_path)["stages"]["ev"]["status"] == "succeeded"
+    out = tmp_path / "runs" / "p" / "ev" / "out.txt"
+    assert out.read_text() == "config\nnew weights\ne\n"
+    third = pipe(tmp_path, "run", "p.yaml")
+    assert third.returncode == 0, third.stderr
+    assert report(tmp_path)["stages"]["ev"]["status"] == "cached"
+
+
 def test_retries_failures_and_keep_going(tmp_path: Path):
     write(
         tmp_path,

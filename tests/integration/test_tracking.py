@@ -1,7 +1,7 @@
 """Experiment tracking through `pipe run`, read back with each tracker's own reader.
 
-The quickstart shrunk as in test_quickstart, with TensorBoard, MLflow (a file store) and
-W&B (offline) all set: TensorBoard's `EventAccumulator` reads the train loss series the
+The quickstart shrunk as in test_quickstart, with TensorBoard, MLflow (its default store, a
+SQLite file in the run folder) and W&B (offline) all set: TensorBoard's `EventAccumulator` reads the train loss series the
 stage wrote to `loss.jsonl`; `MlflowClient` finds one parent run, a child per stage, the
 plan's parameters with their provenance and evaluate's accuracy; W&B's offline run files
 hold the same loss history. Run again, every stage is cached: the children say so and
@@ -31,7 +31,9 @@ SECRETS = {"WANDB_API_KEY": "secret-xyz-wandb", "MLFLOW_TRACKING_PASSWORD": "sec
 
 
 def _pipe(args: list[str], timeout: int) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **SECRETS}
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **SECRETS}
+    env.pop("WANDB_DIR", None)  # W&B's files in the run folder
     cmd = [sys.executable, "-m", "engine.cli", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -75,11 +77,10 @@ def wandb_runs(folder: Path) -> list[dict[str, Any]]:
     return runs
 
 
-def _mlflow(store: Path, experiment: str) -> list[Any]:
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+def _mlflow(run_dir: Path, experiment: str) -> list[Any]:
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"file:{store}")
+    client = MlflowClient(f"sqlite:///{run_dir}/mlflow.db")
     exp = client.get_experiment_by_name(experiment)
     assert exp is not None
     return list(client.search_runs([exp.experiment_id], max_results=1000))
@@ -99,12 +100,11 @@ def _family(runs: list[Any], run_id: str) -> tuple[Any, dict[str, Any]]:
 def test_quickstart_with_every_tracker(tmp_path: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_dir, tb, mlruns = tmp_path / "run", tmp_path / "tb", tmp_path / "mlruns"
+    run_dir, tb = tmp_path / "run", tmp_path / "tb"
     args = ["run", "pipelines/quickstart.yaml", "--run-dir", str(run_dir)]
     for item in [
         *SHRINK,
         f"tracking.tensorboard.dir={tb}",
-        f"tracking.mlflow.tracking_uri=file:{mlruns}",
         "tracking.mlflow.experiment=tracked",
         "tracking.wandb.mode=offline",
     ]:
@@ -134,7 +134,7 @@ def test_quickstart_with_every_tracker(tmp_path: Path):
     assert out[table + 4 :] == [f"{k}: {v}" for k, v in links.items()]
     assert links["tensorboard"] == f"tensorboard --logdir {tb}"
     assert links["mlflow"].startswith(
-        f"mlflow ui --backend-store-uri file:{mlruns} (experiment 'tracked', run "
+        f"mlflow ui --backend-store-uri sqlite:///{run_dir}/mlflow.db (experiment 'tracked', run "
     )
     assert links["wandb"].startswith(f"{run_dir}/wandb (offline runs of group {run_id}; ")
 
@@ -149,7 +149,7 @@ def test_quickstart_with_every_tracker(tmp_path: Path):
     assert sorted(p.name for p in (tb / run_id).iterdir() if p.is_dir()) == sorted(stages)
 
     # MLflow: one parent, a child per stage, the plan as parameters, evaluate's accuracy
-    parent, children = _family(_mlflow(mlruns, "tracked"), run_id)
+    parent, children = _family(_mlflow(run_dir, "tracked"), run_id)
     assert sorted(children) == sorted(stages)
     assert parent.data.params["stages.warmup.config.learning_rate"] == "0.003"
     assert parent.data.tags["source.stages.warmup.config.learning_rate"].startswith(
@@ -177,7 +177,7 @@ def test_quickstart_with_every_tracker(tmp_path: Path):
     second = json.loads((run_dir / "report.json").read_text())
     assert {s["status"] for s in second["stages"].values()} == {"cached"}
     assert "evaluate (cached):" in again.stdout.splitlines()
-    _, cached = _family(_mlflow(mlruns, "tracked"), second["run_id"])
+    _, cached = _family(_mlflow(run_dir, "tracked"), second["run_id"])
     assert {n: (c.data.tags["pipe.status"], c.data.metrics) for n, c in cached.items()} == {
         n: ("cached", {}) for n in stages
     }

@@ -110,3 +110,34 @@ def test_a_tiny_nucleus_keeps_only_the_top_token(models: dict[str, Path]):
     greedy = generate(str(models["plain"]), PROMPTS, temperature=0.0, top_p=1.0, **kw)
     nucleus = generate(str(models["plain"]), PROMPTS, temperature=1.0, top_p=1e-6, **kw)
     assert _texts(nucleus) == _texts(greedy)
+
+
+def test_decoding_passes_the_kv_cache_by_its_current_name_without_a_deprecation_warning(
+    models: dict[str, Path],
+):
+    """transformers 5.24 renames `past_key_values` to `cache` (the old name warns on every run
+    and goes in 5.40); older releases take `past_key_values` only."""
+    import inspect
+    import logging
+
+    from stages.lib.generate import load
+
+    model, _ = load(str(models["sevens"]))  # never ends early: prefill, then every step
+    current = "cache" if "cache" in inspect.signature(type(model).forward).parameters else None
+    passed: list[set[str]] = []
+    spy = model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: passed.append({"cache", "past_key_values"} & set(kwargs)),
+        with_kwargs=True,
+    )
+    messages: list[str] = []
+    catch = logging.Handler()
+    catch.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("transformers").addHandler(catch)
+    logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]
+    try:
+        generate(str(models["sevens"]), PROMPTS[:2], num_samples=2, max_new_tokens=3)
+    finally:
+        logging.getLogger("transformers").removeHandler(catch)
+        spy.remove()
+    assert passed == [set()] + [{current or "past_key_values"}] * 2  # prefill, then 2 steps
+    assert [m for m in messages if "deprecated" in m] == []

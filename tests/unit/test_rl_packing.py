@@ -92,6 +92,32 @@ def test_packed_and_padded_give_the_same_logprobs_loss_and_gradients(model_dir: 
     assert torch.allclose(g_a, g_b, atol=1e-5, rtol=1e-4)
 
 
+def test_packed_logits_need_no_2d_logits_to_keep_which_transformers_5_17_rejects(
+    model_dir: Path,
+):
+    """transformers 5.17 indexes `hidden_states[:, keep, :]`: a 2-D mask raises IndexError.
+    The packed pass gives an int and projects only the scored positions' hidden states."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    batch = samples()
+    seen: list[Any] = []
+    head = model.get_output_embeddings().register_forward_hook(
+        lambda _m, args, out: seen.append((tuple(args[0].shape), tuple(out.shape)))
+    )
+
+    def call(**kwargs: Any) -> Any:
+        seen.append(kwargs["logits_to_keep"])
+        return model(**kwargs)
+
+    with torch.no_grad():
+        completion_logprobs(model, batch, "cpu", 1.0, 0, call=call, packed=True)
+    head.remove()
+    scored = sum(s.completion_len for s in batch)
+    assert seen == [0, ((1, scored, TINY["hidden_size"]), (1, scored, TINY["vocab_size"]))]
+    assert model.get_output_embeddings()._forward_pre_hooks == {}  # the selection is gone
+
+
 def test_packed_and_padded_give_the_same_critic_values(model_dir: Path):
     from stages.rl.roles.critic import build_critic
 

@@ -11,12 +11,20 @@ tagged with its status and nothing else.
 The client's HTTP retries are off and its timeout short unless the environment sets
 them (`MLFLOW_HTTP_REQUEST_MAX_RETRIES`, `MLFLOW_HTTP_REQUEST_TIMEOUT`): a server that
 is down fails the first call quickly, and the writer then leaves MLflow alone.
-MLflow 3 refuses its file store unless `MLFLOW_ALLOW_FILE_STORE` is set: a `file:` URI
-here sets it (unless the environment says otherwise).
+
+The default store is a SQLite file in the run folder, `sqlite:///<run dir>/mlflow.db`
+(MLflow 3 deprecates its file store; the SQL store needs sqlalchemy and alembic, in the
+tracking extra). An experiment this writer makes in any SQLite store keeps its artifacts
+in `<run dir>/mlartifacts` (MLflow's own default would be `./mlruns` in the working
+directory). A `file:` URI or bare path the user names still gets the file store, which
+MLflow 3 opens only with `MLFLOW_ALLOW_FILE_STORE`: set here unless the environment says
+otherwise.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import re
 import time
@@ -44,7 +52,7 @@ def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
 def tracking_uri(spec: MlflowSpec, run_dir: str) -> str:
     uri = spec.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
     if not uri:
-        return f"file:{local_path(run_dir.rstrip('/') + '/mlruns')}"
+        return f"sqlite:///{local_path(run_dir.rstrip('/') + '/mlflow.db')}"
     if uri.startswith("file:") and not uri.startswith("file:/"):
         return f"file:{local_path(uri[len('file:') :])}"
     if ":" not in uri.split("/", 1)[0]:  # a bare path
@@ -57,6 +65,9 @@ class MlflowTracker:
 
     def __init__(self, spec: MlflowSpec, run_dir: str, pipeline: str) -> None:
         self.uri = tracking_uri(spec, run_dir)
+        self.artifacts: str | None = None  # a new experiment's artifact root, for SQLite stores
+        if self.uri.startswith("sqlite:///"):
+            self.artifacts = f"file://{local_path(run_dir.rstrip('/') + '/mlartifacts')}"
         self.experiment = spec.experiment or pipeline
         self.client: Any = None
         self.experiment_id = ""
@@ -68,16 +79,25 @@ class MlflowTracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         if self.uri.startswith("file:"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        if self.uri.startswith("sqlite:///"):
+            if importlib.util.find_spec("sqlalchemy") is None:
+                raise RuntimeError(
+                    f"{self.uri} needs sqlalchemy and alembic: pip install 'pipe-engine[tracking]'"
+                )
+            os.makedirs(os.path.dirname(self.uri[len("sqlite:///") :]) or ".", exist_ok=True)
+            for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial tables..."
+                logging.getLogger(name).setLevel(logging.WARNING)
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=self.uri)
         found = self.client.get_experiment_by_name(self.experiment)
-        self.experiment_id = (
-            found.experiment_id if found else self.client.create_experiment(self.experiment)
-        )
+        self.experiment_id = found.experiment_id if found else self._experiment()
         tags = {"pipe.run_id": run.run_id, "pipe.pipeline": run.pipeline, **run.tags}
         self.parent = self._run(run.run_id, tags)
         self._params(self.parent, run.params, run.sources)
+
+    def _experiment(self) -> str:
+        return str(self.client.create_experiment(self.experiment, self.artifacts))
 
     def _run(self, name: str, tags: dict[str, str]) -> str:
         made = self.client.create_run(self.experiment_id, run_name=name, tags=tags)

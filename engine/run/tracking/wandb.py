@@ -6,7 +6,8 @@ stage's status in its summary) and one per stage (job type: its kind; its config
 cache key, every metric with its step as the `step` key, the stage's result as
 `result/...` in the summary, PNGs and reports among its files). A stage not run
 again (cached) is a run tagged with its status that logs nothing. `mode: offline`
-(the default) writes `<dir>/wandb/offline-run-*` for `wandb sync`; `online` needs
+(the default) writes `<dir>/wandb/offline-run-*` for `wandb sync` (`dir`: the spec's, else
+`WANDB_DIR` when set, else the run folder); `online` needs
 `WANDB_API_KEY` (or a `wandb login`), checked before anything starts, so W&B never
 asks for a key on the terminal.
 """
@@ -38,7 +39,7 @@ class WandbTracker:
     def __init__(self, spec: WandbSpec, run_dir: str, pipeline: str) -> None:
         self.spec = spec
         self.project = spec.project or pipeline
-        self.dir = local_path(spec.dir or run_dir)
+        self.dir = local_path(spec.dir or os.environ.get("WANDB_DIR") or run_dir)
         self.group = ""
         self.parent: Any = None
         self.runs: dict[str, Any] = {}

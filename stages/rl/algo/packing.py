@@ -12,9 +12,10 @@ state before each completion token.
   the longest sample; position ids restart at 0 for every sample and no attention mask is
   passed, so transformers confines attention to each sample (a block-diagonal causal mask
   from the position ids, as the train stage packs); logits only at the scored positions
-  (`logits_to_keep` as a boolean mask, whose output is flattened row-major and put back in
-  sample order here). The padding at the end of a row forms a sequence of its own whose
-  positions are never scored.
+  (`keep_mask`, a boolean mask over the rows: the hidden states it selects, flattened
+  row-major, are all the vocabulary projection sees, and are put back in sample order
+  here). The padding at the end of a row forms a sequence of its own whose positions are
+  never scored.
 
 Both give the same per-token numbers (tests/unit/test_rl_packing.py, to 1e-5 in fp32); a
 packed micro batch computes `rows x width` positions where a padded one computes
@@ -44,7 +45,8 @@ class Layout:
     position_ids: torch.Tensor | None
     rows: torch.Tensor  # per scored position, in sample order: its row
     cols: torch.Tensor  # and the position of the state before the token
-    keep: int | torch.Tensor  # logits_to_keep
+    keep: int  # padded: logits_to_keep, the last positions; packed: 0 (all, then keep_mask)
+    keep_mask: torch.Tensor | None  # packed: [rows, width], True where a position is scored
     order: torch.Tensor | None  # packed: sample order -> index in the flattened logits
 
     def inputs(self) -> dict[str, Any]:
@@ -58,7 +60,6 @@ class Layout:
         """The logits at each scored position, in sample order."""
         if self.order is not None:
             return logits.reshape(-1, logits.shape[-1])[self.order]
-        assert isinstance(self.keep, int)
         return logits[self.rows, self.cols - (self.ids.shape[1] - self.keep)]
 
     def targets(self) -> torch.Tensor:
@@ -91,6 +92,7 @@ def _padded(samples: Sequence[Scored], device: str, pad_id: int) -> Layout:
         torch.tensor(rows, dtype=torch.long, device=device),
         c.to(device),
         width - start,
+        None,
         None,
     )
 
@@ -141,6 +143,7 @@ def _packed(samples: Sequence[Scored], device: str, pad_id: int) -> Layout:
         pos.to(device),
         r_t.to(device),
         c_t.to(device),
+        0,
         keep.to(device),
         order.to(device),
     )
