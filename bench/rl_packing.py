@@ -68,8 +68,8 @@ def main(n_samples: int, micro: int, rounds: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.lib.config import TinyModel
     from stages.lib.model import build_tiny_model
+    from stages.lib.model_config import TinyModel
     from stages.rl.algo.logprobs import completion_logprobs
 
     torch.set_num_threads(1)

@@ -150,8 +150,8 @@ def raw_broadcast(receivers: int, nbytes: int, repeats: int) -> float:
 
 # --- the servers ------------------------------------------------------------------------------
 def model_dir(hidden: int, layers: int) -> str:
-    from stages.lib.config import TinyModel
     from stages.lib.model import build_tiny_model
+    from stages.lib.model_config import TinyModel
 
     path = OUT / f"model-h{hidden}-l{layers}"
     if not (path / "config.json").exists():

@@ -142,8 +142,8 @@ def race(loops: dict[str, Any], steps: int) -> dict[str, dict[str, float]]:
 
 
 def write_set(tmp: Path, name: str, rows: list[dict[str, str]], hidden: int) -> tuple[str, str]:
-    from stages.lib.config import TinyModel
     from stages.lib.model import build_tiny_model
+    from stages.lib.model_config import TinyModel
 
     data = tmp / f"{name}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -23,7 +23,7 @@ SIZES = {"hidden_size": 32, "num_layers": 2, "num_heads": 4}
 
 def real_vocab_missing(family: str) -> str | None:
     """Why the family's real vocabulary cannot be built here (None: it can)."""
-    from stages.lib.families import FAMILIES as SPECS
+    from stages.lib.family_specs import FAMILIES as SPECS
 
     shipped = SPECS[family].real_vocab
     if shipped is None:

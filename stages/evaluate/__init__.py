@@ -18,12 +18,12 @@ from stages.lib.config import (
     backend_memory,
     backend_preset_path,
     check_backend,
-    check_checkpoint,
     check_model,
     check_verifier,
     derive_backend,
 )
 from stages.lib.env_config import EnvironmentConfig, check_environment
+from stages.lib.model_path import check_checkpoint
 
 
 class EvaluateConfig(StageConfig):

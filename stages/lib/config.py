@@ -19,6 +19,7 @@ from pydantic import (
 
 from engine.errors import Diagnostic, found
 from engine.stage import Derived, MemoryNeed, ResolveContext
+from stages.lib.model_path import check_model_ref
 
 _CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 VERIFIER_KINDS = ("reasoning_gym", "exact_match", "regex", "math")
@@ -159,114 +160,6 @@ Backend = Annotated[
 ]
 
 
-class TinyModel(Block):
-    """A small Llama-architecture model built from config, with a tokenizer trained locally."""
-
-    init: Literal["tiny_llama"] = Field(
-        "tiny_llama", description="Build a fresh Llama-architecture model."
-    )
-    hidden_size: int = Field(128, gt=0, description="Width of the model.")
-    num_layers: int = Field(2, gt=0, description="Transformer blocks.")
-    num_heads: int = Field(4, gt=0, description="Attention heads (must divide hidden_size).")
-    intermediate_size: int | None = Field(
-        None, gt=0, description="MLP width; empty: 4 x hidden_size."
-    )
-    vocab_size: int = Field(
-        512,
-        ge=262,
-        description="Byte-level BPE vocabulary trained on the training prompts (256 bytes + specials at least).",
-    )
-    max_position_embeddings: int = Field(
-        512, gt=0, description="Longest sequence the model handles."
-    )
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> TinyModel:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} must divide hidden_size {self.hidden_size}"
-            )
-        return self
-
-
-FAMILY_NAMES = ("chatml", "llama3", "gemma", "mistral")
-
-
-class FamilyModel(Block):
-    """A test checkpoint of a real family built from config: its architecture, special tokens,
-    chat template and generation_config as released, with random weights."""
-
-    family: Literal["chatml", "llama3", "gemma", "mistral"] = Field(
-        description="chatml: Qwen2 as Qwen2.5-Instruct; llama3: Llama as Llama-3.1-Instruct; "
-        "gemma: Gemma 2 as gemma-2-it; mistral: Mistral as Mistral-7B-Instruct-v0.2. Without "
-        "'family' the block builds the tiny Llama with the project's own template."
-    )
-    vocab: Literal["small", "real"] = Field(
-        "small",
-        description="small: a byte-level BPE of vocab_size trained on the stage's texts, with "
-        "the family's special tokens; real: the release's vocabulary (chatml and llama3 only, "
-        "read from the installed 'dashscope' and 'llama-models' packages).",
-    )
-    dtype: Literal["bfloat16", "float32", "float16"] = Field(
-        "bfloat16", description="Precision of the saved weights (the releases' is bfloat16)."
-    )
-    hidden_size: int = Field(64, gt=0, description="Width of the model.")
-    num_layers: int = Field(2, gt=0, description="Transformer blocks.")
-    num_heads: int = Field(
-        4,
-        gt=0,
-        description="Attention heads (must divide hidden_size); half as many key-value heads "
-        "when even, as the releases use grouped-query attention.",
-    )
-    intermediate_size: int | None = Field(
-        None, gt=0, description="MLP width; empty: 4 x hidden_size."
-    )
-    vocab_size: int = Field(
-        512,
-        gt=0,
-        description="With vocab small: the BPE's size (256 bytes + the family's special "
-        "tokens at least); unused with vocab real.",
-    )
-    max_position_embeddings: int | None = Field(
-        None, gt=0, description="Longest sequence the model handles; empty: the release's."
-    )
-
-    @model_validator(mode="after")
-    def _fits(self) -> FamilyModel:
-        from stages.lib.families import FAMILIES
-
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} must divide hidden_size {self.hidden_size}"
-            )
-        fam = FAMILIES[self.family]
-        if self.vocab == "real" and fam.real_vocab is None:
-            raise ValueError(
-                f"no package ships the real vocabulary of family '{self.family}'; use vocab 'small'"
-            )
-        floor = 256 + len(fam.specials) + len(fam.plain)
-        if self.vocab == "small" and self.vocab_size < floor:
-            raise ValueError(
-                f"vocab_size {self.vocab_size} is below {floor}: 256 bytes and the "
-                f"{floor - 256} special tokens of family '{self.family}'"
-            )
-        return self
-
-
-def _model_tag(value: Any) -> str:
-    if isinstance(value, FamilyModel) or (isinstance(value, dict) and "family" in value):
-        return "family_model"
-    return "spec" if isinstance(value, dict | TinyModel) else "path"
-
-
-ModelRef = Annotated[
-    Annotated[str, Tag("path")]
-    | Annotated[TinyModel, Tag("spec")]
-    | Annotated[FamilyModel, Tag("family_model")],
-    Discriminator(_model_tag),
-]
-
-
 # -- rules of a backend block, for the kinds that have one ----------------------------------
 
 
@@ -326,42 +219,6 @@ def check_model(backend: Any, ctx: ResolveContext, wanted: bool) -> list[Diagnos
             )
         ]
     return check_model_ref(ctx, "backend.model", backend.model)
-
-
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def check_checkpoint(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:
-    """A checkpoint path as runs read it: a local folder holding `config.json`, or an output
-    of an earlier stage (made when that stage runs). Runs are offline (nothing is fetched from
-    a model hub), so a hub id is named as such and refused; a remote URL (`s3://...`) is read
-    through fsspec at run time and not checked here."""
-    import os
-
-    if ctx.is_produced(value) or "://" in value:
-        return []
-    if os.path.isdir(value):
-        if os.path.isfile(os.path.join(value, "config.json")):
-            return []
-        return [
-            ctx.error(
-                field,
-                f"'{value}' holds no config.json: not a Hugging Face checkpoint folder",
-            )
-        ]
-    hub = (
-        f"; as a Hugging Face hub id it would need a download, and runs are offline: fetch it "
-        f"first (`huggingface-cli download {value} --local-dir DIR`) and point {field} at DIR"
-        if HUB_ID.match(value)
-        else ""
-    )
-    where = "" if value.startswith("/") else " (relative to the pipeline's folder)"
-    return [ctx.error(field, f"no checkpoint folder '{value}'{where}{hub}")]
-
-
-def check_model_ref(ctx: ResolveContext, field: str, model: Any) -> list[Diagnostic]:
-    """`model` as a path (`check_checkpoint`); a tiny-model spec is built by the run."""
-    return check_checkpoint(ctx, field, model) if isinstance(model, str) else []
 
 
 def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:

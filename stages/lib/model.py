@@ -22,7 +22,7 @@ from stages.lib.families import Sizes, build_family
 from stages.lib.prompt import BOS, CHAT_TEMPLATE, EOS, PAD, ROLE_TOKENS, SPECIAL_TOKENS
 
 if TYPE_CHECKING:
-    from stages.lib.config import FamilyModel, TinyModel
+    from stages.lib.model_config import FamilyModel, TinyModel
 
 log = logging.getLogger("pipe.stages.lib.model")
 
@@ -76,7 +76,7 @@ def build_tiny_model(
     The directory appears complete or not at all: everything is written to a
     temporary sibling first, then renamed into place.
     """
-    from stages.lib.config import FamilyModel
+    from stages.lib.model_config import FamilyModel
 
     if isinstance(spec, FamilyModel):
         _build_family(spec, texts, out_dir, seed)

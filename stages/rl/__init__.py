@@ -18,20 +18,19 @@ from stages.lib.config import (
     Backend,
     CountOrAuto,
     LocalBackend,
-    ModelRef,
-    TinyModel,
     Verifier,
     VLLMBackend,
     backend_gpu_unit,
     backend_memory,
     backend_preset_path,
     check_backend,
-    check_model_ref,
     check_verifier,
     derive_backend,
 )
 from stages.lib.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
 from stages.lib.env_config import EnvironmentConfig, check_environment
+from stages.lib.model_config import ModelRef, TinyModel
+from stages.lib.model_path import check_model_ref
 
 
 class RLConfig(StageConfig):

@@ -9,15 +9,10 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import MemoryNeed, ResolveContext, StageConfig, stage
-from stages.lib.config import (
-    CountOrAuto,
-    ModelRef,
-    TinyModel,
-    Verifier,
-    check_model_ref,
-    check_verifier,
-)
+from stages.lib.config import CountOrAuto, Verifier, check_verifier
 from stages.lib.ds_config import trainer_memory, trainer_memory_changes
+from stages.lib.model_config import ModelRef, TinyModel
+from stages.lib.model_path import check_model_ref
 
 
 class TrainConfig(StageConfig):

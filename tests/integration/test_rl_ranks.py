@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from stages.lib.config import TinyModel
 from stages.lib.ds_config import build_ds_config
 from stages.lib.launch import Ranks, launch
+from stages.lib.model_config import TinyModel
 from stages.rl import RLConfig
 from stages.rl.roles.channel import StageEnd
 from stages.rl.roles.spec import ActorSpec

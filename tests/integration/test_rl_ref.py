@@ -113,10 +113,10 @@ def test_two_zero3_reference_ranks_score_an_uneven_batch_like_one_whole_model(tm
     import threading
     from dataclasses import asdict
 
-    from stages.lib.config import TinyModel
     from stages.lib.ds_config import build_ds_config
     from stages.lib.launch import Ranks, launch
     from stages.lib.model import build_tiny_model
+    from stages.lib.model_config import TinyModel
     from stages.rl import RLConfig
     from stages.rl.algo.logprobs import Sample
     from stages.rl.roles.channel import StageEnd

@@ -30,8 +30,8 @@ def _cached_models() -> int:
 def test_stage_end_releases_cached_models(tmp_path: Path):
     from distributed import Client
 
-    from stages.lib.config import TinyModel
     from stages.lib.model import build_tiny_model
+    from stages.lib.model_config import TinyModel
 
     build_tiny_model(
         TinyModel(hidden_size=32, num_layers=1, num_heads=2, vocab_size=300),

@@ -2,7 +2,7 @@
 
 The test walks (with `ast`) every `raise` of an exception built with a message in
 `stages/**/*.py` outside the plan side (each kind's config module `stages/<kind>/__init__.py`
-and the shared rule modules `stages/lib/config.py`, `stages/lib/ds_config.py`,
+and the shared rule modules `stages/lib/config.py`, `model_config.py`, `model_path.py`, `stages/lib/ds_config.py`,
 `stages/lib/env_config.py`, whose errors
 are plan-time errors already) and outside `stages/collect/tune/` (the `pipe tune` command,
 whose own refusals are located errors before it measures anything). Each raise site must
@@ -35,7 +35,13 @@ import pytest
 from tests.conftest import ROOT, run_cli, stub_checkpoint
 
 Kind = Literal["plan", "data", "environment", "internal", "transient"]
-PLAN_SIDE = ("stages/lib/config.py", "stages/lib/ds_config.py", "stages/lib/env_config.py")
+PLAN_SIDE = (
+    "stages/lib/config.py",
+    "stages/lib/model_config.py",
+    "stages/lib/model_path.py",
+    "stages/lib/ds_config.py",
+    "stages/lib/env_config.py",
+)
 NOT_RUN_PATH = ("stages/collect/tune/",)
 
 
@@ -260,7 +266,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ("p.yaml:3:52: stages.t.config.model: num_heads 3 must divide hidden_size 128",),
         )
     ),
-    ("stages/lib/families.py", "no package ships the real vocabulary"): plan(
+    ("stages/lib/family_specs.py", "no package ships the real vocabulary"): plan(
         Case(
             TINY.format(config="model: {family: gemma, vocab: real}"),
             (
@@ -269,7 +275,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/families.py", "vocab 'real' for family '{}' reads {} fr"): environment(
+    ("stages/lib/family_specs.py", "vocab 'real' for family '{}' reads {} fr"): environment(
         "the package shipping the vocabulary is installed, or not, where the stage runs"
     ),
     ("stages/lib/families.py", "unknown family '{}'; expected one of {}"): plan(

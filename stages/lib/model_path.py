@@ -1,0 +1,49 @@
+"""The plan-time check of a checkpoint path (`model:`, `checkpoints`, `backend.model`).
+
+Input: the resolved (absolute, or kept as written) path and the stage's `ResolveContext`.
+Output: located diagnostics: a folder that does not exist, or holds no `config.json`; a hub id,
+named as such (runs are offline: nothing is fetched from a model hub). An earlier stage's
+output (made when it runs) and a remote URL pass.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from engine.errors import Diagnostic
+from engine.stage import ResolveContext
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_checkpoint(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:
+    """A checkpoint path as runs read it: a local folder holding `config.json`, or an output
+    of an earlier stage (made when that stage runs). Runs are offline (nothing is fetched from
+    a model hub), so a hub id is named as such and refused; a remote URL (`s3://...`) is read
+    through fsspec at run time and not checked here."""
+    if ctx.is_produced(value) or "://" in value:
+        return []
+    if os.path.isdir(value):
+        if os.path.isfile(os.path.join(value, "config.json")):
+            return []
+        return [
+            ctx.error(
+                field,
+                f"'{value}' holds no config.json: not a Hugging Face checkpoint folder",
+            )
+        ]
+    hub = (
+        f"; as a Hugging Face hub id it would need a download, and runs are offline: fetch it "
+        f"first (`huggingface-cli download {value} --local-dir DIR`) and point {field} at DIR"
+        if HUB_ID.match(value)
+        else ""
+    )
+    where = "" if value.startswith("/") else " (relative to the pipeline's folder)"
+    return [ctx.error(field, f"no checkpoint folder '{value}'{where}{hub}")]
+
+
+def check_model_ref(ctx: ResolveContext, field: str, model: Any) -> list[Diagnostic]:
+    """`model` as a path (`check_checkpoint`); a tiny-model spec is built by the run."""
+    return check_checkpoint(ctx, field, model) if isinstance(model, str) else []
