@@ -72,6 +72,23 @@ def view_gpus(declared: Any, view: Any) -> int | None:
     return None
 
 
+def auto_gpus(loaded: Any, view: Any, cluster: str | None) -> tuple[int | None, str, Any]:
+    """`cluster.gpus: auto` without a live cluster: a declared `--cluster`'s GPUs, else, for
+    the embedded cluster (`scheduler: local`), the GPUs `pipe run` will give its workers
+    (visible on this machine, read without torch) and that machine as the cluster placed on;
+    a remote scheduler's are known once connected. Returns (gpus, where from, view)."""
+    from engine.cluster.connect import local_gpus, scheduler_address
+
+    spec = loaded.spec.cluster
+    if spec.gpus != "auto":
+        return None, "", view
+    if view is not None:
+        return view_gpus(spec.gpus, view), f"from --cluster {cluster}", view
+    if scheduler_address(None, spec.scheduler) != "local":
+        return None, "", None
+    return local_gpus(spec.gpus_per_node)
+
+
 set_option = click.option(
     "--set",
     "overrides",
@@ -157,8 +174,8 @@ def build_plan(
         view = load_cluster_spec(cluster)
     with _gc_paused():
         loaded = load_pipeline(path, overrides)
-        gpus = view_gpus(loaded.spec.cluster.gpus, view)
-        result = plan(resolve(loaded, run_dir=run_dir, gpus=gpus), view)
+        gpus, source, view = auto_gpus(loaded, view, cluster)
+        result = plan(resolve(loaded, run_dir=run_dir, gpus=gpus, gpus_from=source), view)
     for note in result.resolved.notes if notes else ():
         click.echo(note.render(), err=True)
     return result

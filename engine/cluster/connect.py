@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.cluster.worker_setup import PRELOAD
+from engine.plan.cluster import ClusterView, Worker
 
 if TYPE_CHECKING:
     from engine.cluster.slurm import SlurmRequest
@@ -154,7 +155,8 @@ def visible_gpus() -> int:
     if env is not None:
         return len([d for d in env.split(",") if d.strip() and d.strip() != "-1"])
     if shutil.which("nvidia-smi") is None:
-        return 0
+        proc = "/proc/driver/nvidia/gpus"  # the driver's own list, where its tool is missing
+        return len(os.listdir(proc)) if os.path.isdir(proc) else 0
     try:
         out = subprocess.run(
             ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False
@@ -162,6 +164,27 @@ def visible_gpus() -> int:
     except (OSError, subprocess.SubprocessError):
         return 0
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def local_gpus(gpus_per_node: int) -> tuple[int, str, ClusterView | None]:
+    """`cluster.gpus: auto` for the embedded cluster, before it starts: the GPUs `connect`
+    will give its workers (`visible_gpus`), where that figure came from, and the machine as
+    one node holding them (None without GPUs)."""
+    gpus = visible_gpus()
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    why = (
+        "CUDA_VISIBLE_DEVICES"
+        if env is not None
+        else "nvidia-smi -L"
+        if shutil.which("nvidia-smi")
+        else "/proc/driver/nvidia/gpus, no nvidia-smi"
+    )
+    if not gpus:
+        return 0, f"no GPU visible on this machine, by {why}", None
+    names = [d.strip() for d in (env or "").split(",") if d.strip() and d.strip() != "-1"]
+    ids = tuple(int(d) for d in names) if all(d.isdigit() for d in names) and names else ()
+    worker = Worker(None, "local", ids or tuple(range(gpus)))
+    return gpus, f"visible on this machine, by {why}", ClusterView((worker,), gpus_per_node)
 
 
 def scheduler_address(cli: str | None, pipeline: str) -> str:

@@ -135,11 +135,36 @@ def plan(resolved: ResolvedPipeline, cluster: ClusterView | None = None) -> Plan
         for name in order
     }
     placement = place(resolved, order, cluster) if cluster is not None else None
+    if resolved.gpus_auto is not None:
+        resolved.notes.append(auto_note(resolved, placement))
     memory = None
     if placement is not None and cluster is not None:
         memory, warnings = check_memory(resolved, placement, cluster, _grower(resolved, cluster))
         resolved.notes.extend(warnings)
     return Plan(resolved, order, stages, cluster, placement, memory)
+
+
+def auto_note(resolved: ResolvedPipeline, placement: Placement | None) -> Diagnostic:
+    """What `cluster.gpus: auto` came to, from where, and where that puts the stages asking
+    for GPUs: on the CPU at 0, else on the devices the placement gave them."""
+    auto = resolved.gpus_auto
+    assert auto is not None
+    head = f"auto -> {auto.gpus} ({auto.source})"
+    if not auto.gpus:
+        wanting = f" ({', '.join(auto.wanting)} would take GPUs)" if auto.wanting else ""
+        message = f"{head}: stages run on the CPU{wanting}"
+    elif placement is None or not placement.stages:
+        message = head
+    else:
+        where: dict[str, list[str]] = {}
+        for name, slots in placement.stages.items():
+            ids = sorted({(s.node, d) for s in slots for d in s.devices})
+            nodes = {n for n, _ in ids}
+            shown = ", ".join(str(d) if len(nodes) == 1 else f"{n}:{d}" for n, d in ids)
+            where.setdefault(f"GPU{'s' if len(ids) > 1 else ''} {shown}", []).append(name)
+        message = head + ": " + "; ".join(f"{', '.join(n)} on {d}" for d, n in where.items())
+    loc = resolved.loaded.doc.value_loc(("cluster", "gpus"))
+    return Diagnostic(loc, "cluster.gpus", message, "note")
 
 
 def _grower(resolved: ResolvedPipeline, cluster: ClusterView) -> Grow:

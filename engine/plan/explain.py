@@ -49,7 +49,10 @@ def explain(plan: Plan) -> str:
     lines.append(f"run directory: {res.run_dir}")
     c = spec.cluster
     workers = f", {c.workers} workers" if c.scheduler == "local" else ""
-    lines.append(f"cluster: {c.scheduler}{workers}, {c.gpus} GPUs, {c.gpus_per_node} per node")
+    gpus = f"{c.gpus} GPUs"
+    if res.gpus_auto is not None:
+        gpus = f"auto -> {res.gpus_auto.gpus} GPUs ({res.gpus_auto.source})"
+    lines.append(f"cluster: {c.scheduler}{workers}, {gpus}, {c.gpus_per_node} per node")
     lines.append(f"colocate: {_value(res.colocate)}  <- {res.colocate_source.render()}")
     lines.append("roles:")
     for role, alloc in plan.as_dict()["roles"].items():

@@ -40,6 +40,10 @@ elements) plus the gathered weights it keeps alive (up to `stage3_max_live_param
 v for the denominator: of all the tensors it steps at once on a GPU (foreach, then in
 place), of one tensor at a time on the CPU (two: the square root, then the quotient), the
 largest the peak; under ZeRO 1-3 the tensor stepped is the rank's flat partition; with `adam_offload` DeepSpeed's CPU Adam steps in place on the host.
+ZeRO-1/2 with `adam_offload` add, while backward runs, the offload path's own device
+buffers (`offload_buffers`, each beside the line of DeepSpeed 0.19.8 that allocates it): a
+staging buffer of the largest tensor, and for the gradient on its way to the host a copy of
+it (an oversized gradient is cloned) and its fp64 copy for the norm.
 
 A rank that trains on the CPU (`cpu_rank_bytes`) holds all of it in its RSS: the per-GPU
 parts, DeepSpeed's host figure under offload (its 1.5 margin is real there: the offloaded
@@ -227,6 +231,34 @@ def ds_buckets(hidden: int, zero: int) -> dict[str, int]:
     return {"reduce_bucket_size": hidden * hidden} if zero in (1, 2) else {}
 
 
+def largest_tensor(shape: ModelShape) -> int:
+    """Elements of the model's largest weight tensor (DeepSpeed's `largest_param_numel`): the
+    embedding or the output layer, else an MLP or attention projection."""
+    return max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate, shape.hidden**2)
+
+
+def offload_buffers(largest: int, params: int, dp: int, bf16: bool, bucket: int) -> dict[str, int]:
+    """ZeRO-1/2's device buffers under `offload_optimizer: cpu` beside the reduce bucket, alive
+    together while backward runs (DeepSpeed 0.19.8, deepspeed/runtime/zero/stage_1_and_2.py).
+    The fp32 master, its gradient and the bit16 staging copy are on the host (:560-575, :937,
+    `self.device` is 'cpu' under offload: :278), so they are not here."""
+    w, n = (2 if bf16 else 4), max(dp, 1)
+    return {
+        # requirement found in stage_1_and_2.py:659: `temp_grad_buffer_for_gpu_offload =
+        # torch.zeros(largest_param_numel, device=<accelerator>, dtype=self.dtype)`, kept
+        "staging": w * largest,
+        # requirement found in stage_1_and_2.py:1443-1446: with offload (`_offload_gradient_
+        # safety_enabled`, :232) a gradient larger than the reduce bucket is cloned, and the
+        # clone is held until the next gradient's hook reduces it (:1422-1424) and copies it
+        # to the host (:2271, `copy_grads_in_partition` :2161-2178)
+        "clone": w * largest if largest > bucket else 0,
+        # requirement found in stage_1_and_2.py:1886: `set_norm_for_param_grad_in_gpu` takes
+        # the norm of `accumulated_grad.data.to(get_norm_dtype())`, fp64 wherever the
+        # accelerator has it (runtime/zero/utils.py:59): a copy of this rank's slice
+        "norm": 8 * min(largest, -(-params // n)),
+    }
+
+
 def buffers(
     shape: ModelShape, zero: int, dp: int, offload: bool, bf16: bool, overlap: bool, cpu: bool
 ) -> int:
@@ -235,7 +267,10 @@ def buffers(
     if zero == 0:
         comm = w * min(p, ALLREDUCE_BUCKET)
     elif zero < 3:
-        comm = w * ds_buckets(shape.hidden, zero)["reduce_bucket_size"] * (2 if overlap else 1)
+        bucket = ds_buckets(shape.hidden, zero)["reduce_bucket_size"]
+        comm = w * bucket * (2 if overlap else 1)
+        if offload:
+            comm += sum(offload_buffers(largest_tensor(shape), p, dp, bf16, bucket).values())
     else:  # allocated whole on a GPU; on the CPU only the pages the gradients reach count
         bucket = min(p, REDUCE_BUCKET) if cpu else REDUCE_BUCKET
         comm = w * (min(p, MAX_LIVE_PARAMETERS) + bucket)

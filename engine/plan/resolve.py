@@ -22,13 +22,13 @@ from __future__ import annotations
 import copy
 import os
 import posixpath
-from collections.abc import Set as AbstractSet
 from typing import Any
 
 from pydantic import ValidationError
 
 from engine.errors import Diagnostic, Location, PipeError, did_you_mean, found
-from engine.plan.resolved import DEFAULT, ResolvedPipeline, ResolvedStage, Source
+from engine.plan.paths import leaves
+from engine.plan.resolved import DEFAULT, GpusAuto, ResolvedPipeline, ResolvedStage, Source
 from engine.plan.resources import allocate, ratio_text, refused_roles
 from engine.spec.load import LoadedPipeline, stage_config_data
 from engine.spec.presets import PresetSource, load_preset
@@ -50,9 +50,11 @@ def default_run_dir(loaded: LoadedPipeline) -> str:
 
 
 def resolve(
-    loaded: LoadedPipeline, run_dir: str | None = None, gpus: int | None = None
+    loaded: LoadedPipeline, run_dir: str | None = None, gpus: int | None = None, gpus_from: str = ""
 ) -> ResolvedPipeline:
-    """Resolve presets, references, paths and resources; raise `PipeError` with every problem."""
+    """Resolve presets, references, paths and resources; raise `PipeError` with every problem.
+    `gpus` is what `cluster.gpus: auto` came to, `gpus_from` where from (none: a stand-in
+    count); read as 0, the stages' GPU requests (`resources.gpus`, roles) are dropped: CPU."""
     spec = loaded.spec
     base = loaded.base_dir
     profile = load_preset("profile", spec.profile, base, spec.presets)
@@ -60,6 +62,7 @@ def resolve(
     state = _State(loaded, run_dir or default_run_dir(loaded), profile, memory)
     colocate, colocate_source = state.colocation()
     total = gpus if gpus is not None else spec.cluster.gpus
+    state.cpu_only = spec.cluster.gpus == "auto" and total == 0 and bool(gpus_from)
     roles: dict[str, RoleAlloc] = {}
     used = state.used_roles()
     state.refused = refused_roles(loaded.doc, spec, used, state.errors)
@@ -86,8 +89,12 @@ def resolve(
             key = preset.preset.kind
             state.note("warning", loaded.doc.value_loc((key,)), key, preset.preset.caution)
     ordered = {n: stages[n] for n in spec.stages if n in stages}
+    auto = None
+    if spec.cluster.gpus == "auto" and isinstance(total, int) and gpus_from:
+        wanting = tuple(n for n in ordered if n in state.wanting or ordered[n].gpus)
+        auto = GpusAuto(total, gpus_from, wanting)
     return ResolvedPipeline(
-        loaded, state.run_dir, colocate, colocate_source, roles, ordered, state.notes
+        loaded, state.run_dir, colocate, colocate_source, roles, ordered, state.notes, auto
     )
 
 
@@ -105,6 +112,8 @@ class _State:
         self.errors: list[Diagnostic] = []
         self.notes: list[Diagnostic] = []
         self.alloc_failed, self.refused = False, set[str]()  # refused: their role is refused
+        self.cpu_only = False  # `cluster.gpus: auto` came to 0
+        self.wanting: set[str] = set()  # stages whose GPU requests that dropped
 
     def note(self, severity: str, where: Location | None, path: str, message: str) -> None:
         self.notes.append(Diagnostic(where, path, message, severity))
@@ -335,7 +344,7 @@ class _State:
                 set_at(merged, target, copy.deepcopy(setting.value))
                 sources[dotted] = self.preset_source(preset, key)
         own = spec.stages[name].config
-        for path, value in _leaves(user, nested_blocks(kind.config)):
+        for path, value in leaves(user, nested_blocks(kind.config)):
             dotted = ".".join(map(str, path))
             top = str(path[0])
             origin: PathT = ("stages", name, "config", *path) if top in own else ("defaults", *path)
@@ -364,6 +373,9 @@ class _State:
 
     def stage_gpus(self, name: str, roles: dict[str, RoleAlloc]) -> int:
         res = self.loaded.spec.stages[name].resources
+        if self.cpu_only and (res.gpus or res.role or self.kind_roles(name)):
+            self.wanting.add(name)  # `cluster.gpus: auto` came to 0: on the CPU
+            return 0
         if res.gpus is not None:
             return res.gpus
         if res.role is None:
@@ -386,15 +398,3 @@ class _State:
             )
         )
         return 0
-
-
-def _leaves(data: dict[str, Any], blocks: AbstractSet[str]) -> list[tuple[PathT, Any]]:
-    """Leaf values of a config: the values of its nested blocks one by one, the rest whole
-    (lists and free-form mappings are one value each)."""
-    out: list[tuple[PathT, Any]] = []
-    for key, value in data.items():
-        if isinstance(value, dict) and value and key in blocks:
-            out.extend(((key, k), v) for k, v in value.items())
-        else:
-            out.append(((key,), value))
-    return out

@@ -45,6 +45,16 @@ class ResolvedStage:
 
 
 @dataclass(frozen=True)
+class GpusAuto:
+    """`cluster.gpus: auto` resolved: the count, where it came from, and the stages that take
+    GPUs when there are some (they run on the CPU when the count is 0)."""
+
+    gpus: int
+    source: str
+    wanting: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ResolvedPipeline:
     """The pipeline after presets, references, paths and resources are resolved."""
 
@@ -55,6 +65,7 @@ class ResolvedPipeline:
     roles: dict[str, RoleAlloc]
     stages: dict[str, ResolvedStage]
     notes: list[Diagnostic] = field(default_factory=list)
+    gpus_auto: GpusAuto | None = None
 
     @property
     def name(self) -> str:

@@ -106,20 +106,20 @@ def _run_pipeline(req: RunRequest) -> RunReport:
     loaded = load_pipeline(req.pipeline, req.overrides)
     _check_names(loaded, req.options)
     address = scheduler_address(req.scheduler, loaded.spec.cluster.scheduler)
-    planned = plan(resolve(loaded, run_dir=req.run_dir, gpus=_declared(loaded)))
+    gpus, source = _declared(loaded, address)
+    planned = plan(resolve(loaded, run_dir=req.run_dir, gpus=gpus, gpus_from=source))
     connection = _Connection(address, loaded.spec.cluster.workers, _slurm(address, planned))
     connection.dashboard = req.dashboard or wants_dashboard(loaded.spec.tracking)
-    if loaded.spec.cluster.gpus != "auto" and not any(
+    if (loaded.spec.cluster.gpus != "auto" or (source and not gpus)) and not any(
         s.resolved.gpus for s in planned.stages.values()
     ):
         return _execute(planned, req, connection, None)
     with connection as cluster:
         view = view_from_workers(cluster.worker_info(), loaded.spec.cluster.gpus_per_node)
-        gpus = None
+        gpus, source = None, ""
         if loaded.spec.cluster.gpus == "auto":
-            gpus = len(view.devices())
-            log.info("cluster.gpus: auto -> %d (from the workers' resources)", gpus)
-        placed = plan(resolve(loaded, run_dir=req.run_dir, gpus=gpus), view)
+            gpus, source = len(view.devices()), "from the workers' resources"
+        placed = plan(resolve(loaded, run_dir=req.run_dir, gpus=gpus, gpus_from=source), view)
         if placed.placement is not None and placed.placement.stages:
             log.info("placement:\n%s", placed.placement.render_text(view).rstrip())
         return _execute(placed, req, connection, cluster)
@@ -138,9 +138,18 @@ def _slurm(address: str, planned: Plan) -> SlurmRequest | None:
     return slurm
 
 
-def _declared(loaded: LoadedPipeline) -> int | None:
-    """Plan `cluster.gpus: auto` before connecting as if the workers had none."""
-    return 0 if loaded.spec.cluster.gpus == "auto" else None
+def _declared(loaded: LoadedPipeline, address: str) -> tuple[int | None, str]:
+    """`cluster.gpus: auto` before connecting: the embedded cluster's GPUs are this machine's
+    (`local_gpus`, what `connect` gives its workers); a remote cluster's are read once
+    connected, planned till then as none (a stand-in: no source, nothing dropped)."""
+    if loaded.spec.cluster.gpus != "auto":
+        return None, ""
+    if address == "local":
+        from engine.cluster.connect import local_gpus
+
+        gpus, source, _ = local_gpus(loaded.spec.cluster.gpus_per_node)
+        return gpus, source
+    return 0, ""
 
 
 class _Connection:

@@ -56,7 +56,9 @@ class ClusterSpec(Model):
         2, gt=0, description="Worker processes of the embedded LocalCluster (local only)."
     )
     gpus: int | Literal["auto"] = Field(
-        0, description="Total GPUs, or auto (read from the Dask workers' resources at run time)."
+        0,
+        description="Total GPUs, or auto: the Dask workers' (the embedded cluster's: this "
+        "machine's visible GPUs); with none, the stages' GPU requests run on the CPU.",
     )
     gpus_per_node: int = Field(
         8, gt=0, description="GPUs on one node; a tensor-parallel group never spans nodes."

@@ -182,3 +182,91 @@ def test_a_70b_full_fine_tune_is_refused_with_the_changes_that_fit(tmp_path: Pat
         "vllm",
     }
     assert sft["gpu_bytes"] < 80 * 10**9
+
+
+PROBE = """\
+import json, torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from stages.lib.rank import init_distributed
+init_distributed("deepspeed", "cpu", 1)
+import deepspeed
+torch.manual_seed(0)
+model = torch.nn.Sequential(
+    torch.nn.Embedding(512, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 512, bias=False)
+)
+ds = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+      "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False,
+                            "reduce_bucket_size": 64 * 64, "offload_optimizer": {"device": "cpu"}},
+      "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+made = []
+class Record(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            made.append((func.overloadpacket.__name__, str(out.dtype), out.numel()))
+        return out
+loss = engine(torch.randint(0, 512, (2, 16))).logsumexp(-1).mean()
+with Record():
+    engine.backward(loss)
+staging = engine.optimizer.temp_grad_buffer_for_gpu_offload
+print("RESULT " + json.dumps({"staging": [str(staging.dtype), staging.numel()], "made": made}))
+"""
+
+
+def test_zero2_offload_buffers_are_the_ones_deepspeed_allocates():
+    """DeepSpeed's ZeRO-2 offload path on the CPU accelerator, one rank: the staging buffer it
+    keeps, and the gradient clone and fp64 norm copy it makes during backward, each the size
+    `offload_buffers` counts (the largest tensor: the 512 x 64 embedding and output layer,
+    larger than the 64^2 reduce bucket)."""
+    pytest.importorskip("deepspeed")
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from engine.plan.memory import offload_buffers
+    from tests.conftest import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1"}
+    env |= {"MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=180
+    )
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, out.stderr[-3000:]
+    seen = json.loads(lines[0][7:])
+    made = seen["made"]
+
+    def largest(op: str, dtype: str) -> int:
+        return max(n for name, d, n in made if name == op and d == dtype)
+
+    params = 512 * 64 + 64 * 64 + 64 + 64 * 512
+    assert seen["staging"] == ["torch.float32", 512 * 64]
+    assert offload_buffers(512 * 64, params, 1, bf16=False, bucket=64 * 64) == {
+        "staging": 4 * seen["staging"][1],
+        "clone": 4 * largest("clone", "torch.float32"),
+        "norm": 8 * largest("_to_copy", "torch.float64"),
+    }
+
+
+def test_zero2_offload_on_one_h100_is_within_15_percent_of_what_it_measured():
+    """`test_memory_measured.py`'s case (bench/memory.py: a Llama of hidden 512, 8 layers, a
+    32000 vocabulary; fp32, micro batch 2 of 128 tokens, one rank) measured 741.5 MB of
+    `torch.cuda.max_memory_allocated` on an H100 under ZeRO-2 with `adam_offload`."""
+    spec = {**LLAMA["7B"], "hidden_size": 512, "num_hidden_layers": 8}
+    spec |= {"num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 2048}
+    need = MemoryNeed(
+        "actor", "trainer", spec, zero_stage=2, adam_offload=True, micro_batch=2, seq_len=128
+    )
+    est = estimate(need, 1, 1, None)
+    largest = 32000 * 512  # the embedding, and the output layer
+    # the reduce bucket (512^2 fp32), the staging buffer, the gradient's clone, its fp64 copy
+    assert est is not None and est.parts["buffers"] == 4 * 512**2 + (4 + 4 + 8) * largest
+    assert est.gpu_bytes == 653_559_808  # was 391_415_808 without the offload buffers
+    measured = 741.5e6
+    assert measured == pytest.approx(est.gpu_bytes, rel=0.15)

@@ -15,6 +15,12 @@ PIPELINES = sorted((ROOT / "pipelines").glob("*.yaml"))
 GOLDEN = DATA / "explain"
 
 
+@pytest.fixture(autouse=True)
+def _no_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan as on a machine without GPUs (`cluster.gpus: auto` reads this machine's)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 @pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.stem)
 def test_explain_full_text(path: Path):
     result = run_cli("plan", f"pipelines/{path.name}", "--explain", cwd=ROOT)
