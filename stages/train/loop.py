@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from stages.lib.logits import scored_only
 from stages.lib.track import Metrics
 from stages.train import ckpt as train_ckpt
 from stages.train.batch import BatchPlan, Micro, Step
@@ -98,8 +99,10 @@ class Loop:
         for i, micro in enumerate(micros):
             self.trainer.begin_micro(i == len(micros) - 1)
             batch = collate(micro, self.data.examples, self.pad_id, self.cfg.packing_samples)
-            logits = self.trainer.forward(batch.model_inputs(self.device))
-            loss_sum, extra = self._loss(micro, batch, logits)
+            scored = batch.scored(self.device)  # logits only where the loss reads them
+            with scored_only(self.trainer.module, scored):
+                logits = self.trainer.forward(batch.model_inputs(self.device))
+            loss_sum, extra = self._loss(micro, batch, scored, logits)
             self.trainer.backward(loss_sum * (self.world / norm))
             sums += torch.tensor([loss_sum.item(), *extra], dtype=torch.float64)
         grad_norm = self.trainer.step()
@@ -116,14 +119,15 @@ class Loop:
         return out
 
     def _loss(
-        self, micro: Micro, batch: Batch, logits: torch.Tensor
+        self, micro: Micro, batch: Batch, scored: torch.Tensor, logits: torch.Tensor
     ) -> tuple[torch.Tensor, list[float]]:
+        """The micro batch's summed loss from `logits` at its `scored` positions."""
         if self.cfg.algorithm != "dpo":
-            return sft_loss_sum(logits, batch), [0.0, 0.0]
+            return sft_loss_sum(logits, batch.at(scored)), [0.0, 0.0]
         if micro.dummy:
             return logits.sum() * 0.0, [0.0, 0.0]
         order = self._pair_order(micro, batch)
-        policy = sequence_logprobs(logits, batch)[order]
+        policy = sequence_logprobs(logits, batch.at(scored))[order]
         losses, margins = dpo_terms(policy, self._reference(micro, batch, order), self.cfg.beta)
         return losses.sum(), [float((margins > 0).sum()), float(margins.sum())]
 
@@ -136,9 +140,10 @@ class Loop:
         """The frozen reference model's (chosen, rejected) log-probabilities, cached per pair."""
         if any(u not in self._ref_cache for u in micro.units):
             assert self.reference is not None
-            with torch.no_grad():
+            scored = batch.scored(self.device)
+            with torch.no_grad(), scored_only(self.reference, scored):
                 logits = self.reference(**batch.model_inputs(self.device)).logits
-                lp = sequence_logprobs(logits, batch)[order].detach()
+                lp = sequence_logprobs(logits, batch.at(scored))[order].detach()
             for k, u in enumerate(micro.units):
                 self._ref_cache[u] = lp[2 * k : 2 * k + 2]
         return torch.cat([self._ref_cache[u] for u in micro.units])

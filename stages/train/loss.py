@@ -17,7 +17,7 @@ packed row forms a sequence of its own, masked out of the loss.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,6 +40,16 @@ class Batch:
     slots: torch.Tensor  # slots[r, t]: index of the sequence in `seqs` that target belongs to
     seqs: tuple[int, ...]  # sequence ids in slot order
     tokens: int  # real (non-pad) tokens
+
+    def scored(self, device: torch.device | str) -> torch.Tensor:
+        """Where a loss reads the logits: the positions with a target (`stages.lib.logits`)."""
+        return (self.targets != IGNORE).to(device)
+
+    def at(self, scored: torch.Tensor) -> Batch:
+        """This batch with targets and slots at the `scored` positions only, as one row: what
+        the logits of a forward under `scored_only(model, scored)` line up with."""
+        mask = scored.cpu()
+        return replace(self, targets=self.targets[mask][None], slots=self.slots[mask][None])
 
     def model_inputs(self, device: torch.device | str) -> dict[str, Any]:
         out: dict[str, Any] = {"input_ids": self.input_ids.to(device), "use_cache": False}

@@ -11,44 +11,23 @@ ZeRO optimizers' backward flags, and autocast applies only there. The vocabulary
 runs only where a loss reads: padded, over the positions from the batch's first completion
 token on (transformers' `logits_to_keep`, the last K positions); packed, over the scored
 positions alone, which a pre-hook on the output embeddings selects from the hidden states
-(the same on every transformers release: a 2-D `logits_to_keep` is new in 5.24 and raises
-`IndexError` in 5.17). The actor (with gradients),
+(`stages.lib.logits.scored_only`: the same on every transformers release, where a 2-D
+`logits_to_keep` is new in 5.24 and raises `IndexError` in 5.17). The actor (with gradients),
 the reference and the engine (for the probe after a sync) call the same code, so equal
 weights give equal numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from stages.lib.logits import scored_only
 from stages.rl.algo.loss import entropy, token_logprobs
 from stages.rl.algo.packing import layout
-
-
-@contextmanager
-def scored_only(module: torch.nn.Module, mask: torch.Tensor | None) -> Iterator[None]:
-    """While open, `module`'s vocabulary projection sees only the hidden states where `mask`
-    ([rows, width]) is True, flattened row-major as one row: logits come out `[1, N, vocab]`.
-    A forward pre-hook, so the pass still enters through the model's top-level forward."""
-    if mask is None:
-        yield
-        return
-    head = module.get_output_embeddings()  # type: ignore[operator]
-    assert isinstance(head, torch.nn.Module), f"{type(module).__name__} has no output embeddings"
-
-    def select(_: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (args[0][mask].unsqueeze(0), *args[1:])
-
-    handle = head.register_forward_pre_hook(select)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 @dataclass(frozen=True)
