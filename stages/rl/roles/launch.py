@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from stages.rl.roles.channel import ActorGone
 from stages.rl.roles.layout import local_ranks, rendezvous, role_table, role_workers, worker_host
 
 if TYPE_CHECKING:
@@ -91,7 +92,14 @@ class Roles:
         if ranks is not None:
             thread = start_ranks(self.cfg, self.ctx, role, path, ranks, self.errors)
         alive = thread.is_alive if thread is not None else self.remote_alive
-        end.accept(alive, timeout_s=600)
+        try:
+            end.accept(alive, timeout_s=600)
+        except ActorGone:
+            if thread is not None:  # the ranks' own failure (exit status, their log's last
+                thread.join(timeout=30)  # lines) says why; "exited before connecting" does not
+            if self.errors:
+                raise self.errors[0] from None
+            raise
         return thread
 
     def remote_alive(self) -> bool:
