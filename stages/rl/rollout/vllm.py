@@ -40,6 +40,7 @@ from engine.stage import visible_names
 from stages.lib.config import VLLMBackend
 from stages.lib.generate import Generation
 from stages.lib.prompt import Prompt
+from stages.lib.tokens import pad_id
 from stages.rl.algo.logprobs import Sample
 from stages.rl.rollout.vllm_requests import HTTPRollouts
 
@@ -265,8 +266,7 @@ class VLLMEngine:
 
     @property
     def pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+        return pad_id(self.tokenizer)
 
     def close(self) -> None:
         self._stack.close()
