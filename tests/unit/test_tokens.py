@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from stages.lib.family_specs import FAMILIES as SPECS  # noqa: E402
-from stages.lib.tokens import answer_end, checkpoint_eos_ids  # noqa: E402
+from stages.lib.tokens import answer_end, checkpoint_eos_ids, eos_ids, pad_id  # noqa: E402
 from tests.families import FAMILIES  # noqa: E402
 
 torch.set_num_threads(1)
@@ -136,3 +136,45 @@ def test_generation_stops_at_every_eos_and_the_templates_end_of_turn(family, fam
     stops = {fam.eos, *fam.stop, *fam.config_stop, END[family][1]}
     assert _eos_ids(model, tok) == {tok.convert_tokens_to_ids(t) for t in stops}
     assert set(checkpoint_eos_ids(str(path), tok)) == _eos_ids(model, tok)
+
+
+def test_a_base_chatml_tokenizer_trains_answers_to_end_with_im_end(family_checkpoint):
+    """A base tokenizer's eos is `<|endoftext|>`; its template still closes turns with
+    `<|im_end|>`: that is what an answer ends with, in training, the probe and the stops."""
+    from stages.rl.rollout.prompts import probe_ids
+
+    tok = tokenizer_of("chatml", family_checkpoint)
+    tok.eos_token = "<|endoftext|>"
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    example = sft_example(tok, [{"prompt": QUESTION, "completion": "5", "reward": 1.0}])
+    trained = [t for t in example.labels() if t != -100]
+    assert trained[-1] == im_end and example.input_ids[-1] == im_end
+    assert tok.eos_token_id not in example.input_ids
+    ids, start = probe_ids(tok, QUESTION, "5")
+    assert ids[-1] == im_end and ids == example.input_ids and start == example.prompt_len
+    assert eos_ids(tok) == [tok.eos_token_id, im_end]
+    assert pad_id(tok) == tok.convert_tokens_to_ids("<|endoftext|>")
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "tiny"])
+def test_an_sft_row_of_one_turn_is_the_chat_templates_tokens(family, family_checkpoint):
+    tok = tokenizer_of(family, family_checkpoint)
+    expected = rendered_ids(tok, ONE_TURN)
+    for row in ({"messages": ONE_TURN}, {"prompt": QUESTION, "completion": "5"}):
+        example = sft_example(tok, [row])
+        assert list(example.input_ids) == expected
+        trained = [t for t in example.labels() if t != -100]
+        assert trained == tok("5", add_special_tokens=False)["input_ids"] + list(
+            answer_end(tok).ids
+        )
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "tiny"])
+def test_an_sft_row_of_a_conversation_is_the_chat_templates_tokens(family, family_checkpoint):
+    """The text after a closing token (ChatML's newline) is put back between turns, untrained."""
+    tok = tokenizer_of(family, family_checkpoint)
+    example = sft_example(tok, [{"messages": TWO_TURNS}])
+    assert list(example.input_ids) == rendered_ids(tok, TWO_TURNS)
+    closing = list(answer_end(tok).ids)
+    turns = [list(example.input_ids[a:b]) for a, b in example.trained()]
+    assert turns == [tok(t, add_special_tokens=False)["input_ids"] + closing for t in "58"]
