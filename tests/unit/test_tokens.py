@@ -178,3 +178,23 @@ def test_an_sft_row_of_a_conversation_is_the_chat_templates_tokens(family, famil
     closing = list(answer_end(tok).ids)
     turns = [list(example.input_ids[a:b]) for a, b in example.trained()]
     assert turns == [tok(t, add_special_tokens=False)["input_ids"] + closing for t in "58"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_vllm_answer_stopped_on_another_stop_token_gets_no_unsampled_eos(
+    family, family_checkpoint
+):
+    """Issue 38: an answer stopped on `<|endoftext|>` got a `<|im_end|>` appended."""
+    from stages.rl.rollout.vllm_requests import HTTPRollouts
+
+    path = family_checkpoint(family)
+    tok = tokenizer_of(family, family_checkpoint)
+    engine = HTTPRollouts(["http://x"], tok, "m", {}, 1.0, 1, checkpoint_eos_ids(str(path), tok))
+    for stop in engine.stops:
+        for reason in (stop, None):
+            choice = {"finish_reason": "stop", "token_ids": [7, stop], "stop_reason": reason}
+            assert engine.generation(choice, [1]).token_ids == (7, stop)
+    left_out = {"finish_reason": "stop", "token_ids": [7], "stop_reason": engine.stops[-1]}
+    assert engine.generation(left_out, [1]).token_ids == (7, engine.stops[-1])
+    length = {"finish_reason": "length", "token_ids": [7, 8]}
+    assert engine.generation(length, [1]).token_ids == (7, 8)

@@ -40,7 +40,7 @@ from engine.stage import visible_names
 from stages.lib.config import VLLMBackend
 from stages.lib.generate import Generation
 from stages.lib.prompt import Prompt
-from stages.lib.tokens import pad_id
+from stages.lib.tokens import checkpoint_eos_ids, pad_id
 from stages.rl.algo.logprobs import Sample
 from stages.rl.rollout.vllm_requests import HTTPRollouts
 
@@ -261,7 +261,13 @@ class VLLMEngine:
             for name, p in zip(self.names, [p for p in places for _ in p["urls"]], strict=True)
         ]
         self.requests = HTTPRollouts(
-            self.urls, self.tokenizer, self.served, self._headers, timeout_s, parallel
+            self.urls,
+            self.tokenizer,
+            self.served,
+            self._headers,
+            timeout_s,
+            parallel,
+            checkpoint_eos_ids(model_dir, self.tokenizer),
         )
 
     @property
