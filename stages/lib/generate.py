@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.stage import at_stage_end
 from stages.lib.prompt import Prompt, prompt_ids
+from stages.lib.tokens import eos_ids, pad_id
 
 log = logging.getLogger("pipe.stages.lib.generate")
 
@@ -137,6 +138,7 @@ def generate_with(
     per_batch = max(1, batch_size // num_samples)
     rng = torch.Generator(device=model.device).manual_seed(seed)
     eos = _eos_ids(model, tokenizer)
+    pad = pad_id(tokenizer, getattr(model, "config", None))
     out: list[list[Generation]] = [[] for _ in prompts]
     started, produced = time.perf_counter(), 0
     for lo in range(0, len(order), per_batch):
@@ -144,7 +146,7 @@ def generate_with(
         rows = _decode(
             model,
             [encoded[i] for i in chunk],
-            pad=int(tokenizer.pad_token_id),
+            pad=pad,
             eos=eos,
             repeats=num_samples,
             temperature=temperature,
@@ -179,13 +181,10 @@ def generate_with(
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
-    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(extra, int):
-        ids.add(extra)
-    elif isinstance(extra, list | tuple):
-        ids.update(int(x) for x in extra)
-    return ids
+    """Every id that ends an answer: the tokenizer's, the config's and generation_config's
+    end-of-sequence ids, and the chat template's end-of-turn token (`stages.lib.tokens`)."""
+    config = getattr(model, "config", None)
+    return set(eos_ids(tokenizer, config, getattr(model, "generation_config", None)))
 
 
 def _decode(

@@ -9,8 +9,8 @@ The tiny models' chat template is deliberately plain:
 
 `format_prompt` renders a prompt up to and including the assistant marker
 through the tokenizer's own chat template (any Hugging Face checkpoint with
-one works the same way); training appends the target and the end-of-sequence
-token, generation continues from it. Tokenize its output with
+one works the same way); training appends the target and the template's closing
+token (`stages.lib.tokens.answer_end`), generation continues from it. Tokenize its output with
 `add_special_tokens=False` (the template already holds the BOS token).
 """
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from stages.lib.tokens import answer_end
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -76,9 +78,12 @@ def continuation_ids(
 ) -> list[int]:
     """The tokens that follow a finished assistant turn when `new` messages (an environment's
     observation) are appended and the model is to answer again: the chat template's text of
-    `messages + new` (with the generation prompt) past that of `messages` alone. A template
-    whose rendering of the longer conversation does not extend the shorter one's (some strip
+    `messages + new` (with the generation prompt) past that of `messages` alone, from the end
+    of the turn's closing token on (the turn's ids end at it: ChatML's newline after
+    `<|im_end|>` is the first token here, `stages.lib.tokens.answer_end`). A template whose
+    rendering of the longer conversation does not extend the shorter one's (some strip
     earlier turns' reasoning) falls back to `new` rendered on its own, without the BOS."""
+    rest = answer_end(tokenizer).rest
     before = str(tokenizer.apply_chat_template(list(messages), tokenize=False))
     after = format_prompt(tokenizer, [*messages, *new])
     if after.startswith(before):
@@ -88,4 +93,6 @@ def continuation_ids(
         bos = getattr(tokenizer, "bos_token", None)
         if bos and delta.startswith(bos):
             delta = delta[len(bos) :]
+    if rest and before.endswith(rest):
+        delta = rest + delta
     return list(tokenizer(delta, add_special_tokens=False)["input_ids"])

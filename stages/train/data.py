@@ -6,9 +6,10 @@ plus `completion` and `reward`, `prompt_idx`, `sample_idx`), conversations (a
 episode rows, or chat data), or dataset prompt rows (`prompt` or `messages`, plus
 `answer`).
 Output: `Example`s, each the token ids of one sequence (prompt, then response,
-then the tokenizer's end-of-sequence token) and the prompt's length; the loss
+then the token(s) the chat template closes an answer with: `stages.lib.tokens.answer_end`,
+`<|im_end|>` for ChatML whatever its `eos_token`) and the prompt's length; the loss
 is taken on the response tokens only. A conversation trains on every assistant
-turn (its content and end-of-sequence token); the system, user and environment
+turn (its content and closing token); the system, user and environment
 messages between them are masked out like a prompt. For `algorithm: dpo`,
 `dpo_pairs` names the (chosen, rejected) rows. A failed episode (`end: failed`)
 is left out: its conversation broke off.
@@ -221,18 +222,24 @@ def dpo_pairs(rows: Sequence[Row]) -> list[tuple[int, int]]:
 
 
 def tokenize(samples: Sequence[Sample], tokenizer: Any, max_length: int) -> list[Example]:
-    """Token ids of `format_prompt(prompt) + target + EOS` (a conversation's later turns
-    after it: the template's text up to each, then the turn + EOS), cut to `max_length` tokens.
+    """Token ids of `format_prompt(prompt) + target + END` (END: the template's closing
+    token(s) of an answer, `answer_end(tokenizer).ids`; a conversation's later turns after
+    it: the template's text up to each, then the turn + END), cut to `max_length` tokens.
+    A one-turn row is the template's rendering of the conversation up to END (its text
+    after END, ChatML's newline, is never trained: `stages.lib.tokens`).
 
     A sequence longer than `max_length` loses its end; one whose prompt alone fills
     `max_length` keeps no response token (`response_len == 0`) and is left out of
     training by the caller.
     """
     from stages.lib.prompt import format_prompt
+    from stages.lib.tokens import answer_end
 
-    if tokenizer.eos_token_id is None:
-        raise DataError("the tokenizer has no end-of-sequence token")
-    eos = int(tokenizer.eos_token_id)
+    eos = list(answer_end(tokenizer).ids)
+    if not eos:
+        raise DataError(
+            "the tokenizer has no end-of-sequence token and its chat template ends no answer"
+        )
     if not samples:
         return []
     prompts = [format_prompt(tokenizer, s.prompt) for s in samples]
@@ -240,7 +247,7 @@ def tokenize(samples: Sequence[Sample], tokenizer: Any, max_length: int) -> list
     t_ids = tokenizer([s.target for s in samples], add_special_tokens=False)["input_ids"]
     out = []
     for sample, p, t in zip(samples, p_ids, t_ids, strict=True):
-        ids = list(p) + list(t) + [eos]
+        ids = list(p) + list(t) + eos
         if not sample.later:
             ids = ids[:max_length]
             out.append(Example(tuple(ids), min(len(p), len(ids))))
@@ -253,9 +260,11 @@ def tokenize(samples: Sequence[Sample], tokenizer: Any, max_length: int) -> list
     return out
 
 
-def _later_ids(sample: Sample, tokenizer: Any, ids: list[int], eos: int) -> list[tuple[int, int]]:
+def _later_ids(
+    sample: Sample, tokenizer: Any, ids: list[int], eos: list[int]
+) -> list[tuple[int, int]]:
     """Append a conversation's later turns to `ids` (the template's text before each turn,
-    then the turn and EOS); returns each turn's [start, end) range."""
+    then the turn and its closing tokens `eos`); returns each turn's [start, end) range."""
     from stages.lib.prompt import as_messages, continuation_ids
 
     history = [*as_messages(sample.prompt), {"role": "assistant", "content": sample.target}]
@@ -263,7 +272,7 @@ def _later_ids(sample: Sample, tokenizer: Any, ids: list[int], eos: int) -> list
     for between, turn in sample.later:
         ids += continuation_ids(tokenizer, history, between)
         start = len(ids)
-        ids += [*tokenizer(turn, add_special_tokens=False)["input_ids"], eos]
+        ids += [*tokenizer(turn, add_special_tokens=False)["input_ids"], *eos]
         spans.append((start, len(ids)))
         history += [*between, {"role": "assistant", "content": turn}]
     return spans

@@ -39,6 +39,7 @@ from stages.lib.rank import (
     make_trainer,
     setup,
 )
+from stages.lib.tokens import pad_id
 
 log = logging.getLogger("pipe.train")
 
@@ -144,14 +145,13 @@ def _build_loop(
     reference = None
     if cfg.algorithm == "dpo":
         reference = load_model(spec.model_dir, None).to(device).eval().requires_grad_(False)
-    pad_id = tokenizer.pad_token_id
     loop = Loop(
         cfg=cfg,
         trainer=make_trainer(spec.trainer, spec.ds_config, cfg, model, plan.total_steps, device),
         plan=plan,
         data=data,
         device=device,
-        pad_id=tokenizer.eos_token_id if pad_id is None else pad_id,
+        pad_id=pad_id(tokenizer, model.config),
         stage_dir=spec.stage_dir,
         rank=rank,
         world=world,

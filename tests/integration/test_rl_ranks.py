@@ -177,3 +177,12 @@ def test_ranks_idle_past_the_collective_timeout_still_serve(
         time.sleep(3)
         reply = request("train", {"step": 1, "samples": samples(4)})
     assert reply["updates"] == 1
+
+
+def test_an_actor_on_a_llama3_config_with_an_eos_list_and_no_pad_trains(
+    tmp_path: Path, family_checkpoint: Callable[..., Path]
+):
+    """Issue 37: `int()` of Llama 3's `eos_token_id` list killed the actor at start."""
+    model = str(family_checkpoint("llama3"))
+    reply = run_role(tmp_path, model, "stages.rl.roles.actor", 1, False, zero=0)
+    assert reply["updates"] == 2 and reply["tokens"] > 0

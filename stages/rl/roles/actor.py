@@ -33,6 +33,7 @@ from stages.lib.rank import (
     make_trainer,
     setup,
 )
+from stages.lib.tokens import pad_id
 
 log = logging.getLogger("pipe.rl")
 
@@ -44,7 +45,7 @@ class Actor:
         self.spec, self.cfg = spec, spec.config
         self.rank, self.world, self.device = rank, world, device
         model = load_model(spec.model_dir, spec.ds_config)
-        self.pad_id = int(model.config.pad_token_id or model.config.eos_token_id or 0)
+        self.pad_id = pad_id(None, model.config)
         self.trainer = make_trainer(
             spec.trainer, spec.ds_config, self.cfg, model, spec.total_updates, device
         )

@@ -17,6 +17,7 @@ import random
 from typing import Any
 
 from stages.lib.rank import exit_now, load_model, make_trainer
+from stages.lib.tokens import pad_id
 
 log = logging.getLogger("pipe.rl.critic")
 
@@ -70,7 +71,7 @@ class CriticRank:
         self.spec, self.cfg = spec, spec.config
         self.rank, self.world, self.device = rank, world, device
         model = build_critic(spec.model_dir, spec.ds_config)
-        self.pad_id = int(model.config.pad_token_id or model.config.eos_token_id or 0)
+        self.pad_id = pad_id(None, model.config)
         self.trainer = make_trainer(
             spec.trainer, spec.ds_config, self.cfg, model, spec.total_updates, device
         )

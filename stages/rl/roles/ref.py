@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from stages.lib.rank import exit_now
+from stages.lib.tokens import pad_id
 from stages.rl.roles.ref_model import load_reference, reference_logprobs
 
 log = logging.getLogger("pipe.rl.ref")
@@ -30,8 +31,7 @@ class RefRank:
         self.module, self.engine = load_reference(
             spec.model_dir, self.cfg.bf16, spec.ds_config, device
         )
-        config = self.module.config
-        self.pad_id = int(config.pad_token_id or config.eos_token_id or 0)
+        self.pad_id = pad_id(None, self.module.config)
         self.kind = f"frozen reference, {next(self.module.parameters()).dtype}"
         log.info(
             "reference on node %s (CUDA_VISIBLE_DEVICES %s), rank %d of %d, %s",

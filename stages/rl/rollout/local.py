@@ -20,6 +20,7 @@ import torch
 
 from stages.lib.generate import Generation, generate_with
 from stages.lib.prompt import Prompt
+from stages.lib.tokens import pad_id
 from stages.rl.algo.logprobs import Sample, completion_logprobs
 
 log = logging.getLogger("pipe.rl")
@@ -50,7 +51,7 @@ class LocalEngine:
 
     @property
     def pad_id(self) -> int:
-        return int(self.tokenizer.pad_token_id)
+        return pad_id(self.tokenizer, self.model.config)
 
     def generate(
         self,

@@ -60,12 +60,13 @@ class Stream:
 
 
 def probe_ids(tokenizer: Any, prompt: Prompt, answer: str) -> tuple[tuple[int, ...], int]:
-    """A fixed probe: the first prompt (chat template applied) and its reference answer with
-    the end-of-sequence token, as token ids, and where the answer starts."""
+    """A fixed probe: the first prompt (chat template applied) and its reference answer closed
+    as the template closes an answer (`stages.lib.tokens.answer_end`), as token ids, and
+    where the answer starts."""
     from stages.lib.prompt import format_prompt
+    from stages.lib.tokens import answer_end
 
     head = list(tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
     tail = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
-    if tokenizer.eos_token_id is not None:
-        tail.append(int(tokenizer.eos_token_id))
+    tail += answer_end(tokenizer).ids
     return tuple(head + tail), len(head)

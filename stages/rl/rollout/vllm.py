@@ -40,6 +40,7 @@ from engine.stage import visible_names
 from stages.lib.config import VLLMBackend
 from stages.lib.generate import Generation
 from stages.lib.prompt import Prompt
+from stages.lib.tokens import checkpoint_eos_ids, pad_id
 from stages.rl.algo.logprobs import Sample
 from stages.rl.rollout.vllm_requests import HTTPRollouts
 
@@ -260,13 +261,18 @@ class VLLMEngine:
             for name, p in zip(self.names, [p for p in places for _ in p["urls"]], strict=True)
         ]
         self.requests = HTTPRollouts(
-            self.urls, self.tokenizer, self.served, self._headers, timeout_s, parallel
+            self.urls,
+            self.tokenizer,
+            self.served,
+            self._headers,
+            timeout_s,
+            parallel,
+            checkpoint_eos_ids(model_dir, self.tokenizer),
         )
 
     @property
     def pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+        return pad_id(self.tokenizer)
 
     def close(self) -> None:
         self._stack.close()

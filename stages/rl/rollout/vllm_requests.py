@@ -31,6 +31,7 @@ from stages.lib.adaptive import AdaptiveLimit
 from stages.lib.client import backoff_delay, classify, sample_seed, status_error
 from stages.lib.generate import Generation
 from stages.lib.prompt import Prompt, prompt_ids
+from stages.lib.tokens import eos_ids
 
 MAX_RETRIES, BACKOFF_S = 4, 0.5
 _QUEUE = re.compile(r"^vllm:request_queue_time_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$", re.M)
@@ -95,10 +96,12 @@ class HTTPRollouts:
         headers: dict[str, str],
         timeout_s: float,
         parallel: int | str,
+        stops: list[int] | None = None,
     ) -> None:
         self.urls, self.tokenizer, self.served = list(urls), tokenizer, served
         self.headers, self.timeout_s, self.parallel = headers, timeout_s, parallel
         self.adaptive = AdaptiveLimit() if parallel == "auto" else None  # kept across steps
+        self.stops = eos_ids(tokenizer) if stops is None else stops  # `stages.lib.tokens`
         self.stats: dict[str, Any] = {}
 
     def generate(
@@ -169,6 +172,7 @@ class HTTPRollouts:
             "temperature": temperature,
             "return_token_ids": True,
             "skip_special_tokens": True,
+            "stop_token_ids": self.stops,  # every end-of-answer id, the template's among them
             "seed": seed,
         }
         if temperature > 0:
@@ -194,12 +198,12 @@ class HTTPRollouts:
         raise AssertionError("the loop returns or raises on its last attempt")
 
     def generation(self, choice: dict[str, Any], prompt: list[int]) -> Generation:
-        """A completions choice as a `Generation` (the end-of-sequence token scored too)."""
+        """A completions choice as a `Generation` (the stop token scored too: `stop_token`)."""
         ids = [int(t) for t in choice.get("token_ids") or []]
-        eos = self.tokenizer.eos_token_id
         stopped = choice.get("finish_reason") == "stop"
-        if stopped and eos is not None and (not ids or ids[-1] != eos):
-            ids.append(int(eos))  # the update scores the end-of-sequence token too
+        end = stop_token(choice, ids, self.stops, self.tokenizer.eos_token_id) if stopped else None
+        if end is not None:
+            ids.append(end)  # the update scores the stop token too
         lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
         return Generation(
             text=choice.get("text", ""),
@@ -228,3 +232,20 @@ class HTTPRollouts:
             total += sum(float(v) for k, v in found if k == "sum")
             count += sum(float(v) for k, v in found if k == "count")
         return total, count
+
+
+def stop_token(choice: dict[str, Any], ids: list[int], stops: list[int], eos: Any) -> int | None:
+    """The sampled stop token a stopped answer's `token_ids` leave out, None if they hold it.
+
+    An answer ending in any stop id (`stages.lib.tokens.eos_ids`: `<|endoftext|>` as well as
+    `<|im_end|>`) holds it, and nothing is added: no token joins a sequence that the engine
+    did not sample. Otherwise the engine's `stop_reason` says what it sampled: a token id,
+    or none for the tokenizer's end-of-sequence token; a stop string adds nothing."""
+    reason = choice.get("stop_reason")
+    if ids and (ids[-1] in stops or ids[-1] == reason):
+        return None
+    if isinstance(reason, int) and not isinstance(reason, bool):
+        return reason
+    if reason is None and eos is not None and (not ids or ids[-1] != int(eos)):
+        return int(eos)
+    return None
