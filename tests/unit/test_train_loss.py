@@ -189,3 +189,30 @@ def test_logits_only_where_the_loss_reads_give_the_full_vocabularys_loss_and_gra
     assert full.item() > 0
     for name, grad in full_grads.items():
         torch.testing.assert_close(only_grads[name], grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama3", "gemma", "mistral"])
+def test_each_familys_model_gives_the_same_sft_loss_with_logits_only_at_the_answer(
+    family, family_checkpoint
+):
+    """The selection sits before the family's own head (Gemma 2 soft-caps its logits after
+    it): the same loss and gradients on every architecture the test checkpoints cover."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.lib.logits import scored_only
+
+    micro = Micro(rows=((0, 1), (2,)), units=(0, 1, 2))
+    batch = collate(micro, EXAMPLES, pad_id=0, packed=True)
+    scored = batch.scored("cpu")
+    results = []
+    for only_scored in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(family_checkpoint(family), dtype=torch.float32)
+        with scored_only(model, scored if only_scored else None):
+            logits = model(**batch.model_inputs("cpu")).logits
+        loss = sft_loss_sum(logits, batch.at(scored) if only_scored else batch)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (full, full_grads), (only, only_grads) = results
+    torch.testing.assert_close(only, full)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(only_grads[name], grad, rtol=1e-5, atol=1e-6)
