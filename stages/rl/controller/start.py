@@ -160,7 +160,7 @@ def start(c: Controller) -> int:
     else:
         from stages.rl.rollout.pool import start_pool
 
-        local = LocalEngine(model_dir, engine_device)
+        local = LocalEngine(model_dir, engine_device, bf16=cfg.bf16)
         c.engine = start_pool(c.ctx, local, join, c.roles.remote_alive)
     tok = c.engine.tokenizer
     row = c.data.rows[0]
