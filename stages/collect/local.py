@@ -53,6 +53,15 @@ def collect_local(
     progress.close(recorder.stats)
 
 
+def precision(cfg: CollectConfig) -> tuple[str, str]:
+    """The dtype the backend's checkpoint is loaded in (`backend.precision`; auto: its own,
+    `stages.lib.dtypes.resolve_precision`), and why."""
+    from stages.lib.dtypes import resolve_precision
+
+    assert isinstance(cfg.backend, LocalBackend) and cfg.backend.model is not None
+    return resolve_precision(cfg.backend.precision, [cfg.backend.model])
+
+
 def _generate_batch(
     cfg: CollectConfig, batch: list[tuple[Prompt, list[int]]], recorder: Recorder, device: str
 ) -> None:
@@ -73,6 +82,7 @@ def _generate_batch(
         seed=cfg.seed + batch[0][0].idx,
         batch_size=cfg.backend.batch_size,
         device=device,
+        dtype=precision(cfg)[0],
     )
     took = time.perf_counter() - start
     recorder.stats.in_flight = 0

@@ -128,6 +128,7 @@ def _timed_score(score: Score, row: dict[str, Any], text: str) -> float:
 def _measure_local(
     cfg: CollectConfig, prompts: list[Prompt], score: Score, parallelism: int, num_requests: int
 ) -> LevelResult:
+    from stages.collect.local import precision
     from stages.lib.generate import generate
 
     assert isinstance(cfg.backend, LocalBackend)
@@ -147,6 +148,7 @@ def _measure_local(
             max_new_tokens=cfg.max_output_tokens,
             seed=cfg.seed + tally.sent,
             batch_size=parallelism,
+            dtype=precision(cfg)[0],
         )
         took = time.perf_counter() - t0
         tally.sent += len(batch)

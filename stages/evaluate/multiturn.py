@@ -57,8 +57,13 @@ class Play:
     """Plays and scores one checkpoint's episodes; built once per stage run."""
 
     def __init__(
-        self, cfg: EvaluateConfig, ctx: StageContext | None, endpoint: OpenEndpoint
+        self,
+        cfg: EvaluateConfig,
+        ctx: StageContext | None,
+        endpoint: OpenEndpoint,
+        dtype: str | None = None,
     ) -> None:
+        """`dtype`: the local backend's one precision for every checkpoint."""
         assert cfg.environment is not None
         backend = cfg.backend
         if isinstance(backend, OpenAIBackend) and backend.endpoint != "chat":
@@ -67,6 +72,7 @@ class Play:
                 f"endpoint: set 'backend.endpoint' to 'chat', found '{backend.endpoint}'"
             )
         self.cfg, self.env, self.ctx, self.endpoint = cfg, cfg.environment, ctx, endpoint
+        self.dtype = dtype
         self.make_env = environment_factory(cfg.environment, cfg.verifier)
         self.max_turns = max_turns(cfg.environment)
         self.samples = 1 if cfg.temperature == 0 else cfg.num_samples
@@ -117,7 +123,7 @@ class Play:
 
         cfg, backend = self.cfg, self.cfg.backend
         assert isinstance(backend, LocalBackend)
-        model, tokenizer = load(path, torch_device(self.ctx))
+        model, tokenizer = load(path, torch_device(self.ctx), self.dtype)
         turn = itertools.count()
 
         def answer(conversations: list[Messages]) -> list[str]:

@@ -9,7 +9,8 @@ Output, in the folder of `cfg.output`: `report.json`
 (`{"baseline": NAME, "results": [{"checkpoint", "n", "accuracy", "mean_reward",
 "pass_at_k"}, ...]}`), `report.md` (a table with the differences to the
 baseline), `report.png` (a bar chart) and `generations.jsonl` (every sample
-with its reward). Returns the report plus the accuracy differences.
+with its reward). Returns the report plus the accuracy differences and, with a local
+backend, the one precision every checkpoint was loaded in (also `settings.json`).
 
 With an `environment`, each checkpoint plays episodes instead (`stages.evaluate.multiturn`):
 a result's `accuracy` is then the share of episodes solved within `max_turns`, its
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.evaluate.multiturn import Play
 from stages.lib.config import LocalBackend, OpenAIBackend, VLLMBackend
-from stages.lib.jsonl import atomic_path, atomic_write, read_jsonl, write_jsonl
+from stages.lib.jsonl import atomic_path, atomic_write, read_jsonl, write_json, write_jsonl
 from stages.lib.track import Metrics
 
 if TYPE_CHECKING:
@@ -96,6 +97,22 @@ class Generator:
 
     def __init__(self, cfg: EvaluateConfig, ctx: StageContext | None = None) -> None:
         self.cfg, self.ctx = cfg, ctx
+        self.dtype: str | None = None  # local: the one precision of every checkpoint
+
+    def set_precision(self, paths: Sequence[str]) -> dict[str, str] | None:
+        """A local backend loads every checkpoint in one dtype (`backend.precision`,
+        `stages.lib.dtypes.resolve_precision`), recorded in the stage's `settings.json`; the
+        dtype and why (None: another backend, which loads nothing here)."""
+        if not isinstance(self.cfg.backend, LocalBackend):
+            return None
+        from stages.lib.dtypes import resolve_precision
+
+        self.dtype, why = resolve_precision(self.cfg.backend.precision, paths)
+        log.info("every checkpoint loaded in %s (%s)", self.dtype, why)
+        record = {"dtype": self.dtype, "why": why}
+        if self.ctx is not None:
+            write_json(f"{self.ctx.stage_dir}/settings.json", {"backend.precision": record})
+        return record
 
     def __call__(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:
         cfg, backend = self.cfg, self.cfg.backend
@@ -115,6 +132,7 @@ class Generator:
                     seed=cfg.seed,
                     batch_size=backend.batch_size,
                     device=torch_device(self.ctx),
+                    dtype=self.dtype,
                 )
             ]
         return self._http(path, prompts, num_samples)
@@ -169,8 +187,13 @@ def evaluate_checkpoints(
     generate = generate or Generator(cfg)
     paths = _with_baseline(checkpoints, baseline)
     names = checkpoint_names(paths, run_dir)
+    precision = generate.set_precision(paths)
     # the environment is loaded before any checkpoint: a bad one fails at once
-    play = Play(cfg, generate.ctx, generate.endpoint) if cfg.environment is not None else None
+    play = (
+        Play(cfg, generate.ctx, generate.endpoint, generate.dtype)
+        if cfg.environment is not None
+        else None
+    )
     results, samples = [], []
     for path, name in zip(paths, names, strict=True):
         if play is not None:
@@ -185,6 +208,8 @@ def evaluate_checkpoints(
     report = {"baseline": names[0], "results": results}
     write_report(cfg.output, report, samples)
     out = {**report, "accuracy_delta": _deltas(results, "accuracy")}
+    if precision is not None:  # the metrics' and settings.json's, not the report's
+        out["precision"] = precision
     if play is not None:
         out["first_turn_accuracy_delta"] = _deltas(results, "first_turn_accuracy")
     return out

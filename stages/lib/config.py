@@ -19,6 +19,7 @@ from pydantic import (
 
 from engine.errors import Diagnostic, found
 from engine.stage import Derived, MemoryNeed, ResolveContext
+from stages.lib.dtypes import PRECISION_HELP, Dtype
 from stages.lib.model_path import check_model_ref
 
 _CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -143,6 +144,9 @@ class LocalBackend(Block):
         description="Checkpoint directory (or a reference '@stage' to a train stage's output); evaluate: empty, it loads each checkpoint in turn.",
     )
     batch_size: int = Field(64, gt=0, description="Prompts generated together in one batch.")
+    precision: Dtype = Field(
+        "auto", description=PRECISION_HELP + " rl: only auto (the actor's compute dtype)."
+    )
 
 
 def _backend_tag(value: Any) -> str | None:

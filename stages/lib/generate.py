@@ -28,7 +28,7 @@ from stages.lib.tokens import eos_ids, pad_id
 
 log = logging.getLogger("pipe.stages.lib.generate")
 
-_CACHE: OrderedDict[tuple[str, float, str], tuple[Any, Any]] = OrderedDict()
+_CACHE: OrderedDict[tuple[str, float, str, str], tuple[Any, Any]] = OrderedDict()
 _CACHE_SIZE = 2
 
 
@@ -45,12 +45,18 @@ class Generation:
     prompt_ids: tuple[int, ...] = ()  # the prompt as the model saw it (chat template applied)
 
 
-def load(model_dir: str, device: str = "cpu") -> tuple[Any, Any]:
-    """The model (eval mode, on `device`) and tokenizer of `model_dir`, cached per process."""
+def load(model_dir: str, device: str = "cpu", dtype: str | None = None) -> tuple[Any, Any]:
+    """The model (eval mode, on `device`, in `dtype`: a stage's one precision for all its
+    checkpoints, `stages.lib.dtypes.resolve_precision`; None: the checkpoint's own) and
+    tokenizer of `model_dir`, cached per process."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from stages.lib.dtypes import checkpoint_dtype
+
     path = os.path.realpath(model_dir)
-    key = (path, _mtime(path), device)
+    dtype = dtype or checkpoint_dtype(path)
+    key = (path, _mtime(path), device, dtype)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
@@ -58,7 +64,7 @@ def load(model_dir: str, device: str = "cpu") -> tuple[Any, Any]:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model: Any = AutoModelForCausalLM.from_pretrained(path)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model.to(device)
     model.eval()
     _CACHE[key] = (model, tokenizer)
@@ -91,9 +97,11 @@ def generate(
     seed: int = 0,
     batch_size: int = 64,
     device: str = "cpu",
+    dtype: str | None = None,
 ) -> list[list[Generation]]:
-    """Generate `num_samples` answers for every prompt; outer list per prompt, inner per sample."""
-    model, tokenizer = load(model_dir, device)
+    """Generate `num_samples` answers for every prompt; outer list per prompt, inner per sample
+    (the model loaded in `dtype`: `load`)."""
+    model, tokenizer = load(model_dir, device, dtype)
     return generate_with(
         model,
         tokenizer,

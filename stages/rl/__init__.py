@@ -28,6 +28,7 @@ from stages.lib.config import (
     derive_backend,
 )
 from stages.lib.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
+from stages.lib.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.env_config import EnvironmentConfig, check_environment
 from stages.lib.model_config import ModelRef, TinyModel
 from stages.lib.model_path import check_model_ref
@@ -139,6 +140,7 @@ class RLConfig(StageConfig):
         description="Move the actor's and critic's optimizer states off the GPU while the engine generates (synchronous steps on GPU).",
     )
     bf16: bool = Field(False, description="Train in bfloat16 (fp32 otherwise).")
+    save_dtype: Dtype = Field("auto", description=SAVE_DTYPE_HELP)
     vllm_sync_backend: Literal["nccl", "gloo", "disk"] = Field(
         "gloo",
         description="How weights reach the engine: nccl (GPUs), gloo (a process group, CPU too) or disk (safetensors).",
@@ -238,6 +240,14 @@ class RLConfig(StageConfig):
                 ctx.error(
                     "backend.model",
                     "the engine generates with the actor's weights; leave backend.model empty",
+                )
+            )
+        if isinstance(self.backend, LocalBackend) and self.backend.precision != "auto":
+            out.append(
+                ctx.error(
+                    "backend.precision",
+                    f"the rl engine computes in the actor's dtype (bf16: {self.bf16}), which the "
+                    f"probe compares it with; found '{self.backend.precision}': leave it auto",
                 )
             )
         sleeping = isinstance(self.backend, VLLMBackend) and self.backend.vllm_enable_sleep

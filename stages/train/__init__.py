@@ -11,6 +11,7 @@ from engine.errors import Diagnostic
 from engine.stage import MemoryNeed, ResolveContext, StageConfig, stage
 from stages.lib.config import CountOrAuto, Verifier, check_verifier
 from stages.lib.ds_config import trainer_memory, trainer_memory_changes
+from stages.lib.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.model_config import ModelRef, TinyModel
 from stages.lib.model_path import check_model_ref
 
@@ -82,6 +83,7 @@ class TrainConfig(StageConfig):
         description="Total optimizer steps; when set it overrides max_epochs (the data repeats as needed).",
     )
     bf16: bool = Field(False, description="Train in bfloat16 (fp32 otherwise).")
+    save_dtype: Dtype = Field("auto", description=SAVE_DTYPE_HELP)
     num_processes: int = Field(
         1, gt=0, description="Ranks launched on CPU (on GPU: one per GPU of the stage)."
     )

@@ -3,7 +3,8 @@
 Input: the resolved `TrainConfig` (absolute `input` JSONL, `model` a tiny
 model spec or a checkpoint directory, absolute `output`) and the
 `StageContext`.
-Output: the Hugging Face checkpoint at `cfg.output`, and in the stage folder
+Output: the Hugging Face checkpoint at `cfg.output` (in `save_dtype`, the input's config
+fields and other files kept: `stages.lib.save`), and in the stage folder
 `ds_config.json` (when DeepSpeed trains), `loss.jsonl`, `loss.png`,
 `train_log.txt` (every rank's output) and `checkpoints/`; returns the
 metrics dict the engine writes to `metrics.json`.
@@ -29,6 +30,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from stages.lib.ds_config import build_ds_config
+from stages.lib.dtypes import resolve_save_dtype
 from stages.lib.jsonl import write_json
 from stages.lib.launch import Ranks, launch, rank_table
 from stages.train import ckpt as train_ckpt
@@ -201,6 +203,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         ds_config = build_ds_config(cfg, world, pin_memory=device == "cuda", model_dir=model_dir)
         write_json(f"{stage_dir}/ds_config.json", ds_config, indent=2)
     threads = threads_per_rank(cfg, ranks.count)
+    save_dtype, save_why = resolve_save_dtype(cfg.save_dtype, model_dir)
     spec = WorkerSpec(
         config=cfg,
         model_dir=model_dir,
@@ -211,6 +214,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         tune_threads=cfg.num_threads == "auto" and threads > 1,
         ds_config=ds_config,
         fingerprint=fingerprint,
+        save_dtype=save_dtype,
     )
     spec.write(f"{stage_dir}/train_spec.json")
     engine = f"deepspeed zero {cfg.zero_stage}" if ds_config else "plain torch"
@@ -244,6 +248,8 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         device=device,
         trainer=trainer,
         zero_stage=cfg.zero_stage if ds_config else None,
+        save_dtype=save_dtype,
+        save_dtype_from=save_why,
     )
     if ctx.slots:
         metrics["ranks"] = rank_table(ctx)

@@ -29,6 +29,7 @@ class WorkerSpec(BaseModel):
     tune_threads: bool
     ds_config: dict[str, Any] | None
     fingerprint: str
+    save_dtype: str  # the final checkpoint's dtype (`stages.lib.dtypes.resolve_save_dtype`)
 
     def write(self, path: str) -> None:
         atomic_write(path, self.model_dump_json(indent=1) + "\n")

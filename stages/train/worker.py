@@ -4,8 +4,9 @@ Input: the worker spec written by `stages.train.run` (the resolved config,
 the model directory, device, trainer kind, ds_config, threads) and the rank
 in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 Output: checkpoints and `loss.jsonl` in the stage folder; from rank 0 the
-final Hugging Face checkpoint at the config's `output` (written to a
-temporary sibling, then renamed into place) and `train_result.json`.
+final Hugging Face checkpoint at the config's `output` in the resolved save dtype
+(written to a temporary sibling, then renamed into place: `stages.lib.save`) and
+`train_result.json`.
 
 DeepSpeed keeps process-global state (its accelerator, communication
 backend, ZeRO hooks), so every run gets fresh processes: the stage launches
@@ -19,7 +20,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -50,19 +50,16 @@ def _load(model_dir: str, ds_config: dict[str, Any] | None) -> tuple[Any, Any]:
     return AutoTokenizer.from_pretrained(model_dir), load_model(model_dir, ds_config)
 
 
-def _save_final(trainer: Any, tokenizer: Any, output: str, rank: int) -> None:
-    """Rank 0 writes the Hugging Face checkpoint beside `output`, then renames it into place."""
+def _save_final(trainer: Any, spec: WorkerSpec, rank: int) -> None:
+    """Rank 0 writes the Hugging Face checkpoint at the config's `output` in the resolved
+    save dtype, beside the input's files (`stages.lib.save`)."""
     import torch.distributed as dist
 
-    tmp = f"{output.rstrip('/')}.tmp-{os.getpid()}"
+    from stages.lib.save import write_checkpoint
+
     state = trainer.full_state_dict()  # every rank takes part under ZeRO-3
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        trainer.module.save_pretrained(tmp, state_dict=state)
-        tokenizer.save_pretrained(tmp)
-    if rank == 0:
-        shutil.rmtree(output, ignore_errors=True)
-        os.replace(tmp, output)
+        write_checkpoint(trainer.module, state, spec.model_dir, spec.config.output, spec.save_dtype)
     if dist.is_initialized():
         dist.barrier()
 
@@ -179,7 +176,7 @@ def run(spec: WorkerSpec) -> None:
     _record_rank(spec.stage_dir, rank, world, device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    loop, tokenizer = _build_loop(spec, cfg, rank, world, device)
+    loop, _ = _build_loop(spec, cfg, rank, world, device)
     resumed = _resume(loop, f"{spec.stage_dir}/checkpoints", rank)
     log.info(
         "training %d %s on %d rank(s) with %s: %d steps (%d per epoch), ready in %.1fs",
@@ -193,7 +190,7 @@ def run(spec: WorkerSpec) -> None:
     )
     loop.run()
     t = time.perf_counter()
-    _save_final(loop.trainer, tokenizer, cfg.output, rank)
+    _save_final(loop.trainer, spec, rank)
     log.info("wrote %s in %.2fs", cfg.output, time.perf_counter() - t)
     if rank == 0:
         with open(f"{spec.stage_dir}/train_result.json", "w", encoding="utf-8") as f:

@@ -27,9 +27,12 @@ def account(
     world: int,
     sync: SyncChoice,
     engines: Sequence[Mapping[str, Any]] = (),
+    *,
+    saved: tuple[str, str],
 ) -> dict[str, tuple[str, str]]:
     """Every field of `cfg` with its status in a run with these decisions (`engines`: where
-    each engine started)."""
+    each engine started; `saved`: the final checkpoint's dtype and why,
+    `stages.lib.dtypes.resolve_save_dtype`)."""
     ds = trainer == "deepspeed"
     no_ds = (S, "plain torch trains the actor (deepspeed is not installed or trainer: torch)")
     how: dict[str, tuple[str, str]] = {
@@ -141,9 +144,8 @@ def account(
         if ds
         else no_ds,
         "deepspeed_enable_sleep": _sleep(cfg, trainer, device),
-        "bf16": (A, "the actor trains in bfloat16" if cfg.bf16 else "fp32")
-        if ds or not cfg.bf16
-        else (A, "torch autocast to bfloat16"),
+        "bf16": _bf16(cfg, ds),
+        "save_dtype": (A, f"the final checkpoint in {saved[0]} ({saved[1]})"),
         "vllm_sync_backend": _sync(sync, cfg.bf16),
         "sync_timeout_s": (A, "a weight sync past it fails the step"),
         "sync_bucket_mb": (A, f"weights broadcast in buckets of {cfg.sync_bucket_mb} MiB")
@@ -204,6 +206,17 @@ def _backend(cfg: RLConfig, device: str, engines: Sequence[Mapping[str, Any]]) -
             + ("async_train" if gpu else "vLLM's CPU build has no sleep mode")
         )
     return A, "; ".join(parts)
+
+
+def _bf16(cfg: RLConfig, ds: bool) -> tuple[str, str]:
+    """How the actor computes, and the local engine with it (the probe compares the two)."""
+    if not cfg.bf16:
+        how = "fp32"
+    else:
+        how = "the actor trains in bfloat16" if ds else "torch autocast to bfloat16"
+    if cfg.backend.kind == "local":
+        how += f"; the local engine loads the policy in {'bfloat16' if cfg.bf16 else 'float32'}"
+    return A, how
 
 
 def _sync(choice: SyncChoice, bf16: bool) -> tuple[str, str]:

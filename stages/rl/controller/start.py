@@ -57,6 +57,7 @@ def _resume(c: Controller, fingerprint: str) -> tuple[str | None, int]:
 def start(c: Controller) -> int:
     """Build the engine, launch the actor, sync the first weights; the step to start at."""
     from stages.lib.ds_config import build_ds_config
+    from stages.lib.dtypes import resolve_save_dtype
     from stages.rl.roles.channel import StageEnd
     from stages.rl.roles.spec import ActorSpec
     from stages.rl.rollout.local import LocalEngine
@@ -118,6 +119,7 @@ def start(c: Controller) -> int:
     from stages.rl.roles.ref_model import RefRanks, in_actor
 
     ref_in_actor = cfg.kl_coef > 0 and in_actor(c.ctx.slots)
+    saved = resolve_save_dtype(cfg.save_dtype, model_dir)
     spec = ActorSpec(
         config=cfg,
         model_dir=model_dir,
@@ -136,6 +138,7 @@ def start(c: Controller) -> int:
         resume_tag=tag,
         total_updates=max(1, c.total * cfg.ppo_epochs),
         ref_in_actor=ref_in_actor,
+        save_dtype=saved[0],
     )
     c.actor_thread = c.roles.start("actor", spec, c.channel)
     if cfg.kl_coef > 0 and not ref_in_actor:  # started as the critic's ranks are
@@ -160,12 +163,12 @@ def start(c: Controller) -> int:
     else:
         from stages.rl.rollout.pool import start_pool
 
-        local = LocalEngine(model_dir, engine_device)
+        local = LocalEngine(model_dir, engine_device, bf16=cfg.bf16)
         c.engine = start_pool(c.ctx, local, join, c.roles.remote_alive)
     tok = c.engine.tokenizer
     row = c.data.rows[0]
     c.probe = probe_ids(tok, c.data.prompts[0], str(row.get(cfg.verifier.answer_field, "")))
-    _account(c, trainer, device, world)
+    _account(c, trainer, device, world, saved)
     # the actor's optimizer states leave the GPU while the engine generates (sync steps)
     c.sleeps = cfg.deepspeed_enable_sleep and device == "cuda" and not cfg.async_train
     c.sync(c.version)  # the engine takes the actor's weights (a checkpoint's too)
@@ -191,5 +194,5 @@ def _vllm_engine(c: Controller, model_dir: str, sync_path: str) -> Any:
     return engine
 
 
-def _account(c: Controller, trainer: str, device: str, world: int) -> None:
-    c.how = account(c.cfg, trainer, device, world, c.sync_choice, c.engine.where)
+def _account(c: Controller, trainer: str, device: str, world: int, saved: tuple[str, str]) -> None:
+    c.how = account(c.cfg, trainer, device, world, c.sync_choice, c.engine.where, saved=saved)

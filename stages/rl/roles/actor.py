@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -265,18 +264,16 @@ class Actor:
         return f"{root}/{tag}"
 
     def final(self, payload: dict[str, Any]) -> str:
-        """The Hugging Face checkpoint at `output` (written beside it, then renamed in)."""
+        """The Hugging Face checkpoint at `output` in the resolved save dtype, beside the
+        input's files (written beside it, then renamed in: `stages.lib.save`)."""
+        from stages.lib.save import write_checkpoint
+
         output = self.cfg.output
-        tmp = f"{output.rstrip('/')}.tmp-{os.getpid()}"
         state = self.trainer.full_state_dict()  # under ZeRO-3 on rank 0 only, module by module
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.trainer.module.save_pretrained(tmp, state_dict=state)
-            for name in os.listdir(self.spec.model_dir):
-                if "token" in name or name in ("special_tokens_map.json", "chat_template.jinja"):
-                    shutil.copy(f"{self.spec.model_dir}/{name}", f"{tmp}/{name}")
-            shutil.rmtree(output, ignore_errors=True)
-            os.replace(tmp, output)
+            write_checkpoint(
+                self.trainer.module, state, self.spec.model_dir, output, self.spec.save_dtype
+            )
         return str(output)
 
     def offload(self, payload: Any) -> str:

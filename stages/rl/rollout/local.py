@@ -1,7 +1,7 @@
 """The rollout engine in the stage's process: the local generator on its own copy of the
 policy, whose weights arrive from the actor after every update.
 
-Input: the model directory (architecture and tokenizer), prompts. Output: samples with
+Input: the model directory (architecture and tokenizer), the actor's compute dtype, prompts. Output: samples with
 their token ids and the behaviour policy's per-token log-probabilities (the shared
 batched generator, prompt KV cache shared by a group's samples, rows leaving the batch
 as they finish), greedy answers for held-out scoring, and the probe's log-probabilities
@@ -31,7 +31,10 @@ class LocalEngine:
 
     name = "local-0"
 
-    def __init__(self, model_dir: str, device: str = "cpu") -> None:
+    def __init__(self, model_dir: str, device: str = "cpu", bf16: bool = False) -> None:
+        """The policy of `model_dir` on `device` in the actor's compute dtype (bfloat16 when
+        the actor trains in bf16, as the reference loads: the probe compares the two sides'
+        log-probabilities; float32 otherwise), whatever dtype the checkpoint was saved in."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -40,7 +43,8 @@ class LocalEngine:
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         model.eval()
         if device != "cpu":
             model.to(device)
