@@ -162,6 +162,16 @@ class RLConfig(StageConfig):
     trainer: Literal["auto", "deepspeed", "torch"] = Field(
         "auto", description="auto: DeepSpeed when installed, plain torch otherwise."
     )
+    logprob_diff_warn: float = Field(
+        0.5,
+        gt=0,
+        description="Warn when the engine's log-probability of a sampled token differs from the actor's (before the step's first update) by more than this many nats: the rollouts are then not the policy the loss trains (metrics: logprob_diff_mean, logprob_diff_max).",
+    )
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling, for engines that differ from the actor by design (bf16, other kernels): the ratio taken against the actor's own log-probabilities at the step's start, each token's loss weighted by min(exp(actor - engine), tis_cap), as verl's tis_imp_ratio_cap; empty: off.",
+    )
 
     @classmethod
     def roles_used(cls, data: Mapping[str, Any]) -> tuple[str, ...]:

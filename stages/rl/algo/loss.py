@@ -15,6 +15,11 @@ reference. Output: advantages (and which groups carry a signal), and the loss te
   give short answers more weight per token).
 - KL to the reference is the k3 estimator `exp(ref - new) - (ref - new) - 1` per token
   (unbiased, never negative), added with `kl_coef`.
+- Truncated importance sampling (`tis_cap`, optional), for engines whose log-probabilities
+  differ from the actor's by design: the decoupled form of verl's `tis_imp_ratio_cap`
+  and slime's TIS. The ratio is taken against the actor's own log-probabilities at the
+  step's start (`old` = pi_old), and each token's loss is weighted by
+  `min(exp(pi_old - mu), cap)`, mu the engine's, the weight held constant (`tis_weights`).
 
 With one update per batch the ratio is 1 and its gradient is `grad(new)`, so the loss
 reduces to REINFORCE with a group-mean baseline (tests/unit/test_rl_loss.py shows it).
@@ -69,6 +74,17 @@ def kl_k3(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+def tis_weights(proximal: torch.Tensor, behaviour: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance-sampling weight per token, `min(exp(proximal - behaviour), cap)`,
+    with no gradient: `proximal` the actor's log-probabilities at the step's start (pi_old),
+    `behaviour` the engine's that sampled the token (mu). This is verl's
+    `tis_imp_ratio_cap` (`compute_policy_loss_vanilla`: `pg_losses *= clamp(exp(old_log_prob -
+    rollout_log_probs), max=cap)`, after Yao et al., "Your efficient RL framework secretly
+    brings you off-policy RL training", 2025): the correction for an engine that samples
+    from a slightly different distribution than the actor's forward computes."""
+    return torch.clamp(torch.exp(proximal - behaviour), max=cap).detach()
+
+
 def masked_policy_terms(
     new: torch.Tensor,
     old: torch.Tensor,
@@ -77,11 +93,16 @@ def masked_policy_terms(
     eps_clip: float,
     ref: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    tis: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A micro batch's summed loss (clipped surrogate plus `kl_coef` x k3 KL to `ref`), its
     summed KL and clipped-token count, over the tokens `mask` covers (1.0): a multi-turn
-    episode's observation tokens (0.0) carry no loss, no KL and no gradient."""
+    episode's observation tokens (0.0) carry no loss, no KL and no gradient. `tis`: each
+    token's truncated importance weight on its surrogate loss (`tis_weights`; the KL term
+    unweighted, as in verl), `old` then the actor's own log-probabilities at the step's start."""
     pg, clipped = clipped_policy_loss(new, old, advantages, eps_clip)
+    if tis is not None:
+        pg = pg * tis
     loss = (pg * mask).sum()
     kl = torch.zeros((), device=new.device)
     if ref is not None:

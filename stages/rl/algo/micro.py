@@ -1,6 +1,7 @@
 """Each trained rank's micro batches of one optimizer step: the same count on every rank.
 
-Input: the step's samples (every rank of a role holds all of them), the rank count, the
+Input: a batch's samples and the seeded shuffle (`epoch_steps`: each ppo epoch's optimizer
+steps), then each step's samples (every rank of a role holds all of them), the rank count, the
 micro batch size and whether micro batches are cut by a token budget (`use_dynamic_batch`).
 Output: per rank, its micro batches in order; an empty micro batch is a dummy pass.
 
@@ -20,6 +21,7 @@ without talking to each other.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
@@ -30,6 +32,21 @@ class HasIds(Protocol):
 
 
 S = TypeVar("S", bound=HasIds)
+
+
+def epoch_steps(
+    samples: Sequence[S], rng: random.Random, epochs: int, size: int
+) -> list[list[list[S]]]:
+    """Per ppo epoch, its optimizer steps: the samples shuffled by `rng` (one shuffle per
+    epoch, in order), cut in pieces of `size`."""
+    out = []
+    for _ in range(epochs):
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        out.append(
+            [[samples[i] for i in order[lo : lo + size]] for lo in range(0, len(order), size)]
+        )
+    return out
 
 
 def plan_micros(

@@ -181,6 +181,9 @@ class Controller:
             "eval_accuracy_end": evals[-1] if evals else None,
             "eval_first_turn_start": first_turn_start,  # beside them (multi-turn episodes)
             "eval_first_turn_end": self.first_turn,
+            "logprob_diff_warnings": sum(  # steps past logprob_diff_warn (each warned)
+                (r.get("logprob_diff_max") or 0.0) > self.cfg.logprob_diff_warn for r in every
+            ),
             "seconds": round(time.perf_counter() - began, 2),
             "seconds_per_step": round(sum(r["step_s"] for r in records) / max(len(records), 1), 4),
             "sync_backend": self.sync_kind,

@@ -24,6 +24,8 @@ from stages.rl.controller.records import append_metrics
 
 SYNC_PARTS = ("sync_gather_s", "sync_send_s", "sync_load_s")  # the sync's parts, per step
 ENGINE_FIELDS = ("in_flight", "in_flight_peak", "parallel_limit", "queue_wait_s")
+# the mismatch figure (`stages.rl.algo.mismatch`) and, with tis_cap, the truncated weights
+MISMATCH_FIELDS = ("logprob_diff_mean", "logprob_diff_max", "tis_weight_mean", "tis_capped_frac")
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -138,6 +140,7 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
         append_metrics(f"{c.dir}/metrics.jsonl", row)
         records.append(row)
         _progress(c, row)
+        _warn_mismatch(c, row)
         if step % cfg.save_steps == 0 and step < c.total:
             c.save(step)
     c.save(c.total)
@@ -187,6 +190,8 @@ def _row(
         "clip_frac": stats.get("clip_frac"),
         "grad_norm": stats.get("grad_norm"),
         "value_loss": stats.get("value_loss"),
+        # the engine's log-probabilities against the actor's before the step's first update
+        **{k: stats.get(k) for k in MISMATCH_FIELDS},
         "updates": stats.get("updates", 0),
         "gen_s": round(batch.gen_s, 4),
         "train_s": round(train_s, 4),
@@ -203,8 +208,27 @@ def _row(
     }
 
 
+def _warn_mismatch(c: Controller, row: dict[str, Any]) -> None:
+    """Once per step whose largest difference passes `logprob_diff_warn`."""
+    top = row["logprob_diff_max"]
+    if top is None or top <= c.cfg.logprob_diff_warn:
+        return
+    c.ctx.log.warning(
+        "step %d: the engine's log-probability of a sampled token differs from the actor's by "
+        "%.3g nats (mean %.3g, logprob_diff_warn %g, staleness %d): the rollouts are not the "
+        "policy the loss trains; check the engine's precision and temperature, or set tis_cap",
+        row["step"],
+        top,
+        row["logprob_diff_mean"],
+        c.cfg.logprob_diff_warn,
+        row["staleness"],
+    )
+
+
 def _progress(c: Controller, row: dict[str, Any]) -> None:
     held = f", held-out {row['eval_accuracy']:.1%}" if row["eval_accuracy"] is not None else ""
+    if row["logprob_diff_max"] is not None:
+        held += f", logprob diff {row['logprob_diff_mean']:.2g} (max {row['logprob_diff_max']:.2g})"
     if row["in_flight"] is not None:
         held += f", in flight {row['in_flight']:.0f} (peak {row['in_flight_peak']})"
     c.ctx.log.info(

@@ -61,23 +61,35 @@ class Actor:
             self.trainer.load(f"{spec.stage_dir}/checkpoints", spec.resume_tag)
             log.info("resumed the actor from %s", spec.resume_tag)
         self.publisher: Any = None
+        self.pi_old: dict[int, Any] | None = None  # tis_cap: per sample, at the step's start
 
     # --- requests ----------------------------------------------------------------------
     def train(self, payload: dict[str, Any]) -> dict[str, float]:
-        """`ppo_epochs` passes over the batch; one optimizer step per `train_batch_size`."""
+        """`ppo_epochs` passes over the batch; one optimizer step per `train_batch_size`.
+        Also the mismatch figure (`stages.rl.roles.proximal`): `|new - old|` on the loss's
+        tokens of the first optimizer step, from its forward before the update (with
+        `tis_cap`: over every sample, from the no-grad pass that gives the ratio its pi_old)."""
         from stages.rl.algo.logprobs import Sample
+        from stages.rl.algo.micro import epoch_steps
+        from stages.rl.algo.mismatch import Gap
+        from stages.rl.roles.proximal import gap_figures, proximal
 
         samples = [Sample(**s) for s in payload["samples"]]
         rng = random.Random(self.cfg.seed * 1_000_003 + payload["step"])
+        epochs = epoch_steps(samples, rng, self.cfg.ppo_epochs, self.cfg.train_batch_size)
         totals: dict[str, float] = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         tokens = updates = 0
         norms = []
-        for _ in range(self.cfg.ppo_epochs):
-            order = list(range(len(samples)))
-            rng.shuffle(order)
-            for lo in range(0, len(order), self.cfg.train_batch_size):
-                chunk = [samples[i] for i in order[lo : lo + self.cfg.train_batch_size]]
-                step_stats, norm = self._update(chunk)
+        figures: dict[str, float] = {}
+        self.pi_old = None
+        if self.cfg.tis_cap is not None:
+            self.pi_old, figures = proximal(self, samples, epochs[0], self._micros)
+        for chunks in epochs:
+            for chunk in chunks:
+                gap = Gap() if updates == 0 and self.pi_old is None else None
+                step_stats, norm = self._update(chunk, gap)
+                if gap is not None:
+                    figures = gap_figures(gap, self.world, self.device)
                 for k, v in step_stats.items():
                     totals[k] += v
                 tokens += sum(s.trained_len for s in chunk)
@@ -85,7 +97,7 @@ class Actor:
                 if norm is not None:
                     norms.append(norm)
         out = {k: v / max(tokens, 1) for k, v in totals.items()}
-        out.update(updates=updates, tokens=tokens, lr=self.trainer.lr())
+        out.update(updates=updates, tokens=tokens, lr=self.trainer.lr(), **figures)
         if norms:
             out["grad_norm"] = sum(norms) / len(norms)
         return out
@@ -98,13 +110,14 @@ class Actor:
         size, dynamic = self.cfg.micro_train_batch_size, self.cfg.use_dynamic_batch
         return plan_micros(chunk, self.world, size, dynamic, self.cfg.packing_samples)[self.rank]
 
-    def _update(self, chunk: list[Any]) -> tuple[dict[str, float], float | None]:
+    def _update(self, chunk: list[Any], gap: Any = None) -> tuple[dict[str, float], float | None]:
         """One optimizer step over `chunk` (this rank takes every world-th sample, in as many
-        forward/backward passes as every other rank)."""
+        forward/backward passes as every other rank); `gap`: adds up `|new - old|` of its
+        tokens before the update."""
         import torch
 
         from stages.rl.algo.logprobs import completion_logprobs
-        from stages.rl.algo.loss import masked_policy_terms
+        from stages.rl.algo.loss import masked_policy_terms, tis_weights
 
         norm = sum(s.trained_len for s in chunk)  # the step's trained tokens, over all ranks
         micros = self._micros(chunk)
@@ -125,6 +138,10 @@ class Actor:
             )
             new_t = torch.cat(new)
             old = torch.tensor([lp for s in micro for lp in s.old_logprobs], device=self.device)
+            tis = None
+            if self.pi_old is not None:  # the ratio against pi_old, weighted by pi_old / mu
+                behaviour, old = old, torch.cat([self.pi_old[id(s)] for s in micro])
+                tis = tis_weights(old, behaviour, self.cfg.tis_cap)
             adv = torch.tensor(
                 [a for s in micro for a in (s.advantages or [s.advantage] * s.completion_len)],
                 device=self.device,
@@ -133,8 +150,10 @@ class Actor:
             mask = torch.tensor([m for s in micro for m in s.loss_mask()], device=self.device)
             with_kl = self.cfg.kl_coef > 0 and self.cfg.algorithm == "grpo"  # ppo: in the reward
             ref = self._reference(micro) if with_kl else None
+            if gap is not None and planned:
+                gap.add(new_t, old, mask)
             loss, kl, clipped = masked_policy_terms(
-                new_t, old, adv, mask, self.cfg.eps_clip, ref, self.cfg.kl_coef
+                new_t, old, adv, mask, self.cfg.eps_clip, ref, self.cfg.kl_coef, tis
             )
             self.trainer.backward(loss * weight)
             n = float(mask.sum()) if planned else 0.0

@@ -1,0 +1,75 @@
+"""The mismatch figure end to end (issue 38): a 2-step GRPO stage through the CLI with the
+fp32 local engine, its metrics rows and tracker events carrying `logprob_diff_mean` and
+`logprob_diff_max` (near 0: the engine samples as the actor scores), the warning past
+`logprob_diff_warn` logged and counted, and truncated importance sampling (`tis_cap`) run and
+accounted for in settings.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import pipe_run
+
+pytestmark = pytest.mark.integration
+
+PIPELINE = """\
+    name: mis
+    cluster: {{scheduler: local, workers: 1, gpus: 0}}
+    stages:
+      data:
+        kind: dataset
+        config:
+          task: chain_sum
+          task_config: {{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}
+          size: 32
+          test_size: 4
+      rl:
+        kind: rl
+        needs: [data]
+        config:
+          input: "@data"
+          model: {{hidden_size: 32, num_layers: 1, num_heads: 2, vocab_size: 300}}
+          verifier: {{kind: regex, pattern: "[0-9]"}}
+          num_repeats: 4
+          rollout_batch_size: 8
+          train_batch_size: 16
+          micro_train_batch_size: 8
+          learning_rate: 0.001
+          max_steps: 2
+          max_output_tokens: 4
+          eval_every: 100
+          trainer: torch
+          logprob_diff_warn: {warn}
+          tis_cap: {tis}
+"""
+
+
+@pytest.mark.parametrize(("tis", "warn"), [("null", "1.0e-12"), ("2.0", "0.5")])
+def test_every_step_records_the_mismatch_figure(tmp_path: Path, tis: str, warn: str):
+    proc = pipe_run(tmp_path, PIPELINE.format(tis=tis, warn=warn))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stage = tmp_path / "runs/mis/rl"
+    rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
+    updated = [r for r in rows if r["updates"]]
+    assert [r["step"] for r in rows] == [1, 2] and updated, rows
+    for r in updated:  # the fp32 engine samples as the actor scores
+        assert 0.0 <= r["logprob_diff_mean"] <= r["logprob_diff_max"] < 1e-4, r
+    assert "logprob diff " in proc.stderr  # on the progress line
+    events = [json.loads(x) for x in (stage / "track.jsonl").read_text().splitlines()]
+    assert any("logprob_diff_max" in e["metrics"] for e in events)  # to the trackers
+    result = json.loads((stage / "rl_result.json").read_text())
+    settings = json.loads((stage / "settings.json").read_text())
+    assert settings["tis_cap"]["status"] == "applied"
+    if tis == "null":  # every updated step passes a threshold of 1e-12 nats: one warning each
+        assert result["logprob_diff_warnings"] == len(updated)
+        assert proc.stderr.count("the rollouts are not the policy the loss trains") == len(updated)
+        assert all(r["tis_weight_mean"] is None for r in rows)
+        assert settings["tis_cap"]["how"].startswith("off")
+    else:
+        assert result["logprob_diff_warnings"] == 0
+        assert all(abs(r["tis_weight_mean"] - 1.0) < 1e-4 for r in updated)
+        assert all(r["tis_capped_frac"] == 0.0 for r in updated)
+        assert "min(exp(actor - engine), 2.0)" in settings["tis_cap"]["how"]
