@@ -125,18 +125,10 @@ class CollectConfig(StageConfig):
         return out + self._check_episodes_backend(ctx)
 
     def _check_episodes_backend(self, ctx: ResolveContext) -> list[Diagnostic]:
-        """Episodes talk to a chat endpoint over HTTP: the openai or vllm backend."""
+        """Episodes send the conversation as messages: an openai backend's chat endpoint
+        (vllm serves it; `local` renders each conversation with the chat template)."""
         if self.environment is None:
             return []
-        if isinstance(self.backend, LocalBackend):
-            return [
-                ctx.error(
-                    "backend.kind",
-                    "an environment's episodes are collected through an HTTP chat endpoint, "
-                    "found 'local'; use kind 'vllm' (a checkpoint served on the stage's "
-                    "devices) or 'openai'",
-                )
-            ]
         if isinstance(self.backend, OpenAIBackend) and self.backend.endpoint == "completions":
             return [
                 ctx.error(

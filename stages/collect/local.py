@@ -7,18 +7,29 @@ strings and message lists alike through the model's chat template (the
 format the train stage trains on). A rollout's latency is its
 batch's wall time. An exception in generation fails the stage (a missing
 checkpoint is not a per-row failure); the rerun resumes.
+
+With an environment, `collect_local_episodes` plays one episode per pending (prompt,
+sample) pair, `backend.batch_size` pairs at a time, with evaluate's batched driver
+(`stages.lib.play.play_batched` and `local_answer`: every turn's open conversations in
+one generation call, each rendered by the chat template with the generation prompt). Its
+lines are the HTTP path's (`stages.collect.multiturn.episode_line`: messages, per-turn
+rewards, total_reward, turns, solved, end, reward, usage summed over the turns, and
+latency_s, here the batch's wall time), each written once, when its batch has ended, so a
+killed run redoes at most the batch it was playing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stages.collect.inputs import Prompt
 from stages.collect.stats import Progress
 from stages.lib.client import Completion
 from stages.lib.config import LocalBackend
+from stages.lib.environment import Episode
 
 if TYPE_CHECKING:
     from stages.collect import CollectConfig
@@ -91,3 +102,94 @@ def _generate_batch(
             gen = generations[sample_idx]
             out = Completion(gen.text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens)
             recorder.rollout(prompt, sample_idx, out, took)
+
+
+def collect_local_episodes(
+    cfg: CollectConfig,
+    work: Iterator[tuple[Prompt, list[int]]],
+    recorder: Recorder,
+    device: str = "cpu",
+) -> None:
+    """Play every pending pair's episode in batches (on `device`) and record the lines."""
+    from stages.lib.environment import environment_factory
+    from stages.lib.generate import load
+
+    assert isinstance(cfg.backend, LocalBackend) and cfg.environment is not None
+    assert cfg.backend.model is not None  # the kind's check requires it
+    # an environment that cannot be loaded fails the stage before the model loads
+    make_env = environment_factory(cfg.environment, cfg.verifier)
+    model, tokenizer = load(cfg.backend.model, device, precision(cfg)[0])
+    progress = Progress(recorder.log, track=recorder.track)
+    recorder.stats.set_limit(cfg.backend.batch_size)
+    failed = 0
+    batch: list[tuple[Prompt, int]] = []
+    for prompt, samples in work:
+        if not prompt.parsed:  # not a JSON object: no row to reset with
+            for sample_idx in samples:
+                recorder.bad_row(prompt, sample_idx)
+            continue
+        batch += [(prompt, s) for s in samples]
+        if len(batch) >= cfg.backend.batch_size:
+            failed += _play_batch(cfg, batch, recorder, make_env, (model, tokenizer), failed)
+            batch = []
+            recorder.sink.flush()
+            progress.maybe_report(recorder.stats)
+    if batch:
+        failed += _play_batch(cfg, batch, recorder, make_env, (model, tokenizer), failed)
+    recorder.sink.flush()
+    progress.close(recorder.stats)
+
+
+def _play_batch(
+    cfg: CollectConfig,
+    batch: list[tuple[Prompt, int]],
+    recorder: Recorder,
+    make_env: Any,
+    loaded: tuple[Any, Any],
+    failed_before: int,
+) -> int:
+    """One batch of episodes played and written; returns how many failed."""
+    from stages.collect.multiturn import episode_line
+    from stages.lib.environment import max_turns
+    from stages.lib.play import local_answer, play_batched
+
+    assert isinstance(cfg.backend, LocalBackend) and cfg.environment is not None
+    turns = max_turns(cfg.environment)
+    answer = local_answer(
+        *loaded,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_output_tokens,
+        seed=cfg.seed + batch[0][0].idx * turns,  # batches' seeds never overlap
+        batch_size=cfg.backend.batch_size,
+    )
+    start = time.perf_counter()
+    recorder.stats.in_flight = len(batch)
+    episodes: list[Episode] = asyncio.run(
+        play_batched(
+            make_env,
+            [p.row for p, _ in batch],
+            answer,
+            max_turns=turns,
+            timeout_s=cfg.environment.timeout_s,
+            concurrency=cfg.environment.concurrency,
+        )
+    )
+    took = time.perf_counter() - start
+    recorder.stats.in_flight = 0
+    failed = 0
+    stats = recorder.stats
+    for (prompt, sample_idx), episode in zip(batch, episodes, strict=True):
+        usage = (episode.usage[0], episode.usage[1])
+        recorder.sink.rollout(episode_line(prompt, sample_idx, episode, usage, took))
+        stats.written += 1
+        stats.tokens_in += usage[0]
+        stats.tokens_out += usage[1]
+        stats.latency.add(took)
+        if episode.error is not None:
+            failed += 1
+            if failed_before + failed <= 3:
+                recorder.log.warning(
+                    "prompt %d sample %d: episode failed: %s", prompt.idx, sample_idx, episode.error
+                )
+    return failed

@@ -72,10 +72,11 @@ def collect_range(
     try:
         work = pending(cfg.input, start, end, cfg.num_repeats, done)
         if isinstance(cfg.backend, LocalBackend):
-            from stages.collect.local import collect_local
+            from stages.collect.local import collect_local, collect_local_episodes
             from stages.lib.devices import torch_device
 
-            collect_local(cfg, work, recorder, torch_device(ctx))
+            local = collect_local_episodes if cfg.environment else collect_local
+            local(cfg, work, recorder, torch_device(ctx))
         else:
             _collect_http(cfg, ctx, work, recorder)
     finally:

@@ -38,7 +38,7 @@ from stages.lib.environment import (
     max_turns,
     open_episode,
 )
-from stages.lib.play import play_batched, play_one, summary
+from stages.lib.play import local_answer, play_batched, play_one, summary
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -116,31 +116,23 @@ class Play:
             )
         )
 
-    def _local_answer(self, path: str) -> Callable[[list[Messages]], list[str]]:
+    def _local_answer(self, path: str) -> Callable[[list[Messages]], list[Any]]:
         """The checkpoint, loaded once, answering a turn's conversations in one call."""
         from stages.lib.devices import torch_device
-        from stages.lib.generate import generate_with, load
+        from stages.lib.generate import load
 
         cfg, backend = self.cfg, self.cfg.backend
         assert isinstance(backend, LocalBackend)
         model, tokenizer = load(path, torch_device(self.ctx), self.dtype)
-        turn = itertools.count()
-
-        def answer(conversations: list[Messages]) -> list[str]:
-            gens = generate_with(
-                model,
-                tokenizer,
-                conversations,
-                num_samples=1,
-                temperature=cfg.temperature,
-                top_p=1.0,
-                max_new_tokens=cfg.max_output_tokens,
-                seed=cfg.seed + next(turn),
-                batch_size=backend.batch_size,
-            )
-            return [g[0].text for g in gens]
-
-        return answer
+        return local_answer(
+            model,
+            tokenizer,
+            temperature=cfg.temperature,
+            top_p=1.0,
+            max_new_tokens=cfg.max_output_tokens,
+            seed=cfg.seed,
+            batch_size=backend.batch_size,
+        )
 
     def _http(self, path: str, rows: list[dict[str, Any]]) -> list[Episode]:
         from stages.lib.backends import make_client

@@ -70,6 +70,7 @@ class Episode:
     done: bool = False
     end: str = ""  # done | max_turns | length | failed
     error: str | None = None
+    usage: list[int] = field(default_factory=lambda: [0, 0])  # prompt, completion tokens
 
     @property
     def turns(self) -> int:

@@ -174,7 +174,7 @@ def test_the_environment_is_part_of_the_resume_fingerprint(tmp_path: Path):
     assert io.fingerprint(loose) == io.fingerprint(calc)  # how patient, not what is collected
 
 
-def test_backends_that_cannot_run_episodes_are_refused(tmp_path: Path):
+def test_the_completions_endpoint_cannot_run_episodes_and_local_can(tmp_path: Path):
     stub_checkpoint(tmp_path / "m")
     (tmp_path / "p.yaml").write_text(
         textwrap.dedent(
@@ -189,12 +189,66 @@ def test_backends_that_cannot_run_episodes_are_refused(tmp_path: Path):
     result = run_cli("validate", "p.yaml", cwd=tmp_path)
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines() == [
-        "p.yaml:3:63: stages.c.config.backend.kind: an environment's episodes are collected "
-        "through an HTTP chat endpoint, found 'local'; use kind 'vllm' (a checkpoint served on "
-        "the stage's devices) or 'openai'",
         "p.yaml:4:104: stages.d.config.backend.endpoint: an environment's episodes send the "
         "conversation as messages, so they need 'chat', found 'completions'",
     ]
+
+
+class Guess:
+    """A user's environment: 1.0 for the row's answer, else "try again"."""
+
+    def reset(self, row: dict[str, Any]) -> list[dict[str, str]]:
+        self.answer = row["answer"]
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, messages: Any, completion: str) -> tuple[float, Any, bool]:
+        if completion.strip() == self.answer:
+            return 1.0, None, True
+        return 0.0, [{"role": "user", "content": "try again"}], False
+
+
+def test_local_episodes_are_the_http_paths_lines_and_resume(tmp_path: Path):
+    """The `local` backend plays the episodes in the stage's process (evaluate's batched
+    driver); a killed run's rerun plays only the episodes not written."""
+    pytest.importorskip("torch")
+    from stages.lib.model import build_tiny_model
+    from stages.lib.model_config import TinyModel
+
+    rows = [{"prompt": f"What is {i} * 3?", "answer": str(3 * i)} for i in range(4)]
+    build_tiny_model(
+        TinyModel(hidden_size=32, num_layers=1, num_heads=2, vocab_size=300),
+        [f"{r['prompt']} {r['answer']} try again" for r in rows] * 5,
+        str(tmp_path / "m"),
+        seed=0,
+    )
+    local = {"kind": "local", "model": str(tmp_path / "m"), "batch_size": 3}
+    env = {"kind": f"{__name__}:Guess", "max_turns": 2}
+    cfg = config(tmp_path, "", backend=local, environment=env, verifier={}, max_output_tokens=4)
+    metrics = run_collect(cfg, ctx(tmp_path))
+    lines = Path(cfg.output).read_text().splitlines()
+    got = [json.loads(line) for line in lines]
+    assert [(r["prompt_idx"], r["sample_idx"]) for r in got] == [
+        (i, s) for i in range(4) for s in range(2)
+    ]
+    keys = ["prompt_idx", "sample_idx", "prompt", "answer", "messages", "rewards",
+            "total_reward", "turns", "solved", "end", "reward", "usage", "latency_s"]  # fmt: skip
+    for r in got:
+        assert list(r) == keys
+        assert r["messages"][0] == {"role": "user", "content": rows[r["prompt_idx"]]["prompt"]}
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant", "user", "assistant"][
+            : 2 * r["turns"]
+        ]
+        assert r["end"] in ("done", "max_turns") and len(r["rewards"]) == r["turns"]
+        assert r["usage"]["prompt_tokens"] > 0 and 0 < r["usage"]["completion_tokens"] <= 8
+    assert metrics["written"] == 8 and metrics["episodes"]["episodes"] == 8
+    # a run killed after three episodes: its rerun plays the five others
+    Path(cfg.output).unlink()
+    Path(io.partial_path(cfg.output)).write_text("".join(f"{line}\n" for line in lines[:3]))
+    Path(io.meta_path(cfg.output)).write_text(json.dumps({"fingerprint": io.fingerprint(cfg)}))
+    again = run_collect(cfg, ctx(tmp_path))
+    assert again["written"] == 5
+    assert Path(cfg.output).read_text().splitlines()[:3] == lines[:3]
+    assert len(read(cfg.output)) == 8
 
 
 def test_the_filter_reads_an_episodes_assistant_turns():

@@ -16,6 +16,20 @@ finished turn: `stages.lib.prompt.continuation_ids`) and the next turn is genera
 the token ids themselves, so the sequence trained on is token for token the one sampled.
 An episode ends when the environment says done, at `max_turns`, or when its tokens
 reach `max_length` (what is past it is cut, as a one-turn rollout cuts it).
+
+A turn that does not end with the template's closing token (cut at `max_new_tokens`, or
+stopped on another end-of-sequence id, which stays as sampled) is closed as the template
+closes it before the observation follows: the closing ids of
+`stages.lib.tokens.answer_end` join the sequence outside the loss (behaviour log-prob
+0.0), as the observation's do; no token enters a sequence that the engine did not sample
+or the template did not write. So an episode whose answers re-tokenise as sampled is the
+template's rendering of its final conversation, `apply_chat_template(messages)`, token for
+token, less the text after the last closing token (ChatML's and Gemma's newline) and, when
+the last answer was cut, less that answer's closing too: the last turn is left as
+sampled, since tokens after it would carry no loss and change no gradient (a one-turn
+rollout stays the engine's answer, number for number). An observation the template cannot
+render (Gemma and Mistral refuse a `system` message after the first turn) fails its
+episode with the template's message, as a broken environment does.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from typing import Any
 from stages.lib.environment import Environment, Episode, take_turn
 from stages.lib.play import open_all
 from stages.lib.prompt import TokenPrompt, continuation_ids
+from stages.lib.tokens import answer_end
 
 
 @dataclass
@@ -43,6 +58,7 @@ class Trace:
     generated: int = 0  # tokens the engine produced (an answer cut by max_length included)
     pending: str = ""  # the latest answer's text, for the environment's step
     cut: bool = False  # the latest answer did not fit in max_length
+    last: tuple[int, ...] = ()  # the latest answer's tokens (to tell whether it was closed)
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float], own: bool) -> None:
         self.ids += ids
@@ -140,6 +156,7 @@ def _answered(t: Trace, gen: Any, s: Sampling, first: bool = False) -> None:
     t.generated += gen.completion_tokens
     t.pending = gen.text
     t.cut = len(gen.token_ids) > room
+    t.last = tuple(gen.token_ids)
 
 
 async def _steps(tokenizer: Any, going: list[Trace], s: Sampling) -> None:
@@ -157,10 +174,22 @@ async def _steps(tokenizer: Any, going: list[Trace], s: Sampling) -> None:
             t.episode.done, t.episode.end = True, "length"
             return
         turn = [*before, {"role": "assistant", "content": t.pending}]
-        extra = continuation_ids(tokenizer, turn, observation)
+        try:
+            extra = closing(tokenizer, t.last) + continuation_ids(tokenizer, turn, observation)
+        except Exception as exc:  # the template refuses the conversation (a role it lacks)
+            t.episode.fail(f"the chat template cannot render the observation: {exc}")
+            return
         if len(extra) >= s.max_length - len(t.ids):  # no room left for the model's answer
             t.episode.done, t.episode.end = True, "length"
             return
         t.add(extra, (), own=False)
 
     await asyncio.gather(*(one(t) for t in going))
+
+
+def closing(tokenizer: Any, answer: Sequence[int]) -> list[int]:
+    """The template's closing ids a cut answer lacks (none for one that ends with them)."""
+    ids = list(answer_end(tokenizer).ids)
+    if not ids or list(answer[-len(ids) :]) == ids:
+        return []
+    return ids
