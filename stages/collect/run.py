@@ -3,7 +3,8 @@
 Input: a resolved CollectConfig (absolute `input` and `output`) and the
 StageContext. Output: `cfg.output` (rollouts, or episodes with an environment, sorted
 by prompt_idx, sample_idx), `<output>.failures.jsonl` when some rows failed for good,
-and the metrics dict.
+and the metrics dict (its `sampling`: every sampling field each request of this run
+carried, `stages.lib.sampling`).
 
 `run_collect` publishes nothing until every pair is done, so it can be killed
 and run again at any point: the rerun reads `<output>.partial`, skips the
@@ -21,6 +22,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from stages.collect.ranged import collect_range, up_to_date
+from stages.lib.sampling import request_sampling
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -32,6 +34,8 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     environment, the task that publishes the output also sums up its episodes and fails the
     stage when too many failed (`stages.collect.multiturn.check_episodes`)."""
     metrics = _collect(cfg, ctx)
+    if not metrics.get("up_to_date"):  # what every request carried; the local engine the same
+        metrics["sampling"] = request_sampling(cfg.temperature, cfg.top_p)
     if cfg.environment is not None and (ctx.link is None or ctx.node_rank == 0):
         from stages.collect.multiturn import check_episodes
 

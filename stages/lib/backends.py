@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from stages.lib.client import OpenAIClient
 from stages.lib.config import OpenAIBackend, VLLMBackend
+from stages.lib.sampling import request_sampling
 
 if TYPE_CHECKING:
     from stages.lib.config import Backend
@@ -97,10 +98,11 @@ def http_endpoint(
 
 
 def make_client(cfg: Sampling, endpoint: Endpoint, connections: int) -> OpenAIClient:
-    """The client for `endpoint` with the config's sampling settings and timeout."""
+    """The client for `endpoint` with the config's sampling settings and timeout: every
+    sampling field (`stages.lib.sampling`), the config's temperature and top_p, the rest
+    neutral."""
     sampling = {
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
+        **request_sampling(cfg.temperature, cfg.top_p),
         "max_tokens": cfg.max_output_tokens,
     }
     return OpenAIClient(

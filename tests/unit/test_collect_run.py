@@ -123,6 +123,30 @@ def test_collects_every_pair_once_with_exact_rewards(tmp_path: Path, server: Thr
     ]
 
 
+def test_requests_sample_what_the_config_says_whatever_the_servers_defaults(
+    tmp_path: Path, server: ThreadHandle
+):
+    """A server with a checkpoint's generation_config as its sampling defaults (vLLM's
+    `--generation-config auto`) samples each request at the config's temperature and
+    top_p, the rest neutral: every request says every field; the metrics record them."""
+    write_rows(tmp_path / "in.jsonl", good_rows(2))
+    cfg = config(tmp_path, server.url, temperature=0.7, top_p=0.9)
+    fake = server.server
+    fake.record_bodies = True
+    fake.defaults = {"top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05}
+    try:
+        metrics = run_collect(cfg, context(tmp_path))
+    finally:
+        fake.record_bodies, fake.defaults = False, {}
+    asked = {
+        "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0,
+        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    }  # fmt: skip
+    sampled, fake.counters.sampled = fake.counters.sampled, []
+    fake.counters.bodies = []
+    assert sampled == [asked] * (2 * cfg.num_repeats) and metrics["sampling"] == asked
+
+
 def test_chat_rows_and_the_completions_endpoint(tmp_path: Path, server: ThreadHandle):
     rows = [
         {"messages": [{"role": "user", "content": question(0)}], "answer": "x"},
