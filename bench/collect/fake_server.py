@@ -18,6 +18,12 @@ environment (`stages.lib.environments.calculator`): a message holding an
 arithmetic expression (`12 * 7`) is answered `calc: 12 * 7`, a `result: N`
 message `<answer>N</answer>`; any other message gets the usual answer.
 
+With `defaults` (a dict: a checkpoint's `generation_config.json` sampling fields) the
+server fills what a request leaves out as vLLM's `--generation-config auto` does
+(`CompletionRequest.to_sampling_params`: the request's value, else the server's default,
+else OpenAI's) and, with `record_bodies`, records each request's effective sampling in
+`counters.sampled` beside its body.
+
 Importable: `start_in_thread(...)` runs it in a daemon thread of the caller's
 process (tests), `start_subprocess(...)` in its own process (benchmarks, so
 its CPU is not charged to the collector). Both return a handle with `.url`
@@ -70,6 +76,27 @@ class Counters:
     injected: dict[str, int] = field(default_factory=dict)
     authorizations: set[str] = field(default_factory=set)
     bodies: list[dict[str, Any]] = field(default_factory=list)  # kept only when record_bodies
+    sampled: list[dict[str, Any]] = field(default_factory=list)  # each body's effective sampling
+
+
+# vLLM's own defaults, where neither the request nor the server's `defaults` say
+OPENAI_SAMPLING = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+}
+
+
+def effective_sampling(body: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """What a vLLM server samples a request with: its value, else the server's default."""
+    return {
+        name: body[name] if body.get(name) is not None else defaults.get(name, default)
+        for name, default in OPENAI_SAMPLING.items()
+    }
 
 
 class FakeServer:
@@ -84,6 +111,7 @@ class FakeServer:
         self.rng = random.Random(seed)
         self.counters = Counters()
         self.record_bodies = False
+        self.defaults: dict[str, Any] = {}  # sampling defaults, as a generation_config's
         self.tools = False  # script calculator tool calls (module docstring)
         self._slots: asyncio.Semaphore | None = None
 
@@ -121,6 +149,7 @@ class FakeServer:
             self.counters.authorizations.add(auth)
         if self.record_bodies:
             self.counters.bodies.append(body)
+            self.counters.sampled.append(effective_sampling(body, self.defaults))
         return body
 
     def _fault(self) -> str | None:

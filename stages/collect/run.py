@@ -3,8 +3,9 @@
 Input: a resolved CollectConfig (absolute `input` and `output`) and the
 StageContext. Output: `cfg.output` (rollouts, or episodes with an environment, sorted
 by prompt_idx, sample_idx), `<output>.failures.jsonl` when some rows failed for good,
-and the metrics dict (with a local backend, the precision its checkpoint was loaded in,
-also in the stage's `settings.json`).
+and the metrics dict (its `sampling`: every sampling field each request of this run
+carried, `stages.lib.sampling`; with a local backend, the precision its checkpoint was
+loaded in, also in the stage's `settings.json`).
 
 `run_collect` publishes nothing until every pair is done, so it can be killed
 and run again at any point: the rerun reads `<output>.partial`, skips the
@@ -22,7 +23,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from stages.collect.ranged import collect_range, up_to_date
-from stages.lib.config import LocalBackend
+from stages.lib.config import LocalBackend, OpenAIBackend
+from stages.lib.sampling import request_sampling
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -41,6 +43,9 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
         dtype, why = precision(cfg)
         metrics["precision"] = {"dtype": dtype, "why": why}
         write_json(f"{ctx.stage_dir}/settings.json", {"backend.precision": metrics["precision"]})
+    if not metrics.get("up_to_date"):  # what every request carried; the local engine the same
+        vllm = not isinstance(cfg.backend, OpenAIBackend)  # local: the same neutral rest
+        metrics["sampling"] = request_sampling(cfg.temperature, cfg.top_p, vllm)
     if cfg.environment is not None and (ctx.link is None or ctx.node_rank == 0):
         from stages.collect.multiturn import check_episodes
 

@@ -6,8 +6,9 @@ generate: `local` loads each checkpoint in this process, on the stage's GPU when
 it holds one; `vllm` serves each in turn on the stage's GPUs; `openai` asks the
 served model, which is then the only one evaluated).
 Output, in the folder of `cfg.output`: `report.json`
-(`{"baseline": NAME, "results": [{"checkpoint", "n", "accuracy", "mean_reward",
-"pass_at_k"}, ...]}`), `report.md` (a table with the differences to the
+(`{"baseline": NAME, "sampling": {...}, "results": [{"checkpoint", "n", "accuracy",
+"mean_reward", "pass_at_k"}, ...]}`; `sampling`: every sampling field each request carried,
+`stages.lib.sampling`), `report.md` (a table with the differences to the
 baseline), `report.png` (a bar chart) and `generations.jsonl` (every sample
 with its reward). Returns the report plus the accuracy differences and, with a local
 backend, the one precision every checkpoint was loaded in (also `settings.json`).
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from stages.evaluate.multiturn import Play
 from stages.lib.config import LocalBackend, OpenAIBackend, VLLMBackend
 from stages.lib.jsonl import atomic_path, atomic_write, read_jsonl, write_json, write_jsonl
+from stages.lib.sampling import request_sampling
 from stages.lib.track import Metrics
 
 if TYPE_CHECKING:
@@ -205,7 +207,10 @@ def evaluate_checkpoints(
         results.append(result)
         samples.extend(gen_rows)
         log.info("%s: accuracy %.3f on %d prompts", name, result["accuracy"], len(rows))
-    report = {"baseline": names[0], "results": results}
+    # every backend samples with these: HTTP requests carry them all (`stages.lib.sampling`)
+    vllm = not isinstance(cfg.backend, OpenAIBackend)  # an openai server: OpenAI's fields
+    sampling = request_sampling(cfg.temperature, cfg.top_p, vllm)
+    report = {"baseline": names[0], "sampling": sampling, "results": results}
     write_report(cfg.output, report, samples)
     out = {**report, "accuracy_delta": _deltas(results, "accuracy")}
     if precision is not None:  # the metrics' and settings.json's, not the report's

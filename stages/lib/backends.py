@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from stages.lib.client import OpenAIClient
 from stages.lib.config import OpenAIBackend, VLLMBackend
+from stages.lib.sampling import request_sampling
 
 if TYPE_CHECKING:
     from stages.lib.config import Backend
@@ -49,6 +50,7 @@ class Endpoint:
     model: str
     endpoint: str
     api_key: str | None = None
+    vllm: bool = False  # a vLLM server the stage started: it takes vLLM's sampling fields
 
     def __repr__(self) -> str:  # the key never reaches a log line
         return f"Endpoint({self.base_url!r}, model={self.model!r}, endpoint={self.endpoint!r})"
@@ -91,16 +93,17 @@ def http_endpoint(
             backend, gpus=gpus, log=log, log_file=log_file, devices=devices, secret=secret
         ) as base_url:
             log.info("vLLM server ready at %s", base_url)
-            yield Endpoint(base_url, str(backend.model), "chat", api_key=secret)
+            yield Endpoint(base_url, str(backend.model), "chat", api_key=secret, vllm=True)
     else:
         raise ValueError(f"backend kind '{backend.kind}' has no HTTP endpoint")
 
 
 def make_client(cfg: Sampling, endpoint: Endpoint, connections: int) -> OpenAIClient:
-    """The client for `endpoint` with the config's sampling settings and timeout."""
+    """The client for `endpoint` with the config's sampling settings and timeout: every
+    sampling field the server takes (`stages.lib.sampling`), the config's temperature and
+    top_p, the rest neutral."""
     sampling = {
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
+        **request_sampling(cfg.temperature, cfg.top_p, vllm=endpoint.vllm),
         "max_tokens": cfg.max_output_tokens,
     }
     return OpenAIClient(

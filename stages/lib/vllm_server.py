@@ -25,7 +25,9 @@ GiB (1 unless the environment sets it; otherwise vLLM would take 90% of the
 host's memory), `--max-model-len auto` fits the context to that cache, and
 `--enforce-eager` skips torch.compile, which costs more start-up time (~35 s
 for a tiny model on 2 cores) than it saves on short runs, and `--no-enable-chunked-prefill`
-keeps seeded requests alive (below, in `server_command`).
+keeps seeded requests alive (below, in `server_command`). Every server starts with
+`--generation-config vllm`: no sampling defaults from the checkpoint's
+`generation_config.json` (`stages.lib.sampling`).
 
 With `vllm_num_engines: N`, N servers start at once, each on its own port and,
 on GPU, on its own slice of `vllm_tensor_parallel_size` GPUs (from
@@ -55,6 +57,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from stages.lib.config import VLLMBackend
+from stages.lib.sampling import SERVER_ARGS
 from stages.lib.vllm_auth import MIDDLEWARE, SECRET_ENV
 from stages.lib.vllm_process import HOST, start_server, stop_server, wait_healthy
 
@@ -120,6 +123,7 @@ def server_command(
         raise ValueError("a vllm backend needs a 'model' to serve")
     cmd += ["--model", backend.model, "--served-model-name", backend.model]
     cmd += ["--host", host, "--port", str(port), "--middleware", MIDDLEWARE]
+    cmd += SERVER_ARGS  # no sampling defaults from the checkpoint (`stages.lib.sampling`)
     cmd += ["--tensor-parallel-size", str(backend.vllm_tensor_parallel_size)]
     if backend.enable_prefix_caching:
         cmd.append("--enable-prefix-caching")

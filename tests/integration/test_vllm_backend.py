@@ -203,7 +203,14 @@ def files_holding(root: Path, secrets: set[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny-llama")
+    """The tiny model, its generation_config.json recommending top_k 1: were that the
+    server's default (vLLM's own default, `--generation-config auto`), every sample of a
+    request that leaves top_k out would be the greedy answer."""
+    path = build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny-llama")
+    gen = path / "generation_config.json"
+    saved = json.loads(gen.read_text()) if gen.exists() else {}
+    gen.write_text(json.dumps({**saved, "do_sample": True, "top_k": 1}))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +297,7 @@ def test_cpu_command_leaves_out_gpu_flags() -> None:
         "--model", "m", "--served-model-name", "m",
         "--host", "127.0.0.1", "--port", "8001",
         "--middleware", "stages.lib.vllm_auth.RequireSecret",
+        "--generation-config", "vllm",  # no sampling defaults from generation_config.json
         "--tensor-parallel-size", "1", "--enable-prefix-caching",
         "--max-model-len", "auto", "--enforce-eager", "--no-enable-chunked-prefill",
     ]  # fmt: skip
@@ -365,6 +373,20 @@ class TestServed:
         ]
         assert first == again
         assert len(set(first)) > 1, f"every prompt gave the same answer: {first}"
+
+    def test_the_checkpoints_generation_config_is_no_default(
+        self, served: Served, backend: VLLMBackend
+    ) -> None:
+        """Started with `--generation-config vllm`, the server samples a request without
+        top_k from the whole vocabulary, not with the checkpoint's top_k 1 (`tiny_model`)."""
+
+        def answer(**sampling: Any) -> str:
+            reply = chat(served.url, backend.model, "say hello.", max_tokens=12, **sampling)
+            return str(reply["choices"][0]["message"]["content"])
+
+        greedy = answer(temperature=0, ignore_eos=True)
+        sampled = {answer(temperature=1.5, seed=s, ignore_eos=True) for s in range(4)}
+        assert sampled != {greedy}, "every sample was the greedy answer: top_k 1 applied"
 
     def test_server_log_is_written(self, served: Served) -> None:
         assert "Starting vLLM server on http://127.0.0.1:" in served.log_file.read_text()

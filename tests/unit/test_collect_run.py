@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -121,6 +122,57 @@ def test_collects_every_pair_once_with_exact_rewards(tmp_path: Path, server: Thr
         "rollouts.jsonl.failures.jsonl",
         "track.jsonl",  # the progress points for the run's trackers (stages.lib.track)
     ]
+
+
+def test_requests_to_an_openai_server_carry_the_configs_values_in_openais_fields_only(
+    tmp_path: Path, server: ThreadHandle
+):
+    """A server the stage did not start (`backend: openai`) is sent the config's temperature
+    and top_p and OpenAI's neutral penalties, and no vLLM-only field (OpenAI's API refuses a
+    request carrying `top_k`); the metrics record exactly what was sent."""
+    write_rows(tmp_path / "in.jsonl", good_rows(2))
+    cfg = config(tmp_path, server.url, temperature=0.7, top_p=0.9)
+    fake = server.server
+    fake.record_bodies = True
+    try:
+        metrics = run_collect(cfg, context(tmp_path))
+    finally:
+        fake.record_bodies = False
+    asked = {"temperature": 0.7, "top_p": 0.9, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    keys = {"top_k", "min_p", "repetition_penalty", *asked}
+    bodies, fake.counters.bodies, fake.counters.sampled = fake.counters.bodies, [], []
+    assert [{k: v for k, v in b.items() if k in keys} for b in bodies] == [asked] * (
+        2 * cfg.num_repeats
+    )
+    assert metrics["sampling"] == asked
+
+
+def test_a_vllm_server_the_stage_started_samples_what_was_asked_whatever_its_defaults(
+    server: ThreadHandle,
+):
+    """A server with a checkpoint's generation_config as its sampling defaults (vLLM's
+    `--generation-config auto`: top_k 20, top_p 0.8, repetition_penalty 1.05) samples each
+    request at the config's temperature and top_p, the rest neutral: every field is sent."""
+    import asyncio
+
+    from stages.lib.backends import Endpoint, make_client
+    from stages.lib.client import complete_all
+
+    fake = server.server
+    fake.record_bodies = True
+    fake.defaults = {"top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05}
+    settings = SimpleNamespace(temperature=0.7, top_p=0.9, max_output_tokens=8, timeout_s=10.0)
+    client = make_client(settings, Endpoint(server.url, "fake", "chat", vllm=True), 4)  # type: ignore[arg-type]
+    try:
+        asyncio.run(complete_all(client, [question(0), question(1)], num_samples=2, seed=0))
+    finally:
+        fake.record_bodies, fake.defaults = False, {}
+    asked = {
+        "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0,
+        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    }  # fmt: skip
+    sampled, fake.counters.sampled, fake.counters.bodies = fake.counters.sampled, [], []
+    assert sampled == [asked] * 4
 
 
 def test_chat_rows_and_the_completions_endpoint(tmp_path: Path, server: ThreadHandle):

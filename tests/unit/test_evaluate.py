@@ -155,6 +155,10 @@ def test_report_has_the_documented_shape_and_values(run_dir: Path):
     # the rigged models answer "77" and "" whatever they sample: 3 of 4 prompts want "77"
     assert report == {
         "baseline": "stops",
+        "sampling": {
+            "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        },
         "results": [
             {"checkpoint": "stops", "n": 4, "accuracy": 0.0, "mean_reward": 0.0,
              "pass_at_k": {"1": 0.0, "2": 0.0, "4": 0.0}},
@@ -207,3 +211,44 @@ def test_the_stage_scores_with_the_configured_verifier(run_dir: Path):
             "pass_at_k": {"1": 2 / 3},
         }
     ]
+
+
+def test_greedy_requests_to_an_openai_server_say_temperature_0_in_openais_fields(
+    tmp_path: Path,
+):
+    """A served model (`backend: openai`, a server the stage did not start) gets greedy
+    requests in OpenAI's own fields: temperature 0, top_p 1, no penalties, and no vLLM-only
+    field, which OpenAI's API would refuse; the report says what was sent. (A vLLM server
+    the stage starts runs with `--generation-config vllm` and is sent every field:
+    tests/unit/test_collect_run.py.)"""
+    import sys
+
+    from stages.evaluate.run import run_evaluate
+    from stages.lib.config import OpenAIBackend
+    from tests.conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench" / "collect"))
+    from fake_server import start_in_thread
+
+    handle = start_in_thread(capacity=4)
+    handle.server.record_bodies = True
+    handle.server.defaults = {"repetition_penalty": 1.05, "top_k": 20, "temperature": 0.7}
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = EvaluateConfig(
+        input=str(data),
+        output=str(tmp_path / "evaluate" / "report.json"),
+        backend=OpenAIBackend(kind="openai", base_url=handle.url, model="fake"),
+        verifier=Verifier(kind="exact_match"),
+    )
+    (tmp_path / "evaluate").mkdir()
+    ctx = StageContext("evaluate", "evaluate", str(tmp_path / "evaluate"), str(tmp_path), "")
+    try:
+        run_evaluate(cfg, ctx)
+    finally:
+        handle.stop()
+    greedy = {"temperature": 0.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    keys = {"top_k", "min_p", "repetition_penalty", *greedy}
+    bodies = [{k: v for k, v in b.items() if k in keys} for b in handle.server.counters.bodies]
+    assert bodies == [greedy] * len(ROWS)
+    assert json.loads(Path(cfg.output).read_text())["sampling"] == greedy

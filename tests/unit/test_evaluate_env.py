@@ -66,6 +66,7 @@ def test_retry_episodes_report_success_first_turn_turns_and_reward(run_dir: Path
     report, md, gens = _read(run_dir)
     # "stops" answers "" twice on every row; "sevens" answers "77", right on 3 of 4 rows at
     # once, and twice wrong on "1 + 1 =": rewards [1], [1], [-0.5, -0.5], [1]
+    assert report.pop("sampling")["temperature"] == 0.0  # greedy (test_evaluate: its shape)
     assert report == {
         "baseline": "stops",
         "results": [
@@ -223,6 +224,9 @@ def test_a_served_model_plays_each_episode_over_http(
     assert len(seen) == 8
     assert len({b["seed"] for b in seen}) == 8
     assert {(b["model"], b["temperature"], b["max_tokens"]) for b in seen} == {("served", 0.0, 64)}
+    neutral = ("top_p", "presence_penalty", "frequency_penalty")  # an openai server: its fields
+    assert {tuple(b[k] for k in neutral) for b in seen} == {(1.0, 0.0, 0.0)}
+    assert not any({"top_k", "min_p", "repetition_penalty"} & set(b) for b in seen)
     assert {json.dumps(b["messages"]) for b in seen if len(b["messages"]) == 3} == {
         json.dumps(
             [

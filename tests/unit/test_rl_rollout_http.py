@@ -5,6 +5,7 @@ a number bounds what is in flight; the knob is validated; every step records it.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -88,6 +89,50 @@ def test_each_sample_is_seeded_and_a_group_goes_to_one_server(server: Any):
     seeds = sorted(b["seed"] for b in bodies)
     assert seeds == sorted(sample_seed(3, i, s, 3) for i in range(2) for s in range(3))
     assert all(b["n"] == 1 and b["return_token_ids"] and b["logprobs"] == 0 for b in bodies)
+
+
+# softmax(logits / T) over the whole vocabulary: nothing else (vLLM's top_k off is 0 or -1)
+def policy(temperature: float) -> dict[str, Any]:
+    return {
+        "temperature": temperature, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    }  # fmt: skip
+
+
+def test_a_checkpoints_generation_config_does_not_change_the_policy_sampled(server: Any):
+    """A server that fills what a request leaves out from the checkpoint's
+    generation_config.json (vLLM's default `--generation-config auto`: Qwen2.5-Instruct's
+    top_k 20, top_p 0.8, repetition_penalty 1.05) samples every rl request, sampled or
+    greedy, with the policy the loss assumes: each request says every field."""
+    from stages.lib.prompt import TokenPrompt
+
+    server.server.record_bodies = True
+    server.server.defaults = {
+        "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "min_p": 0.1, "temperature": 0.7,
+    }  # fmt: skip
+    engine = rollouts(server, 8)
+    step(engine, prompts=2, group=2)
+    assert server.server.counters.sampled == [policy(1.0)] * 4
+    engine.generate([TokenPrompt((1, 5))], num_samples=1, temperature=0.0, max_new_tokens=4, seed=0)
+    assert server.server.counters.sampled[-1] == policy(0.0)  # held-out scoring: greedy
+
+
+def test_settings_record_the_sampling_each_vllm_request_sent():
+    from stages.rl.controller.settings import account
+    from stages.rl.sync.choice import SyncChoice
+
+    vllm = {"kind": "vllm", "model": "m"}
+    cfg = RLConfig(input="x.jsonl", temperature=0.9, backend=vllm)  # type: ignore[arg-type]
+    saved = ("float32", "auto: the input's")
+    status, how = account(cfg, "torch", "cpu", 1, SyncChoice("gloo", None), saved=saved)[
+        "temperature"
+    ]
+    assert status == "applied" and "softmax(logits / T) over the whole vocabulary" in how
+    assert json.dumps(policy(0.9)) in how and "--generation-config vllm" in how
+    local = account(
+        RLConfig(input="x.jsonl"), "torch", "cpu", 1, SyncChoice("gloo", None), saved=saved
+    )
+    assert "sampled by the local engine itself" in local["temperature"][1]
 
 
 def test_every_step_records_what_was_in_flight(server: Any):

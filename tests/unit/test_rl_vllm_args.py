@@ -2,7 +2,8 @@
 stage's lengths (a long-context checkpoint served at its own maximum needs a KV cache that a
 0.5 share of the GPU may not hold, and vLLM refuses to start; on the CPU `--max-model-len
 auto` stays), the workers' device names, their own interpreter's vLLM, and full fp32 for an
-fp32 engine."""
+fp32 engine; every server, the collect and evaluate stages' too, without the checkpoint's
+sampling defaults (`--generation-config vllm`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ def test_gpu_vllm_servers_get_max_model_len_from_the_stage_lengths():
         backend, python="python", port=1, gpus=0, extra_args=server_args(False, False, 1280)
     )
     assert cpu[cpu.index("--max-model-len") + 1] == "auto" and cpu.count("--max-model-len") == 1
+
+
+def test_every_vllm_server_starts_without_the_checkpoints_sampling_defaults():
+    """vLLM's default `--generation-config auto` makes generation_config.json's top_k,
+    top_p, min_p, temperature and repetition_penalty the defaults of every request."""
+    backend = VLLMBackend(kind="vllm", model="m")
+    rl = server_args(False, False, 1280)
+    for gpus, extra in ((0, ()), (1, ()), (0, rl), (1, server_args(True, True, 1280))):
+        cmd = server_command(backend, python="python", port=1, gpus=gpus, extra_args=extra)
+        assert cmd[cmd.index("--generation-config") + 1] == "vllm"
+        assert cmd.count("--generation-config") == 1
 
 
 def test_gpu_servers_prefer_this_interpreters_vllm_over_the_cpu_build(monkeypatch, tmp_path):

@@ -8,9 +8,11 @@ new setting cannot be resolved and then ignored.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from stages.lib.sampling import request_sampling
 from stages.lib.sleep import sleep_method
 from stages.rl.sync.choice import SyncChoice
 
@@ -73,7 +75,7 @@ def account(
         "weight_decay": (A, "the actor's AdamW weight decay"),
         "max_steps": (A, "steps run") if cfg.max_steps else (S, "max_epochs decides"),
         "max_epochs": (S, "max_steps decides") if cfg.max_steps else (A, "passes over the prompts"),
-        "temperature": (A, "sampling temperature, and the policy the ratio is taken under"),
+        "temperature": _temperature(cfg),
         "max_output_tokens": (A, "most tokens per answer"),
         "max_length": (A, "prompt + answer cut to this for the update"),
         "kl_coef": _kl(cfg.kl_coef, cfg.algorithm),
@@ -250,6 +252,18 @@ def _sync(choice: SyncChoice, bf16: bool) -> tuple[str, str]:
     if choice.reason is None:
         return A, ran
     return S, f"{choice.reason} ({ran})"
+
+
+def _temperature(cfg: RLConfig) -> tuple[str, str]:
+    """The policy sampled and scored, and for vLLM the sampling fields each request sent."""
+    policy = "sampling temperature, and the policy the ratio is taken under: softmax(logits / T)"
+    if cfg.backend.kind != "vllm":
+        return A, f"{policy} over the whole vocabulary, sampled by the local engine itself"
+    sent = json.dumps(request_sampling(cfg.temperature))
+    return A, (
+        f"{policy} over the whole vocabulary; every vLLM request sent {sent} (servers started "
+        "with --generation-config vllm: no defaults from the checkpoint's generation_config)"
+    )
 
 
 def _kl(coef: float, algorithm: str) -> tuple[str, str]:

@@ -20,7 +20,12 @@ the run's secret.
 
 Log-probabilities: the servers run with `--logprobs-mode processed_logprobs`, so a
 sampled token's log-probability is taken under the temperature-scaled distribution, as
-the actor's ratio needs. The probe is scored from `prompt_logprobs` (the raw model),
+the actor's ratio needs; nothing else shapes that distribution: the servers start with
+`--generation-config vllm` and every request sends every sampling field, top-k, top-p,
+min-p and the penalties neutral (`stages.lib.sampling`), so a checkpoint's
+`generation_config.json` (Qwen2.5-Instruct's top_k 20, top_p 0.8, repetition_penalty
+1.05) does not change the policy sampled: softmax(logits / temperature) over the whole
+vocabulary. The probe is scored from `prompt_logprobs` (the raw model),
 so both sides score it at temperature 1. Sleep (`vllm_enable_sleep`, GPU only):
 `/sleep?level=1` while the actor trains, then `/wake_up` for the weights before the
 sync and for the KV cache after it.
@@ -40,6 +45,7 @@ from engine.stage import visible_names
 from stages.lib.config import VLLMBackend
 from stages.lib.generate import Generation
 from stages.lib.prompt import Prompt
+from stages.lib.sampling import request_sampling
 from stages.lib.tokens import checkpoint_eos_ids, pad_id
 from stages.rl.algo.logprobs import Sample
 from stages.rl.rollout.vllm_requests import HTTPRollouts
@@ -323,7 +329,7 @@ class VLLMEngine:
                 "model": self.served,
                 "prompt": list(sample.ids),
                 "max_tokens": 1,
-                "temperature": 1.0,
+                **request_sampling(1.0),
                 "prompt_logprobs": 0,
             }
             data = self.post(f"{url}/v1/completions", body, self.timeout_s)

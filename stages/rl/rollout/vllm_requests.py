@@ -10,9 +10,12 @@ latest call: requests in flight (mean and peak), the servers' own queue wait per
 does not export it) and generated tokens per second.
 
 Every sample of every group is its own request (`n: 1`, seeded per prompt and sample as the
-collect stage seeds them), all of a step's requests are submitted at once and the bound
-decides how many are in flight: a server batches what it is sent, so a handful of group
-requests at a time would leave a GPU engine half idle. A prompt's samples all go to one
+collect stage seeds them) and carries every sampling field: the temperature, the rest
+neutral (`stages.lib.sampling`), so the servers sample softmax(logits / temperature) over
+the whole vocabulary, the policy the loss assumes, whatever their defaults. All of a
+step's requests are submitted at once and the bound decides how many are in flight: a
+server batches what it is sent, so a handful of group requests at a time would leave a
+GPU engine half idle. A prompt's samples all go to one
 server (its prefix cache serves the group). Failed requests are retried with backoff while
 retryable (429, 5xx, timeouts, resets), as the collector retries them; one that fails for
 good fails the step, naming the server.
@@ -31,6 +34,7 @@ from stages.lib.adaptive import AdaptiveLimit
 from stages.lib.client import backoff_delay, classify, sample_seed, status_error
 from stages.lib.generate import Generation
 from stages.lib.prompt import Prompt, prompt_ids
+from stages.lib.sampling import request_sampling
 from stages.lib.tokens import eos_ids
 
 MAX_RETRIES, BACKOFF_S = 4, 0.5
@@ -169,7 +173,7 @@ class HTTPRollouts:
             "prompt": ids,
             "n": 1,
             "max_tokens": max_tokens,
-            "temperature": temperature,
+            **request_sampling(temperature),  # the loss's policy: softmax(logits / T), no more
             "return_token_ids": True,
             "skip_special_tokens": True,
             "stop_token_ids": self.stops,  # every end-of-answer id, the template's among them
