@@ -1,16 +1,14 @@
 """The evaluate stage's body: generate with each checkpoint, verify, compare to a baseline.
 
-Input: a resolved `EvaluateConfig` (`input` the held-out prompt JSONL,
-`checkpoints` and `baseline` absolute checkpoint directories, `backend` how to
-generate: `local` loads each checkpoint in this process, on the stage's GPU when
-it holds one; `vllm` serves each in turn on the stage's GPUs; `openai` asks the
-served model, which is then the only one evaluated).
-Output, in the folder of `cfg.output`: `report.json`
-(`{"baseline": NAME, "sampling": {...}, "results": [{"checkpoint", "n", "accuracy",
-"mean_reward", "pass_at_k"}, ...]}`; `sampling`: every sampling field each request carried,
-`stages.lib.sampling`), `report.md` (a table with the differences to the
-baseline), `report.png` (a bar chart) and `generations.jsonl` (every sample
-with its reward). Returns the report plus the accuracy differences and, with a local
+Input: a resolved `EvaluateConfig` (`input` the held-out prompt JSONL, `checkpoints` and
+`baseline` absolute checkpoint directories, `backend` how to generate: `local` loads each
+checkpoint in this process, on the stage's GPU when it holds one; `vllm` serves each in turn
+on the stage's GPUs; `openai` asks the served model, which is then the only one evaluated).
+Output, in the folder of `cfg.output`: `report.json` (`{"baseline": NAME, "sampling": {...},
+"results": [{"checkpoint", "n", "accuracy", "mean_reward", "pass_at_k"}, ...]}`; `sampling`:
+every sampling field each request carried, `stages.lib.sampling`), `report.md` (a table with
+the differences to the baseline), `report.png` (a bar chart) and `generations.jsonl` (every
+sample with its reward). Returns the report plus the accuracy differences and, with a local
 backend, the one precision every checkpoint was loaded in (also `settings.json`).
 
 With an `environment`, each checkpoint plays episodes instead (`stages.evaluate.multiturn`):

@@ -29,8 +29,12 @@ PRECISION_HELP = (
 
 def checkpoint_dtype(model_dir: str) -> str:
     """The dtype a checkpoint folder declares (`dtype`, or the older `torch_dtype`, of its
-    config.json); float32 when it declares none (what transformers assumes then)."""
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+    config.json); float32 when it declares none (what transformers assumes then), or when
+    there is no config.json (the load that follows names what is missing)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return "float32"
+    with open(path, encoding="utf-8") as f:
         config = json.load(f)
     declared = config.get("dtype") or config.get("torch_dtype")
     return str(declared).removeprefix("torch.") if declared else "float32"
