@@ -111,7 +111,8 @@ def test_a_reload_that_moves_no_weights_fails_within_one_step_naming_the_engine(
     from engine.stage import StageContext
     from stages.dataset import DatasetConfig
     from stages.dataset.run import run_dataset
-    from stages.rl import RLConfig, vllm_engine
+    from stages.rl import RLConfig
+    from stages.rl.rollout import vllm as vllm_engine
     from stages.rl.run import run_rl
     from stages.rl.sync.backends import SyncFailed
 
@@ -213,8 +214,9 @@ def test_an_engine_killed_mid_sync_fails_the_step_naming_it_and_the_retry_resume
     from engine.stage import StageContext
     from stages.dataset import DatasetConfig
     from stages.dataset.run import run_dataset
-    from stages.rl import RLConfig, vllm_sync
+    from stages.rl import RLConfig
     from stages.rl.run import run_rl
+    from stages.rl.sync import vllm as vllm_sync
     from stages.rl.sync.backends import SyncFailed
 
     monkeypatch.chdir(tmp_path)
