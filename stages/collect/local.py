@@ -46,6 +46,7 @@ def collect_local(
     assert isinstance(cfg.backend, LocalBackend)
     progress = Progress(recorder.log, track=recorder.track)
     recorder.stats.set_limit(cfg.backend.batch_size)
+    dtype = precision(cfg)[0]  # read once: the checkpoint's config.json
     batch: list[tuple[Prompt, list[int]]] = []
     for prompt, samples in work:
         if prompt.error is not None:
@@ -54,12 +55,12 @@ def collect_local(
             continue
         batch.append((prompt, samples))
         if len(batch) >= cfg.backend.batch_size:
-            _generate_batch(cfg, batch, recorder, device)
+            _generate_batch(cfg, batch, recorder, device, dtype)
             batch = []
             recorder.sink.flush()
             progress.maybe_report(recorder.stats)
     if batch:
-        _generate_batch(cfg, batch, recorder, device)
+        _generate_batch(cfg, batch, recorder, device, dtype)
     recorder.sink.flush()
     progress.close(recorder.stats)
 
@@ -74,7 +75,11 @@ def precision(cfg: CollectConfig) -> tuple[str, str]:
 
 
 def _generate_batch(
-    cfg: CollectConfig, batch: list[tuple[Prompt, list[int]]], recorder: Recorder, device: str
+    cfg: CollectConfig,
+    batch: list[tuple[Prompt, list[int]]],
+    recorder: Recorder,
+    device: str,
+    dtype: str,
 ) -> None:
     from stages.lib.generate import generate
 
@@ -93,7 +98,7 @@ def _generate_batch(
         seed=cfg.seed + batch[0][0].idx,
         batch_size=cfg.backend.batch_size,
         device=device,
-        dtype=precision(cfg)[0],
+        dtype=dtype,
     )
     took = time.perf_counter() - start
     recorder.stats.in_flight = 0
