@@ -14,6 +14,7 @@ several batches, or several stages, without reloading).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -55,11 +56,11 @@ def load(model_dir: str, device: str = "cpu", dtype: str | None = None) -> tuple
     from stages.lib.dtypes import checkpoint_dtype
 
     path = os.path.realpath(model_dir)
-    dtype = dtype or checkpoint_dtype(path)
-    key = (path, _mtime(path), device, dtype)
+    key = (path, _mtime(path), device, dtype or "its own")
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
+    dtype = dtype or checkpoint_dtype(path)  # read on a miss only
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -279,10 +280,16 @@ def _prefill(model: Any, ids: list[list[int]], pad: int, repeats: int) -> tuple[
 def _cache_arg(model: Any) -> str:
     """The forward's name for the KV cache, in and out: `cache` where the model's forward
     takes it (transformers 5.24 on, where `past_key_values` warns and goes in 5.40),
-    `past_key_values` before."""
+    `past_key_values` before; looked up once per model class."""
+    model_class: Any = type(model)
+    return _cache_name(model_class)
+
+
+@functools.cache
+def _cache_name(cls: Any) -> str:
     import inspect
 
-    params = inspect.signature(type(model).forward).parameters
+    params = inspect.signature(cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
