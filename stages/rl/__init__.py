@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from engine.errors import Diagnostic
-from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig, stage
+from engine.stage import Derived, MemoryNeed, ResolveContext, stage
 from stages.lib.config import (
     Backend,
     CountOrAuto,
@@ -32,9 +32,10 @@ from stages.lib.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.env_config import EnvironmentConfig, check_environment
 from stages.lib.model_config import ModelRef, TinyModel
 from stages.lib.model_path import check_model_ref
+from stages.rl.algo.options import AlgorithmOptions, check_algorithm
 
 
-class RLConfig(StageConfig):
+class RLConfig(AlgorithmOptions):
     """Online RL: sample groups from the engine, score them, update the actor, sync weights."""
 
     SPANS_NODES = True  # the controller on the engine's worker; other roles where placed
@@ -47,9 +48,6 @@ class RLConfig(StageConfig):
         "exact_match, regex, math, or your own 'module:function'): leave 'reward' out",
     }
 
-    algorithm: Literal["grpo", "ppo"] = Field(
-        "grpo", description="grpo (group-normalised advantages, no critic); ppo needs a critic."
-    )
     input: str | None = Field(
         None,
         description="Prompt JSONL (rows with messages or prompt); empty: the upstream's output.",
@@ -98,14 +96,6 @@ class RLConfig(StageConfig):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
     max_output_tokens: int = Field(256, gt=0, description="Most tokens per answer.")
     max_length: int = Field(512, gt=0, description="Longest prompt + answer trained on, in tokens.")
-    kl_coef: float = Field(
-        0.0, ge=0, description="Weight of the k3 KL to the reference; 0: no reference loaded."
-    )
-    eps_clip: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip.")
-    ppo_epochs: int = Field(1, gt=0, description="Updates over each rollout batch.")
-    std_normalize: bool = Field(
-        True, description="Divide group advantages by their standard deviation (off: Dr. GRPO)."
-    )
     gamma: float = Field(1.0, ge=0, le=1, description="ppo: discount.")
     lambd: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda.")
     async_train: bool = Field(
@@ -237,6 +227,7 @@ class RLConfig(StageConfig):
         out = check_deepspeed(self, ctx, self.num_processes)
         out += check_backend(self.backend, engine_context(ctx))
         out += check_model_ref(ctx, "model", self.model)
+        out += check_algorithm(self, ctx, self.environment is not None)
         if not isinstance(self.backend, LocalBackend | VLLMBackend):
             out.append(
                 ctx.error(

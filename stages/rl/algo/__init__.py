@@ -3,7 +3,11 @@
 Input: samples (token ids, where the completion starts, behaviour log-probabilities,
 rewards) and a model's logits. Output: log-probabilities, advantages and losses.
 
-- `loss`: GRPO's group advantages, the clipped policy loss per token, k3 KL.
+- `options`: the algorithm settings (estimator, loss aggregation, clips, DAPO, GSPO) and
+  the rules `pipe validate` applies to them.
+- `loss`: GRPO's group advantages, the clipped policy loss (per token or per sequence), k3
+  KL, how per-token losses add up (`loss_agg`).
+- `advantage`: the estimators (grpo, dr_grpo, rloo, reinforce_pp), DAPO's overlong shaping.
 - `ppo`: per-token rewards with a KL penalty, GAE on the critic's values, the value loss.
 - `logprobs`: completion log-probabilities under a model (the actor's and the engine's).
 - `packing`: a micro batch laid out as model inputs (padded or packed rows).

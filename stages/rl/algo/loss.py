@@ -35,7 +35,8 @@ EPS = 1e-6
 def group_advantages(
     rewards: torch.Tensor, std_normalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages `[groups, samples]` and which groups carry a signal (`[groups]` bool)."""
+    """GRPO's advantages `[groups, samples]` and which groups carry a signal (`[groups]`
+    bool); the other estimators are in `stages.rl.algo.advantage`."""
     mean = rewards.mean(dim=1, keepdim=True)
     std = rewards.std(dim=1, unbiased=False, keepdim=True)
     keep = std.squeeze(1) > EPS
@@ -58,14 +59,39 @@ def entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def clipped_policy_loss(
-    new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, eps_clip: float
+    new: torch.Tensor,
+    old: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate loss, and which tokens the clip bound (float 0/1)."""
-    ratio = torch.exp(new - old)
+    """Per-token clipped surrogate loss, and which tokens the clip bound (float 0/1). The
+    ratio is clipped to `[1 - eps_clip, 1 + eps_clip_high]` (DAPO's clip-higher; empty:
+    `eps_clip` both ways). `log_ratio`: the log-ratio per token when it is not `new - old`
+    (GSPO's sequence-level one, `sequence_log_ratio`)."""
+    ratio = torch.exp(new - old if log_ratio is None else log_ratio)
+    high = eps_clip if eps_clip_high is None else eps_clip_high
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip) * advantages
+    clipped = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + high) * advantages
     loss = -torch.min(unclipped, clipped)
     return loss, (clipped < unclipped).float()
+
+
+def sequence_log_ratio(
+    new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, lengths: list[int]
+) -> torch.Tensor:
+    """GSPO's ratio (Zheng et al., 2025, eq. 7), per token: each sequence's
+    `log s_i = mean_t (new - old)` over its loss tokens (`mask`), given to each of its
+    tokens, with the gradient of that mean: `s_i = (pi(y_i) / pi_old(y_i)) ** (1 / |y_i|)`,
+    clipped as one. `lengths`: each sequence's token count in the flat `new` (in order)."""
+    seg = torch.repeat_interleave(
+        torch.arange(len(lengths), device=new.device), torch.tensor(lengths, device=new.device)
+    )
+    diff = (new - old) * mask
+    total = torch.zeros(len(lengths), dtype=diff.dtype, device=new.device).index_add(0, seg, diff)
+    count = torch.zeros(len(lengths), dtype=mask.dtype, device=new.device).index_add(0, seg, mask)
+    return (total / count.clamp(min=1.0))[seg]
 
 
 def kl_k3(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -94,18 +120,49 @@ def masked_policy_terms(
     ref: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     tis: torch.Tensor | None = None,
+    *,
+    eps_clip_high: float | None = None,
+    lengths: list[int] | None = None,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A micro batch's summed loss (clipped surrogate plus `kl_coef` x k3 KL to `ref`), its
     summed KL and clipped-token count, over the tokens `mask` covers (1.0): a multi-turn
     episode's observation tokens (0.0) carry no loss, no KL and no gradient. `tis`: each
     token's truncated importance weight on its surrogate loss (`tis_weights`; the KL term
-    unweighted, as in verl), `old` then the actor's own log-probabilities at the step's start."""
-    pg, clipped = clipped_policy_loss(new, old, advantages, eps_clip)
+    unweighted, as in verl), `old` then the actor's own log-probabilities at the step's start.
+    `lengths` (each sequence's tokens in the flat tensors): GSPO's sequence-level ratio in
+    place of the per-token one. `scale`: each token's weight in the returned loss (loss and
+    KL), for the per-sequence aggregations of `token_scale`; the KL and clip counts stay sums."""
+    log_ratio = None if lengths is None else sequence_log_ratio(new, old, mask, lengths)
+    pg, clipped = clipped_policy_loss(new, old, advantages, eps_clip, eps_clip_high, log_ratio)
     if tis is not None:
         pg = pg * tis
-    loss = (pg * mask).sum()
+    weight = mask if scale is None else mask * scale
+    loss = (pg * weight).sum()
     kl = torch.zeros((), device=new.device)
     if ref is not None:
-        kl = (kl_k3(new, ref) * mask).sum()
-        loss = loss + kl_coef * kl
+        per_token = kl_k3(new, ref)
+        kl = (per_token * mask).sum()
+        loss = loss + kl_coef * (kl if scale is None else (per_token * weight).sum())
     return loss, kl, (clipped * mask).sum()
+
+
+LOSS_AGG = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+
+
+def token_scale(
+    agg: str, lengths: list[tuple[int, int]], sequences: int, tokens: int
+) -> tuple[list[float] | None, int]:
+    """How a step's per-token losses add up to its objective, verl's `agg_loss`: the
+    per-token weights of one micro batch (`lengths`: each of its sequences' completion
+    tokens and loss tokens; None: one weight for all) and the factor on the micro batch's sum, over the step's
+    `sequences` and loss `tokens` (all ranks). token_mean: sum / tokens (every token
+    weighs the same: DAPO, Dr. GRPO, TRL's default); seq_mean_token_sum: each sequence's
+    sum, averaged over sequences; seq_mean_token_mean: each sequence's mean, averaged over
+    sequences (GRPO's paper: a short answer's tokens weigh more)."""
+    if agg == "token_mean":
+        return None, max(tokens, 1)
+    if agg == "seq_mean_token_sum":
+        return None, max(sequences, 1)
+    weights = [1.0 / max(trained, 1) for n, trained in lengths for _ in range(n)]
+    return weights, max(sequences, 1)

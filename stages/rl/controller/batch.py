@@ -16,75 +16,73 @@ share passes `environment.max_failed_share`.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from stages.rl.controller.loop import Batch
 
 
+@dataclass
+class Scored:
+    """A group's training rewards (the verifier's, shaped by `overlong_buffer`), their
+    advantages under `advantage`, whether the group carries a signal, and the penalties."""
+
+    advantages: list[float]
+    rewards: list[float]
+    signal: bool
+    penalties: list[float]
+
+
 def rollout(c: Any, step: int) -> Batch:
     """Batch `step`: see the module docstring."""
-    import torch
-
-    from stages.lib.environment import check_failures, max_turns
+    from stages.lib.environment import check_failures
     from stages.rl.algo.logprobs import Sample
-    from stages.rl.algo.loss import group_advantages
-    from stages.rl.rollout.play import Sampling, play
 
     cfg = c.cfg
-    env = cfg.environment
-    indices = c.stream.indices(step)
     start = time.perf_counter()
-    sampling = Sampling(
-        num_samples=cfg.num_repeats,
-        temperature=cfg.temperature,
-        max_new_tokens=cfg.max_output_tokens,
-        max_length=cfg.max_length,
-        seed=cfg.seed * 1_000_003 + step,
-        batch_size=cfg.backend.batch_size if hasattr(cfg.backend, "batch_size") else 256,
-        max_turns=max_turns(env),
-        timeout_s=env.timeout_s if env else 60.0,
-        concurrency=env.concurrency if env else 64,
-    )
-    groups = play(
-        c.engine, c.engine.tokenizer, c.make_env, [c.data.rows[i] for i in indices], sampling
-    )
+    drawn = list(c.stream.indices(step))
+    want, rounds = len(drawn), 1
+    groups = _play(c, drawn, step, 0)
+    scored = [_score(cfg, g) for g in groups]
+    every = (cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp") and not cfg.dynamic_sampling
+    kept = [i for i, s in enumerate(scored) if s.rewards and (s.signal or every)]
+    # DAPO's dynamic sampling: refill from further prompts until `want` groups carry a signal
+    while cfg.dynamic_sampling and len(kept) < want and rounds < cfg.dynamic_sampling_max_rounds:
+        more = c.stream.refill(step, rounds, exclude=drawn)
+        if not more:
+            break
+        for g in _play(c, more, step, rounds):
+            groups.append(g)
+            scored.append(_score(cfg, g))
+            if scored[-1].signal:
+                kept.append(len(groups) - 1)
+        drawn += more
+        rounds += 1
+    kept = kept[:want]
     failed = [t.episode for g in groups for t in g if t.episode.error is not None]
     for e in failed[:3]:
         c.ctx.log.warning("step %d: an episode failed: %s", step, e.error)
-    check_failures(len(failed), cfg.num_repeats * len(indices), env, f"rl step {step}")
-    rewards = [[t.episode.total for t in g if t.episode.error is None] for g in groups]
-    samples, kept = [], 0
-    for group, group_rewards in zip(groups, rewards, strict=True):
-        ok = [t for t in group if t.episode.error is None]
-        if not ok:
-            continue
-        adv, keep = group_advantages(
-            torch.tensor([group_rewards], dtype=torch.float64), cfg.std_normalize
-        )
-        if not (keep[0] or cfg.algorithm == "ppo"):  # ppo: the critic's values make them
-            continue
-        kept += 1
-        for s_idx, t in enumerate(ok):
+    check_failures(len(failed), cfg.num_repeats * len(drawn), cfg.environment, f"rl step {step}")
+    samples = []
+    for i in kept:
+        ok = [t for t in groups[i] if t.episode.error is None]
+        for t, a, r in zip(ok, scored[i].advantages, scored[i].rewards, strict=True):
             if len(t.ids) <= t.prompt_len:
                 continue
+            mask = () if all(t.mask) else tuple(t.mask)
             samples.append(
                 Sample(
-                    tuple(t.ids),
-                    t.prompt_len,
-                    tuple(t.logprobs),
-                    float(adv[0, s_idx]),
-                    c.version,
-                    reward=t.episode.total,
-                    mask=() if all(t.mask) else tuple(t.mask),
+                    tuple(t.ids), t.prompt_len, tuple(t.logprobs), a, c.version, reward=r, mask=mask
                 )
             )
     episodes = [t.episode for g in groups for t in g]
+    penalties = [p for s in scored for p in s.penalties]
     return Batch(
         step,
-        indices,
+        drawn,
         samples,
-        rewards,
-        kept,
+        [[t.episode.total for t in g if t.episode.error is None] for g in groups],
+        len(kept),
         time.perf_counter() - start,
         c.version,
         sum(t.generated for g in groups for t in g),
@@ -92,7 +90,52 @@ def rollout(c: Any, step: int) -> Batch:
         turns=sum(e.turns for e in episodes) / max(len(episodes), 1),
         failed=len(failed),
         solved=sum(e.solved for e in episodes) / max(len(episodes), 1),
+        rounds=rounds,
+        overlong=sum(penalties) / len(penalties) if cfg.overlong_buffer and penalties else None,
     )
+
+
+def _play(c: Any, indices: list[int], step: int, round_: int) -> list[Any]:
+    """The groups of episodes of `indices`' prompts; round 0 the step's own, later rounds
+    dynamic sampling's refills (their own sampling seeds)."""
+    from stages.lib.environment import max_turns
+    from stages.rl.rollout.play import Sampling, play
+
+    cfg, env = c.cfg, c.cfg.environment
+    sampling = Sampling(
+        num_samples=cfg.num_repeats,
+        temperature=cfg.temperature,
+        max_new_tokens=cfg.max_output_tokens,
+        max_length=cfg.max_length,
+        seed=cfg.seed * 1_000_003 + step + round_ * 7_919_001,
+        batch_size=cfg.backend.batch_size if hasattr(cfg.backend, "batch_size") else 256,
+        max_turns=max_turns(env),
+        timeout_s=env.timeout_s if env else 60.0,
+        concurrency=env.concurrency if env else 64,
+    )
+    return play(
+        c.engine, c.engine.tokenizer, c.make_env, [c.data.rows[i] for i in indices], sampling
+    )
+
+
+def _score(cfg: Any, group: list[Any]) -> Scored:
+    """A group's rewards (its episodes the environment did not break), shaped and estimated."""
+    from stages.rl.algo.advantage import group_estimate, overlong_penalty
+
+    ok = [t for t in group if t.episode.error is None]
+    penalties = [
+        overlong_penalty(
+            t.generated, cfg.max_output_tokens, cfg.overlong_buffer, cfg.overlong_penalty
+        )
+        if cfg.overlong_buffer
+        else 0.0
+        for t in ok
+    ]
+    rewards = [t.episode.total + p for t, p in zip(ok, penalties, strict=True)]
+    if not rewards:
+        return Scored([], [], False, [])
+    adv, signal = group_estimate(rewards, cfg.advantage, cfg.std_normalize)
+    return Scored(adv, rewards, signal, penalties)
 
 
 def held_out(c: Any) -> float:

@@ -50,6 +50,8 @@ class Batch:
     turns: float = 1.0  # mean model turns per episode
     failed: int = 0  # episodes the environment broke
     solved: float = 0.0  # share of episodes with a turn earning the full reward
+    rounds: int = 1  # generation rounds (dynamic sampling's refills after the first)
+    overlong: float | None = None  # overlong_buffer: the mean penalty over the batch's answers
 
 
 class Controller(Protocol):
@@ -110,6 +112,10 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
                 from stages.rl.algo.ppo import ppo_samples
 
                 batch.samples = ppo_samples(c, batch.samples)
+            elif cfg.advantage == "reinforce_pp":
+                from stages.rl.algo.advantage import reinforce_pp_samples
+
+                batch.samples = reinforce_pp_samples(c, batch.samples)
             payload = {"step": step, "samples": [asdict(s) for s in batch.samples]}
             c.channel.send("train", payload)
             if c.critic is not None:  # actor and critic train at the same time
@@ -182,6 +188,9 @@ def _row(
         "episodes_failed": batch.failed,
         "groups_kept": batch.kept,
         "groups_dropped_frac": 1 - batch.kept / groups if groups else 0.0,
+        "prompts_drawn": len(batch.indices),  # dynamic sampling: the step's and its refills
+        "gen_rounds": batch.rounds,
+        "overlong_penalty_mean": batch.overlong,
         "samples_trained": len(batch.samples),
         "response_len": sum(lengths) / len(lengths) if lengths else 0.0,
         "loss": stats.get("loss"),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.lib.sampling import request_sampling
 from stages.lib.sleep import sleep_method
+from stages.rl.controller.algo_settings import algorithm_settings
 from stages.rl.sync.choice import SyncChoice
 
 if TYPE_CHECKING:
@@ -38,9 +39,6 @@ def account(
     ds = trainer == "deepspeed"
     no_ds = (S, "plain torch trains the actor (deepspeed is not installed or trainer: torch)")
     how: dict[str, tuple[str, str]] = {
-        "algorithm": (A, "GRPO: group-normalised advantages, clipped ratio, no critic")
-        if cfg.algorithm == "grpo"
-        else (A, "PPO: a critic (value head on the policy's decoder) in its own ranks, GAE"),
         "input": (A, "the prompts sampled each step"),
         "eval_input": (A, "scored greedily every eval_every steps")
         if cfg.eval_input
@@ -78,17 +76,9 @@ def account(
         "temperature": _temperature(cfg),
         "max_output_tokens": (A, "most tokens per answer"),
         "max_length": (A, "prompt + answer cut to this for the update"),
-        "kl_coef": _kl(cfg.kl_coef, cfg.algorithm),
-        "eps_clip": (A, "ratio clip of the policy loss"),
+        "kl_coef": _kl(cfg.kl_coef, cfg.algorithm, cfg.advantage),
         "ppo_epochs": (A, "updates over each rollout batch"),
-        "std_normalize": (S, "PPO whitens its GAE advantages over the batch instead")
-        if cfg.algorithm == "ppo"
-        else (
-            A,
-            "advantages divided by the group's std"
-            if cfg.std_normalize
-            else "advantages not divided by the std (Dr. GRPO)",
-        ),
+        **algorithm_settings(cfg),
         "gamma": (A, "GAE discount")
         if cfg.algorithm == "ppo"
         else (S, "GRPO has no value function: gamma acts with algorithm ppo"),
@@ -266,11 +256,11 @@ def _temperature(cfg: RLConfig) -> tuple[str, str]:
     )
 
 
-def _kl(coef: float, algorithm: str) -> tuple[str, str]:
+def _kl(coef: float, algorithm: str, advantage: str) -> tuple[str, str]:
     if coef <= 0:
         return A, "0: no reference model loaded"
-    if algorithm == "ppo":
-        return A, "KL to a frozen reference in every token's reward"
+    if algorithm == "ppo" or advantage == "reinforce_pp":
+        return A, "KL to a frozen reference in every token's reward (k1), not in the loss"
     return A, "k3 KL to a frozen reference in the actor's loss"
 
 

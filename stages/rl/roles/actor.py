@@ -117,14 +117,18 @@ class Actor:
         import torch
 
         from stages.rl.algo.logprobs import completion_logprobs
-        from stages.rl.algo.loss import masked_policy_terms, tis_weights
+        from stages.rl.algo.loss import masked_policy_terms, tis_weights, token_scale
 
+        cfg = self.cfg
         norm = sum(s.trained_len for s in chunk)  # the step's trained tokens, over all ranks
         micros = self._micros(chunk)
         sums = torch.zeros(4, dtype=torch.float64)
+        divisor = norm
         for i, planned in enumerate(micros):
             micro = planned or chunk[:1]  # a dummy pass keeps the ranks in step: weight 0
-            weight = self.world / norm if planned else 0.0
+            lengths = [(s.completion_len, s.trained_len) for s in micro]
+            per_token, divisor = token_scale(cfg.loss_agg, lengths, len(chunk), norm)
+            weight = self.world / divisor if planned else 0.0
             self.trainer.begin_micro(i == len(micros) - 1)
             new, ent = completion_logprobs(
                 self.trainer.module,
@@ -148,13 +152,19 @@ class Actor:
             )
             # observation tokens of a multi-turn episode carry no loss and no KL
             mask = torch.tensor([m for s in micro for m in s.loss_mask()], device=self.device)
-            with_kl = self.cfg.kl_coef > 0 and self.cfg.algorithm == "grpo"  # ppo: in the reward
+            # ppo and reinforce_pp: the KL is in the reward, not in the loss
+            with_kl = (
+                cfg.kl_coef > 0 and cfg.algorithm == "grpo" and cfg.advantage != "reinforce_pp"
+            )
             ref = self._reference(micro) if with_kl else None
             if gap is not None and planned:
                 gap.add(new_t, old, mask)
+            scale = None if per_token is None else torch.tensor(per_token, device=self.device)
+            seqs = [n for n, _ in lengths] if cfg.ratio_level == "sequence" else None  # GSPO
             loss, kl, clipped = masked_policy_terms(
-                new_t, old, adv, mask, self.cfg.eps_clip, ref, self.cfg.kl_coef, tis
-            )
+                new_t, old, adv, mask, cfg.eps_clip, ref, cfg.kl_coef, tis,
+                eps_clip_high=cfg.eps_clip_high, lengths=seqs, scale=scale,
+            )  # fmt: skip
             self.trainer.backward(loss * weight)
             n = float(mask.sum()) if planned else 0.0
             sums += torch.tensor(
@@ -174,7 +184,9 @@ class Actor:
             dist.all_reduce(reduced)
             sums = reduced.cpu()
         names = ("loss", "kl", "clip_frac", "entropy")
-        return dict(zip(names, sums.tolist(), strict=True)), grad_norm
+        stats = dict(zip(names, sums.tolist(), strict=True))
+        stats["loss"] *= norm / divisor  # the step's objective x its tokens (train: / tokens)
+        return stats, grad_norm
 
     def _reference(self, micro: list[Any]) -> Any:
         """The reference's log-probabilities of `micro`'s completion tokens, flat: sent with

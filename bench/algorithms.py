@@ -1,0 +1,252 @@
+"""Benchmark: the rl stage's algorithms side by side, held-out accuracy at steps 50..250.
+
+    .venv/bin/python bench/algorithms.py [--tasks quickstart,variant] [--arms grpo,dr_grpo,...]
+        [--steps 250] [--parallel 2]
+    .venv/bin/python bench/algorithms.py --trl [--trl-seeds 0,1,2]
+
+Every arm starts from the same warm-up (the GRPO quickstart's data and warmup stages, made
+once per task in bench/out/algos/base-TASK) and runs the quickstart's grpo stage with its
+settings (64 prompts x 8 samples, lr 2e-4 cosine, 8 new tokens), the same seed, changing
+only what the arm names (`ARMS`). Tasks: `quickstart` (chain_sum, 2 terms of 2 digits) and
+`variant` (3 terms of 1-2 digits). Printed: per task, the held-out greedy accuracy (500
+prompts) at the start and every 50 steps, seconds per step and prompts drawn per step;
+written: bench/out/algos/results.json and algorithms.png (accuracy against steps).
+
+With --trl: the target of issue 39 on bench/rl.py's comparison (8 prompts x 4 samples, lr
+1e-4 constant after 10 warm-up steps, the quickstart's warm-up): TRL GRPOTrainer's held-out
+accuracy after 100 steps, and the first step (of every 10) at which our default settings
+reach it, per sampling seed.
+
+`pipe run` caches each arm's stage in its run folder, so running the bench again prints the
+table without re-running an arm whose settings did not change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.rl import ENV, PIPE  # noqa: E402
+
+OUT = ROOT / "bench" / "out" / "algos"
+TASKS = {
+    "quickstart": {},
+    "variant": {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+}
+# each arm: the grpo stage's settings it changes; the rest are the quickstart's
+ARMS: dict[str, dict[str, Any]] = {
+    "grpo": {"advantage": "grpo"},
+    "dr_grpo": {"advantage": "dr_grpo"},
+    "rloo": {"advantage": "rloo"},
+    "reinforce_pp": {"advantage": "reinforce_pp"},
+    # DAPO's four: clip-higher (its 0.28), dynamic sampling, token-level loss (token_mean,
+    # the default), overlong shaping (4 of the 8 answer tokens; the answers need 2-5)
+    "dapo": {
+        "advantage": "grpo",
+        "eps_clip_high": 0.28,
+        "dynamic_sampling": True,
+        "overlong_buffer": 4,
+    },
+    # GSPO: the sequence ratio, its clip range (3e-4, 4e-4) and per-sequence mean loss
+    "gspo": {
+        "advantage": "grpo",
+        "ratio_level": "sequence",
+        "eps_clip": 0.0003,
+        "eps_clip_high": 0.0004,
+        "loss_agg": "seq_mean_token_mean",
+    },
+}
+LOCK = threading.Lock()
+
+
+def run(args: list[str], log: Path) -> None:
+    import subprocess
+
+    with open(log, "w") as f:
+        subprocess.run(args, cwd=ROOT, env=ENV, check=True, stdout=f, stderr=subprocess.STDOUT)
+
+
+def base(task: str) -> Path:
+    """The task's data and warm-up, made once."""
+    out = OUT / f"base-{task}"
+    if not (out / "warmup" / "checkpoint" / "config.json").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        sets = ["--set", f"stages.data.config.task_config={json.dumps(TASKS[task])}"] * bool(
+            TASKS[task]
+        )
+        run(
+            [*PIPE, "run", "pipelines/grpo_quickstart.yaml", "--only", "data", "--only", "warmup",
+             "--run-dir", str(out), *sets],
+            out / "bench.log",
+        )  # fmt: skip
+    return out
+
+
+def arm(task: str, name: str, b: Path, steps: int, extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """One arm's grpo stage from the task's warm-up; its metrics.jsonl rows."""
+    out = OUT / f"{task}-{name}"
+    out.mkdir(parents=True, exist_ok=True)
+    sets = {
+        "model": b / "warmup/checkpoint",
+        "input": b / "data/train.jsonl",
+        "eval_input": b / "data/test.jsonl",
+        "max_steps": steps,
+        **ARMS[name],
+        **extra,
+    }
+    args = [*PIPE, "run", "pipelines/grpo_quickstart.yaml", "--only", "grpo", "--run-dir", str(out)]
+    for k, v in sets.items():
+        args += ["--set", f"stages.grpo.config.{k}={json.dumps(v) if isinstance(v, bool) else v}"]
+    run(args, out / "bench.log")
+    rows = [json.loads(x) for x in (out / "grpo/metrics.jsonl").read_text().splitlines()]
+    result = json.loads((out / "grpo/rl_result.json").read_text())
+    return [{"step": 0, "eval_accuracy": result.get("eval_accuracy_start")}, *rows]
+
+
+def summary(rows: list[dict[str, Any]], every: int) -> dict[str, Any]:
+    trained = [r for r in rows if r["step"] > 0]
+    timed = [r for r in trained if r["eval_accuracy"] is None] or trained
+    return {
+        "accuracy": {r["step"]: r["eval_accuracy"] for r in rows if r["step"] % every == 0},
+        "s_per_step": sum(r["step_s"] for r in timed) / len(timed),
+        "prompts_per_step": sum(r.get("prompts_drawn") or len(r["prompts"]) for r in trained)
+        / len(trained),
+        "groups_kept": sum(r["groups_kept"] for r in trained) / len(trained),
+    }
+
+
+def table(results: dict[str, dict[str, Any]], task: str, steps: list[int]) -> str:
+    head = ["arm", *[f"step {s}" for s in steps], "gain", "s/step", "prompts/step", "groups kept"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in results.items():
+        acc = r["accuracy"]
+        cells = [f"{acc[s]:.1%}" if acc.get(s) is not None else "-" for s in steps]
+        gain = (acc.get(steps[-1]) or 0.0) - (acc.get(0) or 0.0)
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {100 * gain:+.1f} | {r['s_per_step']:.2f} | "
+            f"{r['prompts_per_step']:.1f} | {r['groups_kept']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
+    for ax, (task, arms) in zip(axes[0], results.items(), strict=True):
+        for name, r in arms.items():
+            pts = sorted((int(s), a) for s, a in r["accuracy"].items() if a is not None)
+            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=name)
+        ax.set(title=f"{task}: held-out greedy accuracy", xlabel="RL step", ylabel="accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--every", type=int, default=50, help="held-out evaluation interval")
+    p.add_argument("--parallel", type=int, default=2, help="arms run at once (one core each)")
+    p.add_argument("--trl", action="store_true", help="the 8 x 4 target against TRL instead")
+    p.add_argument("--trl-seeds", default="0,1,2")
+    args = p.parse_args()
+    if args.trl:
+        return trl_target([int(s) for s in args.trl_seeds.split(",")])
+    tasks, names = args.tasks.split(","), args.arms.split(",")
+    bases = {t: base(t) for t in tasks}
+    jobs = [(t, n) for t in tasks for n in names]
+    done: dict[str, dict[str, Any]] = {t: {} for t in tasks}
+    began = time.perf_counter()
+
+    def one(job: tuple[str, str]) -> None:
+        t, n = job
+        rows = arm(t, n, bases[t], args.steps, {"eval_every": args.every})
+        with LOCK:
+            done[t][n] = summary(rows, args.every)
+            finished = sum(len(v) for v in done.values())
+            spent = time.perf_counter() - began
+            print(
+                f"[{finished}/{len(jobs)}] {t} {n}: held-out {done[t][n]['accuracy']} "
+                f"({spent / finished:.0f} s per arm, eta {spent / finished * (len(jobs) - finished):.0f} s)",
+                flush=True,
+            )
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        list(pool.map(one, jobs))
+    steps = list(range(0, args.steps + 1, args.every))
+    ordered = {t: {n: done[t][n] for n in names} for t in tasks}
+    for t in tasks:
+        print(f"\n{t} ({json.dumps(TASKS[t]) if TASKS[t] else 'the quickstart task'}):")
+        print(table(ordered[t], t, steps))
+    (OUT / "results.json").write_text(json.dumps(ordered, indent=1))
+    plot(ordered, OUT / "algorithms.png")
+    print(f"\nwrote {OUT / 'results.json'} and {OUT / 'algorithms.png'}")
+
+
+def trl_target(seeds: list[int]) -> None:
+    """TRL's 100-step accuracy at 8 x 4 beside the step at which ours reaches it."""
+    from bench.rl import Arm, accuracy, trl
+    from bench.rl import base as rl_base
+
+    b = rl_base(0)
+    python = str(ROOT / ".venv-trl/bin/python")
+    for seed in seeds:
+        a = Arm(8, 4, 100, 1e-4, "constant", seed)
+        theirs = accuracy(trl(b, f"trl-8x4-s{seed}", a, python)["checkpoint"], b)
+        out = OUT / f"ours-8x4-s{seed}"
+        out.mkdir(parents=True, exist_ok=True)
+        sets = {
+            "model": b / "warmup/checkpoint",
+            "input": b / "data/train.jsonl",
+            "eval_input": b / "data/test.jsonl",
+            "rollout_batch_size": 8,
+            "num_repeats": 4,
+            "train_batch_size": 32,
+            "micro_train_batch_size": 32,
+            "max_steps": 100,
+            "eval_every": 10,
+            "save_steps": 100,
+            "learning_rate": 1e-4,
+            "lr_scheduler": "constant",
+            "seed": seed,
+        }
+        cmd = [
+            *PIPE,
+            "run",
+            "pipelines/grpo_quickstart.yaml",
+            "--only",
+            "grpo",
+            "--run-dir",
+            str(out),
+        ]
+        for k, v in sets.items():
+            cmd += ["--set", f"stages.grpo.config.{k}={v}"]
+        run(cmd, out / "bench.log")
+        rows = [json.loads(x) for x in (out / "grpo/metrics.jsonl").read_text().splitlines()]
+        curve = {r["step"]: r["eval_accuracy"] for r in rows if r["eval_accuracy"] is not None}
+        reach = next((s for s, acc in sorted(curve.items()) if acc >= theirs), None)
+        print(
+            f"seed {seed}: TRL after 100 steps {theirs:.1%}; ours "
+            + ", ".join(f"{s}: {acc:.1%}" for s, acc in sorted(curve.items()))
+            + f"; ours reaches TRL's at step {reach}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

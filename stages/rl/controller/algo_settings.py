@@ -1,0 +1,111 @@
+"""How the algorithm settings of an rl stage act in its run (`stages.rl.algo.options`): applied,
+and how, or skipped, and why; merged into `stages.rl.controller.settings.account`.
+
+Input: the resolved config. Output: `{field: (status, how)}` for the estimator, the loss's
+aggregation and clip, the ratio's level and DAPO's dynamic sampling and overlong shaping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+A, S = "applied", "skipped"
+
+ESTIMATORS = {
+    "grpo": "group mean subtracted, divided by the group's std",
+    "dr_grpo": "group mean subtracted, no std division (Dr. GRPO)",
+    "rloo": "leave-one-out: each sample's baseline the mean of its group's other rewards",
+    "reinforce_pp": "REINFORCE++: per-token returns (KL in the reward), normalised over the batch",
+}
+AGGREGATIONS = {
+    "token_mean": "the step's per-token losses summed, over its loss tokens (all ranks)",
+    "seq_mean_token_sum": "each sequence's summed loss, averaged over the step's sequences",
+    "seq_mean_token_mean": "each sequence's mean loss, averaged over the step's sequences",
+}
+
+
+def one_update(cfg: Any) -> bool:
+    """Whether every batch trains in one optimizer step from the weights that sampled it:
+    the ratio is then 1 but for the engine's numeric difference from the actor."""
+    samples = cfg.rollout_batch_size * cfg.num_repeats
+    return cfg.ppo_epochs == 1 and cfg.train_batch_size >= samples and not cfg.async_train
+
+
+def algorithm_settings(cfg: Any) -> dict[str, tuple[str, str]]:
+    """See the module docstring."""
+    ppo = cfg.algorithm == "ppo"
+    ratio_one = (
+        " (one update per batch from the weights that sampled it: the ratio moves by the "
+        "engine's numeric difference only, so the bound seldom binds; clip_frac in metrics.jsonl)"
+        if one_update(cfg)
+        else ""
+    )
+    high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    return {
+        "algorithm": (A, "GRPO: advantages from each prompt's group, clipped ratio, no critic")
+        if not ppo
+        else (A, "PPO: a critic (value head on the policy's decoder) in its own ranks, GAE"),
+        "advantage": (S, "algorithm ppo: the critic's GAE gives the advantages")
+        if ppo
+        else (A, ESTIMATORS[cfg.advantage]),
+        "std_normalize": _std(cfg),
+        "loss_agg": (A, AGGREGATIONS[cfg.loss_agg]),
+        "eps_clip": (A, f"the ratio kept at or above 1 - {cfg.eps_clip}{ratio_one}"),
+        "eps_clip_high": (
+            A,
+            f"the ratio kept at or below 1 + {high}"
+            + (" (eps_clip: empty)" if cfg.eps_clip_high is None else " (clip-higher)")
+            + ratio_one,
+        ),
+        "ratio_level": (A, "one ratio per token")
+        if cfg.ratio_level == "token"
+        else (
+            A,
+            "GSPO: one ratio per sequence, the geometric mean of its tokens', clipped as one"
+            + ratio_one,
+        ),
+        "dynamic_sampling": _dynamic(cfg),
+        "dynamic_sampling_max_rounds": (
+            A,
+            f"at most {cfg.dynamic_sampling_max_rounds} generation rounds a step: "
+            f"{(cfg.dynamic_sampling_max_rounds - 1) * cfg.rollout_batch_size} extra prompts at most",
+        )
+        if cfg.dynamic_sampling
+        else (S, "dynamic_sampling is off"),
+        "overlong_buffer": (
+            A,
+            f"answers past {cfg.max_output_tokens - cfg.overlong_buffer} tokens lose reward, "
+            f"linearly to -{cfg.overlong_penalty} at max_output_tokens "
+            "(overlong_penalty_mean in metrics.jsonl)",
+        )
+        if cfg.overlong_buffer
+        else (A, "off: no length penalty"),
+        "overlong_penalty": (A, "the penalty at max_output_tokens")
+        if cfg.overlong_buffer
+        else (S, "overlong_buffer is empty"),
+    }
+
+
+def _std(cfg: Any) -> tuple[str, str]:
+    if cfg.algorithm == "ppo":
+        return S, "PPO whitens its GAE advantages over the batch instead"
+    if cfg.advantage != "grpo":
+        return S, f"acts with advantage grpo only (advantage {cfg.advantage})"
+    if cfg.std_normalize:
+        return A, "advantages divided by the group's std"
+    return A, "advantages not divided by the std (as advantage dr_grpo)"
+
+
+def _dynamic(cfg: Any) -> tuple[str, str]:
+    if not cfg.dynamic_sampling:
+        keeps = cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp"
+        return A, (
+            "off: every group trains (their advantages are not 0)"
+            if keeps
+            else "off: groups whose rewards all agree are dropped, the step trains on the rest"
+        )
+    return A, (
+        "groups whose rewards all agree are dropped and the step refilled from further "
+        f"prompts until {cfg.rollout_batch_size} groups carry a signal, at most "
+        f"{cfg.dynamic_sampling_max_rounds} rounds (prompts_drawn, gen_rounds in metrics.jsonl)"
+    )

@@ -1,0 +1,315 @@
+"""The rl stage's algorithm settings (issue 39): each estimator and loss formula on small
+tensors against a worked example, DAPO's dynamic sampling (bounded, never trains a group
+whose rewards agree) on a real tiny engine, and every setting refused at validate or
+recorded as skipped where it cannot act."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from stages.lib.config import Verifier  # noqa: E402
+from stages.lib.environment import environment_factory  # noqa: E402
+from stages.lib.model import build_tiny_model  # noqa: E402
+from stages.lib.model_config import TinyModel  # noqa: E402
+from stages.rl import RLConfig  # noqa: E402
+from stages.rl.algo.advantage import (  # noqa: E402
+    group_estimate,
+    overlong_penalty,
+    reinforce_pp_returns,
+)
+from stages.rl.algo.loss import (  # noqa: E402
+    clipped_policy_loss,
+    masked_policy_terms,
+    sequence_log_ratio,
+    token_scale,
+)
+from stages.rl.controller.algo_settings import algorithm_settings  # noqa: E402
+from stages.rl.rollout.prompts import Stream  # noqa: E402
+
+# --- estimators ------------------------------------------------------------------------
+
+
+def test_grpo_dr_grpo_and_rloo_on_one_group():
+    """Rewards [0, 0, 0, 1]: mean 0.25, std sqrt(3)/4. GRPO (DeepSeekMath eq. 3): (r -
+    mean) / std; Dr. GRPO: r - mean; RLOO (Ahmadian et al. eq. 6): r_i minus the mean of
+    the other three: 1 - 0 = 1 for the right answer, 0 - 1/3 for each wrong one."""
+    rewards = [0.0, 0.0, 0.0, 1.0]
+    std = 3**0.5 / 4
+    grpo, signal = group_estimate(rewards, "grpo", True)
+    assert signal
+    assert grpo == pytest.approx([-0.25 / std] * 3 + [0.75 / std], abs=1e-5)
+    dr, _ = group_estimate(rewards, "dr_grpo", True)  # std_normalize does not act on it
+    assert dr == pytest.approx([-0.25, -0.25, -0.25, 0.75])
+    rloo, _ = group_estimate(rewards, "rloo", True)
+    assert rloo == pytest.approx([-1 / 3, -1 / 3, -1 / 3, 1.0])
+    # grpo with std_normalize off is Dr. GRPO
+    assert group_estimate(rewards, "grpo", False)[0] == pytest.approx(dr)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_a_group_whose_rewards_agree_carries_no_signal(kind: str):
+    adv, signal = group_estimate([1.0, 1.0, 1.0], kind, True)
+    assert not signal
+    if kind != "reinforce_pp":
+        assert adv == [0.0, 0.0, 0.0]
+
+
+def test_reinforce_pp_returns_with_a_per_token_kl_normalised_over_the_batch():
+    """Two answers, rewards 1 and 0, of 2 and 1 tokens; kl_coef 0.1, k1 per token
+    `old - ref`: 0.5 and -1.0 on the first answer, 0 on the second. Token rewards
+    [-0.05, 0.1 + 1] and [0]; returns (sum from each token on) [1.05, 1.1] and [0]; over
+    the batch's three tokens mean 0.71667, std 0.50715: [0.6572, 0.7558] and [-1.4131]."""
+    out = reinforce_pp_returns(
+        [1.0, 0.0],
+        [[-1.0, -2.0], [-0.5]],
+        [[-1.5, -1.0], [-0.5]],
+        [[1.0, 1.0], [1.0]],
+        kl_coef=0.1,
+    )
+    assert out[0] == pytest.approx([0.65724, 0.75583], abs=1e-4)
+    assert out[1] == pytest.approx([-1.41307], abs=1e-4)
+    # an observation token (mask 0) has no KL reward, no advantage, and is not in the stats
+    masked = reinforce_pp_returns(
+        [1.0, 0.0], [[-1.0, 0.0, -2.0], [-0.5]], [[-1.5, -9.0, -1.0], [-0.5]],
+        [[1.0, 0.0, 1.0], [1.0]], kl_coef=0.1,
+    )  # fmt: skip
+    assert masked[0][1] == 0.0
+    assert [masked[0][0], masked[0][2], masked[1][0]] == pytest.approx(
+        [out[0][0], out[0][1], out[1][0]], abs=1e-4
+    )
+
+
+def test_dapo_overlong_penalty_at_the_papers_lengths():
+    """DAPO's eq. 13 with L_max 20,480 and L_cache 4,096 (its training setting)."""
+    assert overlong_penalty(16_384, 20_480, 4_096, 1.0) == 0.0
+    assert overlong_penalty(18_432, 20_480, 4_096, 1.0) == pytest.approx(-0.5)
+    assert overlong_penalty(20_480, 20_480, 4_096, 1.0) == pytest.approx(-1.0)
+    assert overlong_penalty(20_480, 20_480, 4_096, 0.5) == pytest.approx(-0.5)
+
+
+# --- the loss --------------------------------------------------------------------------
+
+
+def test_clip_higher_lets_a_good_tokens_ratio_rise_further():
+    """Ratio e^0.25 = 1.284 on a positive advantage: clipped at 1.2 by eps_clip 0.2, at 1.28
+    with eps_clip_high 0.28; a falling ratio (0.7, negative advantage) is clipped at 0.8
+    either way."""
+    new, old = torch.tensor([0.25, -0.3567]), torch.zeros(2)
+    adv = torch.tensor([1.0, -1.0])
+    sym, _ = clipped_policy_loss(new, old, adv, 0.2)
+    high, clipped = clipped_policy_loss(new, old, adv, 0.2, eps_clip_high=0.28)
+    assert sym.tolist() == pytest.approx([-1.2, 0.8], abs=1e-4)
+    assert high.tolist() == pytest.approx([-1.28, 0.8], abs=1e-4)
+    assert clipped.tolist() == [1.0, 1.0]
+
+
+def test_gspo_ratio_is_each_sequences_geometric_mean_clipped_as_one():
+    """Log-ratios [0.2, 0.4] and [-0.1]: the first sequence's ratio exp(0.3) on both its
+    tokens, the second's exp(-0.1); an observation token (mask 0) does not count."""
+    new = torch.tensor([0.2, 0.4, -0.1], requires_grad=True)
+    log_ratio = sequence_log_ratio(new, torch.zeros(3), torch.ones(3), [2, 1])
+    assert log_ratio.tolist() == pytest.approx([0.3, 0.3, -0.1])
+    masked = sequence_log_ratio(new, torch.zeros(3), torch.tensor([1.0, 0.0, 1.0]), [2, 1])
+    assert masked.tolist() == pytest.approx([0.2, 0.2, -0.1])
+    # clipped per sequence: exp(0.3) = 1.35 > 1.2 on a positive advantage bounds both tokens
+    loss, _, clipped = masked_policy_terms(
+        new, torch.zeros(3), torch.ones(3), torch.ones(3), 0.2, lengths=[2, 1]
+    )
+    assert clipped.item() == 2.0
+    loss.backward()
+    assert new.grad is not None and new.grad[:2].abs().sum().item() == 0.0  # clipped: no grad
+
+
+@pytest.mark.parametrize(
+    ("agg", "expected"),
+    [("token_mean", 3.0), ("seq_mean_token_sum", 4.5), ("seq_mean_token_mean", 3.5)],
+)
+def test_loss_aggregations_as_verl_defines_them(agg: str, expected: float):
+    """Per-token losses [1, 3] (a 2-token answer) and [5]: token_mean 9/3; each
+    sequence's sum averaged: (4 + 5)/2; each sequence's mean averaged: (2 + 5)/2."""
+    losses = torch.tensor([1.0, 3.0, 5.0])
+    zero = torch.zeros(3)  # ratio 1: the surrogate's loss is -advantage
+    weights, divisor = token_scale(agg, [(2, 2), (1, 1)], sequences=2, tokens=3)
+    scale = None if weights is None else torch.tensor(weights)
+    loss, _, _ = masked_policy_terms(zero, zero, -losses, torch.ones(3), 0.2, scale=scale)
+    assert loss.item() / divisor == pytest.approx(expected)
+
+
+def test_a_sequences_mean_counts_its_loss_tokens_only():
+    """seq_mean_token_mean on an episode of 3 tokens of which 2 are the model's: its mean
+    is over those 2."""
+    weights, divisor = token_scale("seq_mean_token_mean", [(3, 2)], sequences=1, tokens=2)
+    zero = torch.zeros(3)
+    mask = torch.tensor([1.0, 0.0, 1.0])
+    loss, _, _ = masked_policy_terms(
+        zero, zero, -torch.tensor([2.0, 100.0, 4.0]), mask, 0.2, scale=torch.tensor(weights)
+    )
+    assert loss.item() / divisor == pytest.approx(3.0)
+
+
+# --- dynamic sampling on a real engine -------------------------------------------------
+
+ROWS = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a in range(4) for b in range(3)]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from stages.rl.rollout.local import LocalEngine
+
+    folder = tmp_path_factory.mktemp("m")
+    texts = [f"{r['prompt']} {r['answer']}" for r in ROWS] * 5
+    build_tiny_model(
+        TinyModel(hidden_size=32, num_layers=1, num_heads=2, vocab_size=300),
+        texts,
+        str(folder),
+        seed=0,
+    )
+    torch.manual_seed(0)
+    return LocalEngine(str(folder))
+
+
+def controller(engine: Any, verifier: Verifier, **cfg: Any) -> Any:
+    config = RLConfig(
+        input="x.jsonl",
+        verifier=verifier,
+        **({"num_repeats": 4, "rollout_batch_size": 3, "max_output_tokens": 6} | cfg),
+    )
+    return SimpleNamespace(
+        cfg=config,
+        engine=engine,
+        data=SimpleNamespace(rows=ROWS),
+        stream=Stream(len(ROWS), config.rollout_batch_size, config.seed),
+        make_env=environment_factory(None, config.verifier),
+        version=1,
+        ctx=SimpleNamespace(log=logging.getLogger("test")),
+    )
+
+
+CHANCE = Verifier(kind="regex", pattern="[0-9]")  # the untrained model is right by luck
+
+
+def test_dynamic_sampling_trains_only_groups_with_a_signal_and_refills_within_its_bound(
+    engine: Any,
+):
+    from stages.rl.controller.batch import rollout
+
+    rounds = []
+    for step in (1, 2, 3):
+        plain = rollout(controller(engine, CHANCE), step)
+        c = controller(engine, CHANCE, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
+        batch = rollout(c, step)
+        assert batch.indices[:3] == plain.indices  # the step's own prompts first
+        assert len(set(batch.indices)) == len(batch.indices)  # refills are other prompts
+        assert batch.rounds <= 3
+        assert len(batch.indices) == 3 * batch.rounds  # rollout_batch_size a round
+        assert batch.kept <= 3
+        assert batch.kept >= plain.kept  # it only adds groups
+        groups: dict[tuple[int, ...], set[float]] = {}
+        for s in batch.samples:
+            groups.setdefault(s.ids[: s.prompt_len], set()).add(s.reward)
+        assert len(groups) == batch.kept
+        assert all(len(rewards) > 1 for rewards in groups.values())  # never a uniform group
+        if batch.rounds < 3:
+            assert batch.kept == 3  # it stopped because the step was full
+        rounds.append(batch.rounds)
+    assert 2 in rounds  # a refill happened and filled the step (this engine, these seeds)
+
+
+def test_dynamic_sampling_stops_at_its_bound_when_no_group_has_a_signal(engine: Any):
+    from stages.rl.controller.batch import rollout
+
+    never = Verifier(kind="regex", pattern="^never$")
+    c = controller(
+        engine,
+        never,
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=3,
+        advantage="reinforce_pp",
+    )
+    batch = rollout(c, 1)
+    assert (batch.rounds, len(batch.indices), batch.kept, batch.samples) == (3, 9, 0, [])
+    # without dynamic sampling REINFORCE++ trains every group (its advantages are not 0)
+    every = rollout(controller(engine, never, advantage="reinforce_pp"), 1)
+    assert every.kept == 3 and len(every.samples) == 12
+
+
+def test_overlong_buffer_shapes_the_training_reward_not_the_recorded_one(engine: Any):
+    from stages.rl.controller.batch import rollout
+
+    everything = Verifier(kind="regex", pattern=".*")
+    c = controller(engine, everything, overlong_buffer=4, max_output_tokens=6)
+    batch = rollout(c, 1)
+    assert all(r == 1.0 for group in batch.rewards for r in group)  # the verifier's verdicts
+    for s in batch.samples:
+        assert s.reward == pytest.approx(1.0 + overlong_penalty(s.completion_len, 6, 4, 1.0))
+    assert batch.overlong is not None and batch.overlong < 0
+
+
+# --- where a setting cannot act --------------------------------------------------------
+
+
+def test_settings_that_cannot_act_are_recorded_skipped_with_a_reason():
+    ppo = algorithm_settings(RLConfig(input="x.jsonl", algorithm="ppo"))
+    assert ppo["advantage"][0] == "skipped" and "GAE" in ppo["advantage"][1]
+    grpo = algorithm_settings(RLConfig(input="x.jsonl"))
+    assert grpo["dynamic_sampling_max_rounds"] == ("skipped", "dynamic_sampling is off")
+    assert grpo["overlong_penalty"] == ("skipped", "overlong_buffer is empty")
+    rloo = algorithm_settings(RLConfig(input="x.jsonl", advantage="rloo"))
+    assert rloo["std_normalize"][0] == "skipped"
+    assert "seldom binds" in grpo["eps_clip_high"][1]  # one update per batch: ratio ~1
+    several = algorithm_settings(RLConfig(input="x.jsonl", ppo_epochs=2, eps_clip_high=0.28))
+    assert several["eps_clip_high"] == (
+        "applied",
+        "the ratio kept at or below 1 + 0.28 (clip-higher)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            "algorithm: ppo, advantage: rloo",
+            "p.yaml:5:57: stages.rl.config.advantage: algorithm ppo takes its advantages from "
+            "the critic (GAE)",
+        ),
+        (
+            "advantage: dr_grpo, loss_agg: seq_mean_token_mean",
+            "p.yaml:5:60: stages.rl.config.loss_agg: Dr. GRPO (advantage dr_grpo) removes the "
+            "per-sequence length normalisation",
+        ),
+        (
+            "advantage: rloo, std_normalize: false",
+            "p.yaml:5:62: stages.rl.config.std_normalize: acts with advantage grpo only; "
+            "advantage rloo (p.yaml:5:41) divides by no std",
+        ),
+        ("dynamic_sampling_max_rounds: 5", "dynamic_sampling is off"),
+        ("overlong_penalty: 0.5", "overlong_buffer is empty"),
+        ("overlong_buffer: 8, max_output_tokens: 8", "must be shorter than max_output_tokens (8)"),
+        (
+            "overlong_buffer: 2, max_output_tokens: 8, environment: {kind: retry}",
+            "a multi-turn episode's reward is the environment's",
+        ),
+        (
+            "loss_agg: seq_mean",
+            "expected 'token_mean', 'seq_mean_token_sum' or 'seq_mean_token_mean'",
+        ),
+    ],
+)
+def test_validate_refuses_a_setting_that_cannot_act(tmp_path: Path, config: str, message: str):
+    from tests.conftest import run_cli
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    (tmp_path / "p.yaml").write_text(
+        f"name: p\nstages:\n  rl:\n    kind: rl\n    config: {{input: d.jsonl, {config}}}\n"
+    )
+    out = run_cli("validate", "p.yaml", cwd=tmp_path)
+    assert out.exit_code == 2, out.stdout
+    assert message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
