@@ -313,3 +313,26 @@ def test_validate_refuses_a_setting_that_cannot_act(tmp_path: Path, config: str,
     assert out.exit_code == 2, out.stdout
     assert message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("config", "warned"),
+    [
+        ("eps_clip_high: 0.28", True),
+        ("ratio_level: sequence", True),
+        ("eps_clip_high: 0.28, train_batch_size: 64", False),  # 4 updates a step
+        ("eps_clip_high: 0.28, async_train: true", False),  # a version stale
+    ],
+)
+def test_plan_warns_when_a_clip_set_by_the_user_can_only_bind_on_engine_noise(
+    tmp_path: Path, config: str, warned: bool
+):
+    from tests.conftest import run_cli
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    (tmp_path / "p.yaml").write_text(
+        f"name: p\nstages:\n  rl:\n    kind: rl\n    config: {{input: d.jsonl, {config}}}\n"
+    )
+    out = run_cli("validate", "p.yaml", cwd=tmp_path)
+    assert out.exit_code == 0, out.stderr
+    assert ("the ratio differs from 1 only by the engine's numeric" in out.stderr) is warned

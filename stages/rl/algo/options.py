@@ -14,7 +14,7 @@ a default that cannot act is recorded as skipped, with the reason, in `settings.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -81,6 +81,13 @@ class AlgorithmOptions(StageConfig):
     ppo_epochs: int = Field(1, gt=0, description="Updates over each rollout batch.")
 
 
+def one_update(cfg: Any) -> bool:
+    """Whether every batch trains in one optimizer step from the weights that sampled it:
+    the ratio is then 1 but for the engine's numeric difference from the actor."""
+    samples = cfg.rollout_batch_size * cfg.num_repeats
+    return cfg.ppo_epochs == 1 and cfg.train_batch_size >= samples and not cfg.async_train
+
+
 def check_algorithm(cfg: AlgorithmOptions, ctx: ResolveContext, with_env: bool) -> list[Diagnostic]:
     """Settings that cannot act as configured, refused where the user (or a preset) set
     them: see the module docstring."""
@@ -130,4 +137,17 @@ def check_algorithm(cfg: AlgorithmOptions, ctx: ResolveContext, with_env: bool) 
                 "a multi-turn episode's reward is the environment's over all its turns, and "
                 "each turn has its own max_output_tokens: leave overlong_buffer out",
             )
+    clip_set = [p for p in ("eps_clip_high", "ratio_level") if p in explicit]
+    if clip_set and one_update(cfg):
+        out.append(
+            ctx.warning(
+                clip_set[0],
+                "each batch trains in one update from the weights that sampled it "
+                "(ppo_epochs 1, train_batch_size >= rollout_batch_size x num_repeats, no "
+                "async_train): the ratio differs from 1 only by the engine's numeric "
+                "difference from the actor (logprob_diff_max), so the clip binds only there; "
+                "it acts on later updates with train_batch_size below the step's samples, "
+                "ppo_epochs > 1 or async_train",
+            )
+        )
     return out

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from stages.rl.algo.options import one_update
+
 A, S = "applied", "skipped"
 
 ESTIMATORS = {
@@ -22,13 +24,6 @@ AGGREGATIONS = {
     "seq_mean_token_sum": "each sequence's summed loss, averaged over the step's sequences",
     "seq_mean_token_mean": "each sequence's mean loss, averaged over the step's sequences",
 }
-
-
-def one_update(cfg: Any) -> bool:
-    """Whether every batch trains in one optimizer step from the weights that sampled it:
-    the ratio is then 1 but for the engine's numeric difference from the actor."""
-    samples = cfg.rollout_batch_size * cfg.num_repeats
-    return cfg.ppo_epochs == 1 and cfg.train_batch_size >= samples and not cfg.async_train
 
 
 def algorithm_settings(cfg: Any) -> dict[str, tuple[str, str]]:

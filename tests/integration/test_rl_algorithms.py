@@ -1,0 +1,91 @@
+"""The rl stage's algorithm settings through `pipe run`: REINFORCE++ with its KL in the
+reward (the reference inside the actor's ranks), GSPO's sequence ratio with clip-higher and
+per-sequence loss over several updates a step, DAPO's dynamic sampling and overlong shaping;
+each run records every setting applied or skipped, and its per-step figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_rl import metrics, pipe
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PIPELINE = """\
+    name: rl
+    cluster: {{workers: 1}}
+    stages:
+      data:
+        kind: dataset
+        config:
+          task: chain_sum
+          task_config: {{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}
+          size: 64
+          test_size: 16
+      rl:
+        kind: rl
+        needs: [data]
+        config:
+          input: "@data"
+          eval_input: "@data.test_output"
+          model: {{hidden_size: 32, num_layers: 1, num_heads: 2, vocab_size: 300}}
+          verifier: {{kind: regex, pattern: "[0-9]"}}
+          num_repeats: 4
+          rollout_batch_size: {prompts}
+          micro_train_batch_size: 8
+          learning_rate: 0.001
+          max_steps: 3
+          max_output_tokens: 4
+          eval_every: 3
+          save_steps: 3
+          {extra}
+"""
+
+ARMS = {
+    "reinforce_pp": "advantage: reinforce_pp\n          kl_coef: 0.05\n          train_batch_size: 16",
+    # dynamic sampling too: this untrained model's groups seldom carry a signal
+    "gspo": "ratio_level: sequence\n          eps_clip: 0.0003\n          eps_clip_high: 0.0004\n"
+    "          loss_agg: seq_mean_token_mean\n          train_batch_size: 8\n"
+    "          dynamic_sampling: true",
+    "dapo": "dynamic_sampling: true\n          overlong_buffer: 2\n          train_batch_size: 16",
+}
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_each_algorithm_runs_and_records_how_its_settings_acted(tmp_path: Path, arm: str):
+    (tmp_path / "p.yaml").write_text(
+        textwrap.dedent(PIPELINE.format(extra=ARMS[arm], prompts=8 if arm == "gspo" else 4))
+    )
+    result = pipe(tmp_path, "run", "p.yaml")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    trained = [r for r in rows if r["updates"]]
+    assert trained and all(math.isfinite(r["loss"]) for r in trained)
+    settings = json.loads((tmp_path / "runs/rl/rl/settings.json").read_text())
+    how = {k: (v["status"], v["how"]) for k, v in settings.items()}
+    if arm == "reinforce_pp":
+        assert how["advantage"] == (
+            "applied",
+            "REINFORCE++: per-token returns (KL in the reward), normalised over the batch",
+        )
+        assert how["kl_coef"][1].startswith("KL to a frozen reference in every token's reward")
+        assert how["std_normalize"][0] == "skipped"
+        assert all(r["groups_kept"] == 4 for r in rows)  # every group trains
+        assert all(r["kl"] == 0.0 for r in trained)  # the KL is not also in the loss
+    if arm == "gspo":
+        assert how["ratio_level"][1].startswith("GSPO: one ratio per sequence")
+        assert "seldom binds" not in how["eps_clip_high"][1]  # 4 updates a step
+        assert any(r["updates"] >= 2 for r in trained)  # 8 samples an update
+        assert any(r["clip_frac"] > 0 for r in trained)  # later updates move the ratio
+    if arm == "dapo":
+        assert how["dynamic_sampling"][1].startswith("groups whose rewards all agree")
+        for r in rows:
+            assert r["gen_rounds"] <= 3 and r["prompts_drawn"] == 4 * r["gen_rounds"]
+            assert r["groups_kept"] <= 4
+            assert r["overlong_penalty_mean"] is not None and r["overlong_penalty_mean"] <= 0
