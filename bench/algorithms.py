@@ -47,6 +47,8 @@ ARMS: dict[str, dict[str, Any]] = {
     "dr_grpo": {"advantage": "dr_grpo"},
     "rloo": {"advantage": "rloo"},
     "reinforce_pp": {"advantage": "reinforce_pp"},
+    # DAPO's dynamic sampling alone, on GRPO's estimator
+    "dynamic": {"advantage": "grpo", "dynamic_sampling": True},
     # DAPO's four: clip-higher (its 0.28), dynamic sampling, token-level loss (token_mean,
     # the default), overlong shaping (4 of the 8 answer tokens; the answers need 2-5)
     "dapo": {

@@ -86,6 +86,8 @@ def test_each_algorithm_runs_and_records_how_its_settings_acted(tmp_path: Path, 
     if arm == "dapo":
         assert how["dynamic_sampling"][1].startswith("groups whose rewards all agree")
         for r in rows:
-            assert r["gen_rounds"] <= 3 and r["prompts_drawn"] == 4 * r["gen_rounds"]
+            assert 1 <= r["gen_rounds"] <= 3
+            assert r["prompts_drawn"] <= 4 * r["gen_rounds"]  # a refill: 4 prompts at most
+            assert (r["prompts_drawn"] > 4) == (r["gen_rounds"] > 1)
             assert r["groups_kept"] <= 4
             assert r["overlong_penalty_mean"] is not None and r["overlong_penalty_mean"] <= 0

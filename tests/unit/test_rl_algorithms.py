@@ -208,7 +208,7 @@ def test_dynamic_sampling_trains_only_groups_with_a_signal_and_refills_within_it
         assert batch.indices[:3] == plain.indices  # the step's own prompts first
         assert len(set(batch.indices)) == len(batch.indices)  # refills are other prompts
         assert batch.rounds <= 3
-        assert len(batch.indices) == 3 * batch.rounds  # rollout_batch_size a round
+        assert len(batch.indices) <= 3 * batch.rounds  # rollout_batch_size a round at most
         assert batch.kept <= 3
         assert batch.kept >= plain.kept  # it only adds groups
         groups: dict[tuple[int, ...], set[float]] = {}

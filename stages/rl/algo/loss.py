@@ -4,15 +4,19 @@ Input: rewards per prompt group, per-token log-probabilities of the completions 
 the current policy, the behaviour policy (the engine that sampled them) and the frozen
 reference. Output: advantages (and which groups carry a signal), and the loss terms.
 
-- Advantages are normalised within each prompt's group: `r - mean(r)`, divided by the
-  group's standard deviation unless `std_normalize` is off (Dr. GRPO). A group whose
-  samples all scored the same has no signal and is dropped before the update.
+- GRPO's advantages are normalised within each prompt's group: `r - mean(r)`, divided by
+  the group's standard deviation unless `std_normalize` is off (Dr. GRPO); the other
+  estimators are in `stages.rl.algo.advantage`. A group whose samples all scored the same
+  has no signal and is dropped before the update.
 - The policy loss per token is PPO's clipped surrogate
-  `-min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)` with `ratio = exp(new - old)`.
-- Per-token losses are summed and divided by the token count of the whole global batch
-  (every micro batch of every rank), so micro-batching gives exactly the full batch's
-  gradient, and a long answer weighs what its tokens weigh (a per-sequence mean would
-  give short answers more weight per token).
+  `-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)` with `ratio = exp(new - old)`
+  (`eps_high` DAPO's clip-higher, `eps` when unset), or with GSPO's sequence-level ratio
+  (`sequence_log_ratio`).
+- By default (`loss_agg: token_mean`) per-token losses are summed and divided by the token
+  count of the whole global batch (every micro batch of every rank), so micro-batching
+  gives exactly the full batch's gradient, and a long answer weighs what its tokens weigh
+  (a per-sequence mean would give short answers more weight per token); `token_scale`
+  gives the per-sequence aggregations.
 - KL to the reference is the k3 estimator `exp(ref - new) - (ref - new) - 1` per token
   (unbiased, never negative), added with `kl_coef`.
 - Truncated importance sampling (`tis_cap`, optional), for engines whose log-probabilities

@@ -59,7 +59,7 @@ class AlgorithmOptions(StageConfig):
     dynamic_sampling_max_rounds: int = Field(
         3,
         ge=2,
-        description="dynamic_sampling: generation rounds per step at most (the step's prompts, then refills of rollout_batch_size more each); a step still short trains on the groups it has.",
+        description="dynamic_sampling: generation rounds per step at most (the step's prompts, then refills of at most rollout_batch_size prompts each, sized by the share of groups kept so far); a step still short trains on the groups it has.",
     )
     overlong_buffer: int | None = Field(
         None,

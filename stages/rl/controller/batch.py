@@ -15,6 +15,7 @@ share passes `environment.max_failed_share`.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ def rollout(c: Any, step: int) -> Batch:
     kept = [i for i, s in enumerate(scored) if s.rewards and (s.signal or every)]
     # DAPO's dynamic sampling: refill from further prompts until `want` groups carry a signal
     while cfg.dynamic_sampling and len(kept) < want and rounds < cfg.dynamic_sampling_max_rounds:
-        more = c.stream.refill(step, rounds, exclude=drawn)
+        more = c.stream.refill(step, rounds, _refill_size(len(kept), want, len(groups)), drawn)
         if not more:
             break
         for g in _play(c, more, step, rounds):
@@ -93,6 +94,15 @@ def rollout(c: Any, step: int) -> Batch:
         rounds=rounds,
         overlong=sum(penalties) / len(penalties) if cfg.overlong_buffer and penalties else None,
     )
+
+
+def _refill_size(kept: int, want: int, drawn: int) -> int:
+    """Prompts for the next refill: the groups still wanted over the share of groups that
+    carried a signal so far, with a quarter more for luck, at most `want` (one round's
+    prompts: verl draws a whole generation batch every time, which at the quickstart's
+    ~85% kept generates 64 prompts' groups to fill ~10)."""
+    rate = max(kept / max(drawn, 1), 1 / want)
+    return min(want, math.ceil((want - kept) / rate * 1.25))
 
 
 def _play(c: Any, indices: list[int], step: int, round_: int) -> list[Any]:

@@ -59,14 +59,14 @@ class Stream:
         epoch, k = divmod(step - 1, self.steps_per_epoch)
         return self._order(epoch)[k * self.batch : (k + 1) * self.batch]
 
-    def refill(self, step: int, round_: int, exclude: Sequence[int]) -> list[int]:
-        """Dynamic sampling's further prompts for step k's round `round_` (>= 1): `batch` of
+    def refill(self, step: int, round_: int, count: int, exclude: Sequence[int]) -> list[int]:
+        """Dynamic sampling's further prompts for step k's round `round_` (>= 1): `count` of
         them (fewer when the prompts run out), none of `exclude`, drawn by a seed of their
         own, so the steps' own prompts (`indices`) stay what they are without refills."""
         taken = set(exclude)
         rest = [i for i in range(self.size) if i not in taken]
         rng = random.Random((self.seed * 7_919 + step) * 104_729 + round_)
-        return rng.sample(rest, min(self.batch, len(rest)))
+        return rng.sample(rest, min(count, len(rest)))
 
 
 def probe_ids(tokenizer: Any, prompt: Prompt, answer: str) -> tuple[tuple[int, ...], int]:
