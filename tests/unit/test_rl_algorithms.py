@@ -336,3 +336,20 @@ def test_plan_warns_when_a_clip_set_by_the_user_can_only_bind_on_engine_noise(
     out = run_cli("validate", "p.yaml", cwd=tmp_path)
     assert out.exit_code == 0, out.stderr
     assert ("the ratio differs from 1 only by the engine's numeric" in out.stderr) is warned
+
+
+def test_the_max_throughput_profile_turns_clip_higher_on_with_its_reason(tmp_path: Path):
+    """Presets as data: the async profile sets eps_clip_high (async batches are a version
+    stale, so the ratio leaves 1); no warning, as the clip can bind there."""
+    from tests.conftest import run_cli
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    (tmp_path / "p.yaml").write_text(
+        "name: p\nprofile: max-throughput\nstages:\n  rl:\n    kind: rl\n"
+        "    config: {input: d.jsonl}\n"
+    )
+    out = run_cli("plan", "p.yaml", "--explain", cwd=tmp_path)
+    assert out.exit_code == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.strip().startswith("eps_clip_high"))
+    assert "0.28  <- profile max-throughput: async batches train a weight version after" in line
+    assert "the ratio differs from 1 only" not in out.stderr
