@@ -95,22 +95,26 @@ def base(task: str) -> Path:
 def arm(task: str, name: str, b: Path, steps: int, extra: dict[str, Any]) -> list[dict[str, Any]]:
     """One arm's grpo stage from the task's warm-up; its metrics.jsonl rows."""
     out = OUT / f"{task}-{name}"
+    rows = grpo_stage(out, b, {"max_steps": steps, **ARMS[name], **extra})
+    result = json.loads((out / "grpo/rl_result.json").read_text())
+    return [{"step": 0, "eval_accuracy": result.get("eval_accuracy_start")}, *rows]
+
+
+def grpo_stage(out: Path, b: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The quickstart's grpo stage in run folder `out` from base `b`'s warm-up and data,
+    with `settings` over the yaml's; its metrics.jsonl rows."""
     out.mkdir(parents=True, exist_ok=True)
     sets = {
         "model": b / "warmup/checkpoint",
         "input": b / "data/train.jsonl",
         "eval_input": b / "data/test.jsonl",
-        "max_steps": steps,
-        **ARMS[name],
-        **extra,
+        **settings,
     }
     args = [*PIPE, "run", "pipelines/grpo_quickstart.yaml", "--only", "grpo", "--run-dir", str(out)]
     for k, v in sets.items():
         args += ["--set", f"stages.grpo.config.{k}={json.dumps(v) if isinstance(v, bool) else v}"]
     run(args, out / "bench.log")
-    rows = [json.loads(x) for x in (out / "grpo/metrics.jsonl").read_text().splitlines()]
-    result = json.loads((out / "grpo/rl_result.json").read_text())
-    return [{"step": 0, "eval_accuracy": result.get("eval_accuracy_start")}, *rows]
+    return [json.loads(x) for x in (out / "grpo/metrics.jsonl").read_text().splitlines()]
 
 
 def summary(rows: list[dict[str, Any]], every: int) -> dict[str, Any]:
@@ -209,6 +213,8 @@ def trl_target(seeds: list[int], names: list[str]) -> None:
 
     b = rl_base(0)
     python = str(ROOT / ".venv-trl/bin/python")
+    trl_acc: list[float] = []
+    curves: dict[str, list[dict[int, float]]] = {}
     for seed in seeds:
         a = Arm(8, 4, 100, 1e-4, "constant", seed)
         theirs_at = OUT / f"trl-8x4-s{seed}.json"
@@ -217,18 +223,53 @@ def trl_target(seeds: list[int], names: list[str]) -> None:
                 json.dumps(accuracy(trl(b, f"trl-8x4-s{seed}", a, python)["checkpoint"], b))
             )
         theirs = json.loads(theirs_at.read_text())
+        trl_acc.append(theirs)
         for name in names:
-            ours_8x4(b, seed, name, theirs)
+            curves.setdefault(name, []).append(ours_8x4(b, seed, name, theirs))
+    target = sum(trl_acc) / len(trl_acc)
+    print(f"\nmeans over seeds {seeds}: TRL after 100 steps {target:.1%}")
+    summary_rows = {}
+    for name, runs in curves.items():
+        mean = {s: sum(r[s] for r in runs) / len(runs) for s in sorted(runs[0])}
+        reach = next((s for s, acc in mean.items() if acc >= target), None)
+        summary_rows[name] = {"mean": mean, "reach": reach}
+        print(
+            f"  ours ({name}): "
+            + ", ".join(f"{s}: {acc:.1%}" for s, acc in mean.items())
+            + f"; reaches TRL's 100-step mean at step {reach}"
+        )
+    (OUT / "trl_target.json").write_text(
+        json.dumps({"seeds": seeds, "trl": trl_acc, "ours": summary_rows}, indent=1)
+    )
+    plot_target(summary_rows, target, OUT / "trl_target.png")
+    print(f"wrote {OUT / 'trl_target.json'} and {OUT / 'trl_target.png'}")
 
 
-def ours_8x4(b: Path, seed: int, name: str, theirs: float) -> None:
+def plot_target(rows: dict[str, Any], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, r in rows.items():
+        pts = sorted((int(s), a) for s, a in r["mean"].items())
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=name)
+    ax.axhline(100 * target, color="black", linestyle="--", label="TRL GRPOTrainer, step 100")
+    ax.set(
+        title="8 x 4 samples a step, lr 1e-4: held-out accuracy (mean over seeds)",
+        xlabel="RL step",
+        ylabel="accuracy (%)",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def ours_8x4(b: Path, seed: int, name: str, theirs: float) -> dict[int, float]:
     """One of our runs at bench/rl.py's 8 x 4 settings, held-out every 10 steps."""
-    out = OUT / f"ours-8x4-{name}-s{seed}"
-    out.mkdir(parents=True, exist_ok=True)
-    sets = {
-        "model": b / "warmup/checkpoint",
-        "input": b / "data/train.jsonl",
-        "eval_input": b / "data/test.jsonl",
+    settings = {
         "rollout_batch_size": 8,
         "num_repeats": 4,
         "train_batch_size": 32,
@@ -241,19 +282,7 @@ def ours_8x4(b: Path, seed: int, name: str, theirs: float) -> None:
         "seed": seed,
         **(ARMS[name] if name != "default" else {}),
     }
-    cmd = [
-        *PIPE,
-        "run",
-        "pipelines/grpo_quickstart.yaml",
-        "--only",
-        "grpo",
-        "--run-dir",
-        str(out),
-    ]
-    for k, v in sets.items():
-        cmd += ["--set", f"stages.grpo.config.{k}={json.dumps(v) if isinstance(v, bool) else v}"]
-    run(cmd, out / "bench.log")
-    rows = [json.loads(x) for x in (out / "grpo/metrics.jsonl").read_text().splitlines()]
+    rows = grpo_stage(OUT / f"ours-8x4-{name}-s{seed}", b, settings)
     curve = {r["step"]: r["eval_accuracy"] for r in rows if r["eval_accuracy"] is not None}
     reach = next((s for s, acc in sorted(curve.items()) if acc >= theirs), None)
     print(
@@ -262,6 +291,7 @@ def ours_8x4(b: Path, seed: int, name: str, theirs: float) -> None:
         + f"; ours reaches TRL's at step {reach}",
         flush=True,
     )
+    return curve
 
 
 if __name__ == "__main__":

@@ -12,39 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_rl import metrics, pipe
+from tests.integration.test_rl import PIPELINE, metrics, pipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-PIPELINE = """\
-    name: rl
-    cluster: {{workers: 1}}
-    stages:
-      data:
-        kind: dataset
-        config:
-          task: chain_sum
-          task_config: {{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}
-          size: 64
-          test_size: 16
-      rl:
-        kind: rl
-        needs: [data]
-        config:
-          input: "@data"
-          eval_input: "@data.test_output"
-          model: {{hidden_size: 32, num_layers: 1, num_heads: 2, vocab_size: 300}}
-          verifier: {{kind: regex, pattern: "[0-9]"}}
-          num_repeats: 4
-          rollout_batch_size: {prompts}
-          micro_train_batch_size: 8
-          learning_rate: 0.001
-          max_steps: 3
-          max_output_tokens: 4
-          eval_every: 3
-          save_steps: 3
-          {extra}
-"""
+
+def pipeline(extra: str, prompts: int) -> str:
+    """test_rl's tiny GRPO pipeline, 3 steps of `prompts` x 4, with `extra` config lines."""
+    text = textwrap.dedent(PIPELINE.format(steps=3, profile="default", memory="default"))
+    text = text.replace("rollout_batch_size: 8", f"rollout_batch_size: {prompts}")
+    text = text.replace("\n      train_batch_size: 32", "").replace("eval_every: 2", "eval_every: 3")
+    text = text.replace("save_steps: 2", "save_steps: 3")
+    return text + "".join(f"      {line.strip()}\n" for line in extra.splitlines())
+
 
 ARMS = {
     "reinforce_pp": "advantage: reinforce_pp\n          kl_coef: 0.05\n          train_batch_size: 16",
@@ -58,9 +38,7 @@ ARMS = {
 
 @pytest.mark.parametrize("arm", list(ARMS))
 def test_each_algorithm_runs_and_records_how_its_settings_acted(tmp_path: Path, arm: str):
-    (tmp_path / "p.yaml").write_text(
-        textwrap.dedent(PIPELINE.format(extra=ARMS[arm], prompts=8 if arm == "gspo" else 4))
-    )
+    (tmp_path / "p.yaml").write_text(pipeline(ARMS[arm], 8 if arm == "gspo" else 4))
     result = pipe(tmp_path, "run", "p.yaml")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics(tmp_path)
