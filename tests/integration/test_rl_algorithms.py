@@ -21,7 +21,9 @@ def pipeline(extra: str, prompts: int) -> str:
     """test_rl's tiny GRPO pipeline, 3 steps of `prompts` x 4, with `extra` config lines."""
     text = textwrap.dedent(PIPELINE.format(steps=3, profile="default", memory="default"))
     text = text.replace("rollout_batch_size: 8", f"rollout_batch_size: {prompts}")
-    text = text.replace("\n      train_batch_size: 32", "").replace("eval_every: 2", "eval_every: 3")
+    text = text.replace("\n      train_batch_size: 32", "").replace(
+        "eval_every: 2", "eval_every: 3"
+    )
     text = text.replace("save_steps: 2", "save_steps: 3")
     return text + "".join(f"      {line.strip()}\n" for line in extra.splitlines())
 

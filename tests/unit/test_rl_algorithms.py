@@ -258,6 +258,7 @@ def test_overlong_buffer_shapes_the_training_reward_not_the_recorded_one(engine:
 def test_settings_that_cannot_act_are_recorded_skipped_with_a_reason():
     ppo = algorithm_settings(RLConfig(input="x.jsonl", algorithm="ppo"))
     assert ppo["advantage"][0] == "skipped" and "GAE" in ppo["advantage"][1]
+    assert ppo["dynamic_sampling"][0] == "skipped" and "critic" in ppo["dynamic_sampling"][1]
     grpo = algorithm_settings(RLConfig(input="x.jsonl"))
     assert grpo["dynamic_sampling_max_rounds"] == ("skipped", "dynamic_sampling is off")
     assert grpo["overlong_penalty"] == ("skipped", "overlong_buffer is empty")
@@ -291,6 +292,7 @@ def test_settings_that_cannot_act_are_recorded_skipped_with_a_reason():
         ),
         ("dynamic_sampling_max_rounds: 5", "dynamic_sampling is off"),
         ("overlong_penalty: 0.5", "overlong_buffer is empty"),
+        ("algorithm: ppo, dynamic_sampling: true", "algorithm ppo trains every group"),
         ("overlong_buffer: 8, max_output_tokens: 8", "must be shorter than max_output_tokens (8)"),
         (
             "overlong_buffer: 2, max_output_tokens: 8, environment: {kind: retry}",

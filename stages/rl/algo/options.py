@@ -117,10 +117,19 @@ def check_algorithm(cfg: AlgorithmOptions, ctx: ResolveContext, with_env: bool) 
             "Dr. GRPO (advantage dr_grpo) removes the per-sequence length normalisation that "
             "seq_mean_token_mean puts back: use token_mean or seq_mean_token_sum",
         )
+    if cfg.algorithm == "ppo" and cfg.dynamic_sampling and "dynamic_sampling" in explicit:
+        refuse(
+            "dynamic_sampling",
+            "algorithm ppo trains every group (the critic's values give a group whose rewards "
+            "agree its advantages, and the critic learns from it): use algorithm grpo, or "
+            "leave dynamic_sampling out",
+        )
     if "dynamic_sampling_max_rounds" in explicit and not cfg.dynamic_sampling:
         refuse(
             "dynamic_sampling_max_rounds", "dynamic_sampling is off: set it true, or leave this out"
         )
+    elif "dynamic_sampling_max_rounds" in explicit and cfg.algorithm == "ppo":
+        refuse("dynamic_sampling_max_rounds", "algorithm ppo trains every group: leave this out")
     if "overlong_penalty" in explicit and cfg.overlong_buffer is None:
         refuse("overlong_penalty", "overlong_buffer is empty: set it, or leave this out")
     if cfg.overlong_buffer is not None:

@@ -65,8 +65,8 @@ def algorithm_settings(cfg: Any) -> dict[str, tuple[str, str]]:
             f"at most {cfg.dynamic_sampling_max_rounds} generation rounds a step: "
             f"{(cfg.dynamic_sampling_max_rounds - 1) * cfg.rollout_batch_size} extra prompts at most",
         )
-        if cfg.dynamic_sampling
-        else (S, "dynamic_sampling is off"),
+        if cfg.dynamic_sampling and cfg.algorithm == "grpo"
+        else (S, "dynamic_sampling is off" if cfg.algorithm == "grpo" else "algorithm ppo"),
         "overlong_buffer": (
             A,
             f"answers past {cfg.max_output_tokens - cfg.overlong_buffer} tokens lose reward, "
@@ -92,6 +92,8 @@ def _std(cfg: Any) -> tuple[str, str]:
 
 
 def _dynamic(cfg: Any) -> tuple[str, str]:
+    if cfg.algorithm == "ppo":
+        return S, "algorithm ppo trains every group (the critic values them)"
     if not cfg.dynamic_sampling:
         keeps = cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp"
         return A, (

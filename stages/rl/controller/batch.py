@@ -45,10 +45,11 @@ def rollout(c: Any, step: int) -> Batch:
     want, rounds = len(drawn), 1
     groups = _play(c, drawn, step, 0)
     scored = [_score(cfg, g) for g in groups]
-    every = (cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp") and not cfg.dynamic_sampling
+    dynamic = cfg.dynamic_sampling and cfg.algorithm == "grpo"  # ppo: the critic values all
+    every = (cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp") and not dynamic
     kept = [i for i, s in enumerate(scored) if s.rewards and (s.signal or every)]
     # DAPO's dynamic sampling: refill from further prompts until `want` groups carry a signal
-    while cfg.dynamic_sampling and len(kept) < want and rounds < cfg.dynamic_sampling_max_rounds:
+    while dynamic and len(kept) < want and rounds < cfg.dynamic_sampling_max_rounds:
         more = c.stream.refill(step, rounds, _refill_size(len(kept), want, len(groups)), drawn)
         if not more:
             break
