@@ -18,7 +18,8 @@ accuracy after 100 steps, and the first step (of every 10) at which our default 
 reach it, per sampling seed.
 
 `pipe run` caches each arm's stage in its run folder, so running the bench again prints the
-table without re-running an arm whose settings did not change.
+table without re-running an arm whose settings and code did not change; `--report` prints
+and plots from the run folders as they are, running nothing.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ ARMS: dict[str, dict[str, Any]] = {
     },
 }
 LOCK = threading.Lock()
+REPORT = False  # --report: read the arms' run folders, run nothing
 
 
 def run(args: list[str], log: Path) -> None:
@@ -113,7 +115,8 @@ def grpo_stage(out: Path, b: Path, settings: dict[str, Any]) -> list[dict[str, A
     args = [*PIPE, "run", "pipelines/grpo_quickstart.yaml", "--only", "grpo", "--run-dir", str(out)]
     for k, v in sets.items():
         args += ["--set", f"stages.grpo.config.{k}={json.dumps(v) if isinstance(v, bool) else v}"]
-    run(args, out / "bench.log")
+    if not REPORT:
+        run(args, out / "bench.log")
     return [json.loads(x) for x in (out / "grpo/metrics.jsonl").read_text().splitlines()]
 
 
@@ -170,7 +173,15 @@ def main() -> None:
     p.add_argument("--parallel", type=int, default=2, help="arms run at once (one core each)")
     p.add_argument("--trl", action="store_true", help="the 8 x 4 target against TRL instead")
     p.add_argument("--trl-seeds", default="0,1,2")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="print and plot from the arms' run folders without running them (pipe run would "
+        "run an arm again once the rl stage's code changed: its cache key has the code version)",
+    )
     args = p.parse_args()
+    global REPORT
+    REPORT = args.report
     if args.trl:
         names = args.arms.split(",") if args.arms != ",".join(ARMS) else ["default"]
         return trl_target([int(s) for s in args.trl_seeds.split(",")], names)
@@ -218,7 +229,7 @@ def trl_target(seeds: list[int], names: list[str]) -> None:
     for seed in seeds:
         a = Arm(8, 4, 100, 1e-4, "constant", seed)
         theirs_at = OUT / f"trl-8x4-s{seed}.json"
-        if not theirs_at.exists():
+        if not theirs_at.exists() and not REPORT:
             theirs_at.write_text(
                 json.dumps(accuracy(trl(b, f"trl-8x4-s{seed}", a, python)["checkpoint"], b))
             )
