@@ -29,7 +29,8 @@ def pipeline(extra: str, prompts: int) -> str:
 
 
 ARMS = {
-    "reinforce_pp": "advantage: reinforce_pp\n          kl_coef: 0.05\n          train_batch_size: 16",
+    "reinforce_pp": "advantage: reinforce_pp\n          kl_coef: 0.05\n          train_batch_size: 16\n"
+    "          dynamic_sampling: false",
     # dynamic sampling too: this untrained model's groups seldom carry a signal
     "gspo": "ratio_level: sequence\n          eps_clip: 0.0003\n          eps_clip_high: 0.0004\n"
     "          loss_agg: seq_mean_token_mean\n          train_batch_size: 8\n"

@@ -202,7 +202,7 @@ def test_dynamic_sampling_trains_only_groups_with_a_signal_and_refills_within_it
 
     rounds = []
     for step in (1, 2, 3):
-        plain = rollout(controller(engine, CHANCE), step)
+        plain = rollout(controller(engine, CHANCE, dynamic_sampling=False), step)
         c = controller(engine, CHANCE, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
         batch = rollout(c, step)
         assert batch.indices[:3] == plain.indices  # the step's own prompts first
@@ -236,7 +236,7 @@ def test_dynamic_sampling_stops_at_its_bound_when_no_group_has_a_signal(engine: 
     batch = rollout(c, 1)
     assert (batch.rounds, len(batch.indices), batch.kept, batch.samples) == (3, 9, 0, [])
     # without dynamic sampling REINFORCE++ trains every group (its advantages are not 0)
-    every = rollout(controller(engine, never, advantage="reinforce_pp"), 1)
+    every = rollout(controller(engine, never, advantage="reinforce_pp", dynamic_sampling=False), 1)
     assert every.kept == 3 and len(every.samples) == 12
 
 
@@ -259,7 +259,7 @@ def test_settings_that_cannot_act_are_recorded_skipped_with_a_reason():
     ppo = algorithm_settings(RLConfig(input="x.jsonl", algorithm="ppo"))
     assert ppo["advantage"][0] == "skipped" and "GAE" in ppo["advantage"][1]
     assert ppo["dynamic_sampling"][0] == "skipped" and "critic" in ppo["dynamic_sampling"][1]
-    grpo = algorithm_settings(RLConfig(input="x.jsonl"))
+    grpo = algorithm_settings(RLConfig(input="x.jsonl", dynamic_sampling=False))
     assert grpo["dynamic_sampling_max_rounds"] == ("skipped", "dynamic_sampling is off")
     assert grpo["overlong_penalty"] == ("skipped", "overlong_buffer is empty")
     rloo = algorithm_settings(RLConfig(input="x.jsonl", advantage="rloo"))
@@ -290,7 +290,7 @@ def test_settings_that_cannot_act_are_recorded_skipped_with_a_reason():
             "p.yaml:5:62: stages.rl.config.std_normalize: acts with advantage grpo only; "
             "advantage rloo (p.yaml:5:41) divides by no std",
         ),
-        ("dynamic_sampling_max_rounds: 5", "dynamic_sampling is off"),
+        ("dynamic_sampling: false, dynamic_sampling_max_rounds: 5", "dynamic_sampling is off"),
         ("overlong_penalty: 0.5", "overlong_buffer is empty"),
         ("algorithm: ppo, dynamic_sampling: true", "algorithm ppo trains every group"),
         ("overlong_buffer: 8, max_output_tokens: 8", "must be shorter than max_output_tokens (8)"),

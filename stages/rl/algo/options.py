@@ -53,8 +53,8 @@ class AlgorithmOptions(StageConfig):
         description="The importance ratio per token, or per sequence (GSPO: the geometric mean of the sequence's token ratios, clipped as one).",
     )
     dynamic_sampling: bool = Field(
-        False,
-        description="DAPO's dynamic sampling: groups whose rewards all agree are dropped and the step refilled from further prompts until rollout_batch_size groups carry a signal, at most dynamic_sampling_max_rounds generation rounds.",
+        True,
+        description="DAPO's dynamic sampling: groups whose rewards all agree are dropped and the step refilled from further prompts until rollout_batch_size groups carry a signal, at most dynamic_sampling_max_rounds generation rounds (on by default: the most held-out accuracy per step measured, BENCHMARKS.md; off: a step trains on the groups it drew).",
     )
     dynamic_sampling_max_rounds: int = Field(
         3,
