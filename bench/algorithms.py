@@ -43,12 +43,13 @@ TASKS = {
     "variant": {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 2},
 }
 # each arm: the grpo stage's settings it changes; the rest are the quickstart's
+OFF = {"dynamic_sampling": False}  # the default since this comparison: off in the others
 ARMS: dict[str, dict[str, Any]] = {
-    "grpo": {"advantage": "grpo"},
-    "dr_grpo": {"advantage": "dr_grpo"},
-    "rloo": {"advantage": "rloo"},
-    "reinforce_pp": {"advantage": "reinforce_pp"},
-    # DAPO's dynamic sampling alone, on GRPO's estimator
+    "grpo": {"advantage": "grpo", **OFF},
+    "dr_grpo": {"advantage": "dr_grpo", **OFF},
+    "rloo": {"advantage": "rloo", **OFF},
+    "reinforce_pp": {"advantage": "reinforce_pp", **OFF},
+    # DAPO's dynamic sampling alone, on GRPO's estimator (the default it chose)
     "dynamic": {"advantage": "grpo", "dynamic_sampling": True},
     # DAPO's four: clip-higher (its 0.28), dynamic sampling, token-level loss (token_mean,
     # the default), overlong shaping (4 of the 8 answer tokens; the answers need 2-5)
@@ -65,6 +66,7 @@ ARMS: dict[str, dict[str, Any]] = {
         "eps_clip": 0.0003,
         "eps_clip_high": 0.0004,
         "loss_agg": "seq_mean_token_mean",
+        **OFF,
     },
 }
 LOCK = threading.Lock()
