@@ -3,7 +3,14 @@
 Input: the controller (engine, prompts, the environment factory, config, weight version)
 and the step. Output: a `Batch` of samples (token ids, loss mask, behaviour
 log-probabilities, advantages) for the groups that carry a signal (GRPO drops groups
-whose rewards are all equal; PPO keeps all).
+whose rewards are all equal; PPO and REINFORCE++ keep all unless dynamic sampling is on).
+
+With `dynamic_sampling` (DAPO) the step is refilled from further prompts, round after
+round (`dynamic_sampling_max_rounds` at most), until `rollout_batch_size` groups carry a
+signal; each refill asks for the groups still wanted over the share kept so far, plus a
+quarter, at most `rollout_batch_size` prompts. Each group's rewards are the episodes'
+totals plus DAPO's overlong penalty (`overlong_buffer`), and its advantages come from the
+`advantage` estimator (`stages.rl.algo.advantage`); the recorded rewards stay the verifier's.
 
 Every sample is an episode (`stages.rl.rollout.play`); without an environment it is the
 verifier's one turn (`single_turn`), the same engine call and numbers as a plain rollout.
