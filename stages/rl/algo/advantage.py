@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from stages.rl.algo.loss import EPS, group_advantages
+from stages.rl.algo.loss import group_advantages
+from stages.rl.algo.ppo import batch_reference, whiten
 
 
 def group_estimate(
@@ -81,41 +82,17 @@ def reinforce_pp_returns(
             acc += per[t]
             out[t] = acc
         returns.append(out)
-    flat = torch.tensor(
-        [
-            g
-            for ret, mask in zip(returns, masks, strict=True)
-            for g, m in zip(ret, mask, strict=True)
-            if m
-        ],
-        dtype=torch.float64,
-    )
-    if flat.numel() < 2:
-        return returns
-    mean, std = flat.mean().item(), flat.std(unbiased=False).item()
-    return [
-        [(g - mean) / (std + EPS) if m else 0.0 for g, m in zip(ret, mask, strict=True)]
-        for ret, mask in zip(returns, masks, strict=True)
-    ]
+    return whiten(returns, masks)
 
 
 def reinforce_pp_samples(c: Any, samples: list[Any]) -> list[Any]:
-    """The batch with REINFORCE++'s per-token advantages: the reference's log-probabilities
-    come with the samples (the ref role's ranks) or are asked of the actor's ranks."""
-    from dataclasses import asdict
-
-    cfg = c.cfg
-    refs = None
-    if cfg.kl_coef > 0:
-        if all(s.ref_logprobs for s in samples):
-            refs = [s.ref_logprobs for s in samples]
-        else:
-            refs = c.request("ref_logprobs", {"samples": [asdict(s) for s in samples]})
+    """The batch with REINFORCE++'s per-token advantages (the reference's log-probabilities
+    as PPO gets them, `stages.rl.algo.ppo.batch_reference`)."""
     adv = reinforce_pp_returns(
         [s.reward for s in samples],
         [s.old_logprobs for s in samples],
-        refs,
+        batch_reference(c, samples),
         [s.loss_mask() for s in samples],
-        cfg.kl_coef,
+        c.cfg.kl_coef,
     )
     return [replace(s, advantages=tuple(a)) for s, a in zip(samples, adv, strict=True)]

@@ -151,16 +151,13 @@ def masked_policy_terms(
     return loss, kl, (clipped * mask).sum()
 
 
-LOSS_AGG = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
-
-
 def token_scale(
     agg: str, lengths: list[tuple[int, int]], sequences: int, tokens: int
 ) -> tuple[list[float] | None, int]:
     """How a step's per-token losses add up to its objective, verl's `agg_loss`: the
     per-token weights of one micro batch (`lengths`: each of its sequences' completion
-    tokens and loss tokens; None: one weight for all) and the factor on the micro batch's sum, over the step's
-    `sequences` and loss `tokens` (all ranks). token_mean: sum / tokens (every token
+    tokens and loss tokens; None: one weight for all) and what the micro batch's sum is
+    divided by, from the step's `sequences` and loss `tokens` (all ranks). token_mean: sum / tokens (every token
     weighs the same: DAPO, Dr. GRPO, TRL's default); seq_mean_token_sum: each sequence's
     sum, averaged over sequences; seq_mean_token_mean: each sequence's mean, averaged over
     sequences (GRPO's paper: a short answer's tokens weigh more)."""

@@ -88,6 +88,11 @@ def one_update(cfg: Any) -> bool:
     return cfg.ppo_epochs == 1 and cfg.train_batch_size >= samples and not cfg.async_train
 
 
+def refills(cfg: Any) -> bool:
+    """Whether dynamic sampling acts: on, with algorithm grpo (ppo trains every group)."""
+    return bool(cfg.dynamic_sampling) and cfg.algorithm == "grpo"
+
+
 def check_algorithm(cfg: AlgorithmOptions, ctx: ResolveContext, with_env: bool) -> list[Diagnostic]:
     """Settings that cannot act as configured, refused where the user (or a preset) set
     them: see the module docstring."""

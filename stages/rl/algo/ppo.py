@@ -52,13 +52,36 @@ def gae(
     return advantages, returns
 
 
-def whiten(advantages: list[list[float]]) -> list[list[float]]:
-    """Advantages over the whole batch shifted to mean 0 and scaled to std 1."""
-    flat = torch.tensor([a for seq in advantages for a in seq], dtype=torch.float64)
+def whiten(
+    advantages: list[list[float]], masks: Sequence[Sequence[float]] | None = None
+) -> list[list[float]]:
+    """Advantages over the whole batch shifted to mean 0 and scaled to std 1; with `masks`,
+    the statistics over the tokens they cover (1), the others set to 0."""
+    covered = masks or [[1.0] * len(seq) for seq in advantages]
+    pairs = list(zip(advantages, covered, strict=True))
+    flat = torch.tensor(
+        [a for seq, m in pairs for a, keep in zip(seq, m, strict=True) if keep],
+        dtype=torch.float64,
+    )
     if flat.numel() < 2:
         return advantages
     mean, std = flat.mean().item(), flat.std(unbiased=False).item()
-    return [[(a - mean) / (std + 1e-8) for a in seq] for seq in advantages]
+    return [
+        [(a - mean) / (std + 1e-8) if keep else 0.0 for a, keep in zip(seq, m, strict=True)]
+        for seq, m in pairs
+    ]
+
+
+def batch_reference(c: Any, samples: list[Any]) -> list[Any] | None:
+    """The reference's log-probabilities of each sample's completion when kl_coef > 0: sent
+    with the samples (the ref role's own ranks scored them) or asked of the actor's ranks."""
+    from dataclasses import asdict
+
+    if c.cfg.kl_coef <= 0:
+        return None
+    if all(s.ref_logprobs for s in samples):
+        return [s.ref_logprobs for s in samples]
+    return list(c.request("ref_logprobs", {"samples": [asdict(s) for s in samples]}))
 
 
 def value_loss(
@@ -79,10 +102,7 @@ def ppo_samples(c: Any, samples: list[Any]) -> list[Any]:
     cfg = c.cfg
     payload = {"samples": [asdict(s) for s in samples]}
     values = c.critic.request("values", payload, timeout_s=3600, alive=c.actor_alive)
-    refs: list[Any] = [None] * len(samples)
-    if cfg.kl_coef > 0:  # scored by the ref role's ranks, or asked of the actor's
-        sent = all(s.ref_logprobs for s in samples)
-        refs = [s.ref_logprobs for s in samples] if sent else c.request("ref_logprobs", payload)
+    refs: list[Any] = batch_reference(c, samples) or [None] * len(samples)
     advantages, returns = [], []
     for s, v, ref in zip(samples, values, refs, strict=True):
         rewards = token_rewards(s.reward, s.completion_len, s.old_logprobs, ref, cfg.kl_coef)

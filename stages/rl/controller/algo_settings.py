@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.rl.algo.options import one_update
+from stages.rl.algo.options import one_update, refills
 
 A, S = "applied", "skipped"
 
@@ -65,7 +65,7 @@ def algorithm_settings(cfg: Any) -> dict[str, tuple[str, str]]:
             f"at most {cfg.dynamic_sampling_max_rounds} generation rounds a step: "
             f"{(cfg.dynamic_sampling_max_rounds - 1) * cfg.rollout_batch_size} extra prompts at most",
         )
-        if cfg.dynamic_sampling and cfg.algorithm == "grpo"
+        if refills(cfg)
         else (S, "dynamic_sampling is off" if cfg.algorithm == "grpo" else "algorithm ppo"),
         "overlong_buffer": (
             A,

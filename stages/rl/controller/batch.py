@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from stages.rl.algo.options import refills
 from stages.rl.controller.loop import Batch
 
 
@@ -52,7 +53,7 @@ def rollout(c: Any, step: int) -> Batch:
     want, rounds = len(drawn), 1
     groups = _play(c, drawn, step, 0)
     scored = [_score(cfg, g) for g in groups]
-    dynamic = cfg.dynamic_sampling and cfg.algorithm == "grpo"  # ppo: the critic values all
+    dynamic = refills(cfg)
     every = (cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp") and not dynamic
     kept = [i for i, s in enumerate(scored) if s.rewards and (s.signal or every)]
     # DAPO's dynamic sampling: refill from further prompts until `want` groups carry a signal
