@@ -251,8 +251,14 @@ def release(cluster: Any, client: Any, keep: set[str], need_one: bool) -> list[s
     return ids
 
 
-def close(client: Any, cluster: Any) -> None:
-    """Close the client and cancel every job (scancel), whatever state they are in."""
+def close(client: Any, cluster: Any, wait_s: float = 30.0) -> None:
+    """Close the client and cancel every job (scancel), whatever state they are in; then wait,
+    at most `wait_s`, until they have left the queue.
+
+    A cancelled job stays in squeue as COMPLETING while Slurm kills its processes (SIGTERM,
+    then SIGKILL after the cluster's KillWait, 30 s by default) and it still holds its cores
+    and GPUs then; `pipe run` returns once they are free, so the next run (or the user's
+    squeue) finds nothing of ours. Past the bound it says which are left and returns."""
     ids = job_ids(cluster)
     for thing in (client, cluster):
         if thing is not None:
@@ -260,6 +266,19 @@ def close(client: Any, cluster: Any) -> None:
                 thing.close()
             except Exception as exc:  # the scheduler may already be gone
                 log.debug("closing %s: %s", type(thing).__name__, exc)
-    left = squeue(ids) if shutil.which("squeue") else {}
+    if not ids or not shutil.which("squeue"):
+        return
+    left = squeue(ids)
     if left:  # belt and braces: nothing of ours stays queued
         subprocess.run(["scancel", *left], capture_output=True, timeout=30, check=False)
+    deadline = time.monotonic() + wait_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = squeue(list(left))
+    if left:
+        states = ", ".join(f"{job} {state}" for job, state in sorted(left.items()))
+        log.warning(
+            "slurm: job(s) still in the queue %.0f s after scancel (%s); Slurm ends them",
+            wait_s,
+            states,
+        )
