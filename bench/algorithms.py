@@ -1,14 +1,15 @@
 """Benchmark: the rl stage's algorithms side by side, held-out accuracy at steps 50..250.
 
     .venv/bin/python bench/algorithms.py [--tasks quickstart,variant] [--arms grpo,dr_grpo,...]
-        [--steps 250] [--parallel 2]
+        [--steps 250] [--parallel 2] [--seeds 0,1,2]
     .venv/bin/python bench/algorithms.py --trl [--trl-seeds 0,1,2]
 
 Every arm starts from the same warm-up (the GRPO quickstart's data and warmup stages, made
 once per task in bench/out/algos/base-TASK) and runs the quickstart's grpo stage with its
 settings (64 prompts x 8 samples, lr 2e-4 cosine, 8 new tokens), the same seed, changing
 only what the arm names (`ARMS`). Tasks: `quickstart` (chain_sum, 2 terms of 2 digits) and
-`variant` (3 terms of 1-2 digits). Printed: per task, the held-out greedy accuracy (500
+`variant` (3 terms of 1-2 digits), and `hard` (3 terms of 2 digits; not in the default
+`--tasks`). Printed: per task, the held-out greedy accuracy (500
 prompts) at the start and every 50 steps, seconds per step and prompts drawn per step;
 written: bench/out/algos/results.json and algorithms.png (accuracy against steps).
 
@@ -41,6 +42,7 @@ OUT = ROOT / "bench" / "out" / "algos"
 TASKS = {
     "quickstart": {},
     "variant": {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+    "hard": {"min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 2},
 }
 # each arm: the grpo stage's settings it changes; the rest are the quickstart's
 OFF = {"dynamic_sampling": False}  # the default since this comparison: off in the others
@@ -96,10 +98,14 @@ def base(task: str) -> Path:
     return out
 
 
-def arm(task: str, name: str, b: Path, steps: int, extra: dict[str, Any]) -> list[dict[str, Any]]:
-    """One arm's grpo stage from the task's warm-up; its metrics.jsonl rows."""
-    out = OUT / f"{task}-{name}"
-    rows = grpo_stage(out, b, {"max_steps": steps, **ARMS[name], **extra})
+def arm(
+    task: str, name: str, b: Path, steps: int, extra: dict[str, Any], seed: int = 0
+) -> list[dict[str, Any]]:
+    """One arm's grpo stage from the task's warm-up (with the rl stage's `seed`: sampling and
+    data order; the warm-up is the same); its metrics.jsonl rows."""
+    out = OUT / (f"{task}-{name}" + (f"-s{seed}" if seed else ""))
+    settings = {"max_steps": steps, **ARMS[name], **extra, **({"seed": seed} if seed else {})}
+    rows = grpo_stage(out, b, settings)
     result = json.loads((out / "grpo/rl_result.json").read_text())
     return [{"step": 0, "eval_accuracy": result.get("eval_accuracy_start")}, *rows]
 
@@ -132,6 +138,15 @@ def summary(rows: list[dict[str, Any]], every: int) -> dict[str, Any]:
         / len(trained),
         "groups_kept": sum(r["groups_kept"] for r in trained) / len(trained),
     }
+
+
+def mean_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seeds' summaries as one: each figure's mean (accuracy step by step)."""
+    if len(runs) == 1:
+        return runs[0]
+    acc = {s: sum(r["accuracy"][s] for r in runs) / len(runs) for s in runs[0]["accuracy"]}
+    rest = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if k != "accuracy"}
+    return {"accuracy": acc, **rest}
 
 
 def table(results: dict[str, dict[str, Any]], task: str, steps: list[int]) -> str:
@@ -168,11 +183,12 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--tasks", default="quickstart,variant")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--every", type=int, default=50, help="held-out evaluation interval")
     p.add_argument("--parallel", type=int, default=2, help="arms run at once (one core each)")
+    p.add_argument("--seeds", default="0", help="the rl stage's seeds per arm; tables show means")
     p.add_argument("--trl", action="store_true", help="the 8 x 4 target against TRL instead")
     p.add_argument("--trl-seeds", default="0,1,2")
     p.add_argument(
@@ -189,30 +205,35 @@ def main() -> None:
         return trl_target([int(s) for s in args.trl_seeds.split(",")], names)
     tasks, names = args.tasks.split(","), args.arms.split(",")
     bases = {t: base(t) for t in tasks}
-    jobs = [(t, n) for t in tasks for n in names]
-    done: dict[str, dict[str, Any]] = {t: {} for t in tasks}
+    seeds = [int(x) for x in args.seeds.split(",")]
+    jobs = [(t, n, sd) for t in tasks for n in names for sd in seeds]
+    done: dict[tuple[str, str, int], dict[str, Any]] = {}
     began = time.perf_counter()
 
-    def one(job: tuple[str, str]) -> None:
-        t, n = job
-        rows = arm(t, n, bases[t], args.steps, {"eval_every": args.every})
+    def one(job: tuple[str, str, int]) -> None:
+        t, n, sd = job
+        rows = arm(t, n, bases[t], args.steps, {"eval_every": args.every}, sd)
         with LOCK:
-            done[t][n] = summary(rows, args.every)
-            finished = sum(len(v) for v in done.values())
+            done[job] = summary(rows, args.every)
             spent = time.perf_counter() - began
             print(
-                f"[{finished}/{len(jobs)}] {t} {n}: held-out {done[t][n]['accuracy']} "
-                f"({spent / finished:.0f} s per arm, eta {spent / finished * (len(jobs) - finished):.0f} s)",
+                f"[{len(done)}/{len(jobs)}] {t} {n} seed {sd}: held-out {done[job]['accuracy']} "
+                f"({spent / len(done):.0f} s per arm, eta {spent / len(done) * (len(jobs) - len(done)):.0f} s)",
                 flush=True,
             )
 
     with ThreadPoolExecutor(args.parallel) as pool:
         list(pool.map(one, jobs))
     steps = list(range(0, args.steps + 1, args.every))
-    ordered = {t: {n: done[t][n] for n in names} for t in tasks}
+    ordered = {t: {n: mean_of([done[(t, n, sd)] for sd in seeds]) for n in names} for t in tasks}
     for t in tasks:
         print(f"\n{t} ({json.dumps(TASKS[t]) if TASKS[t] else 'the quickstart task'}):")
         print(table(ordered[t], t, steps))
+        if len(seeds) > 1:
+            for n in names:
+                gains = [done[(t, n, sd)]["accuracy"] for sd in seeds]
+                cells = ", ".join(f"{100 * (g[args.steps] - g[0]):+.1f}" for g in gains)
+                print(f"  {n}: gain per seed ({args.seeds}) {cells}")
     (OUT / "results.json").write_text(json.dumps(ordered, indent=1))
     plot(ordered, OUT / "algorithms.png")
     print(f"\nwrote {OUT / 'results.json'} and {OUT / 'algorithms.png'}")

@@ -25,7 +25,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-QUICKSTART = {"hidden_size": 128, "num_layers": 2, "num_heads": 16, "vocab_size": 512}
+QUICKSTART: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_layers": 2,
+    "num_heads": 16,
+    "vocab_size": 512,
+}
 
 
 def make_samples(n: int, seed: int) -> list[Any]:
