@@ -8,7 +8,7 @@ A Qwen2-architecture model built from config (hidden 128, 2 layers, tied embeddi
 an `answer`-token answer, padded rows as the train stage collates them), and the train
 stage's own loss (`stages.train.loss.sft_loss_sum`). "before" projects every position to the
 vocabulary and reads the answer positions' log-probabilities; "now" projects only those
-positions (`stages.lib.logits.scored_only`, as `stages.train.loop` does). The two take turns
+positions (`stages.lib.model.logits.scored_only`, as `stages.train.loop` does). The two take turns
 round by round, so background load hits both alike; tokens/s counts real tokens (prompt +
 answer) per second of forward+backward; the medians and their ratio are printed, and the
 losses must agree.
@@ -38,8 +38,8 @@ def main() -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from stages.lib.logits import scored_only
-    from stages.train.batch import Micro
+    from stages.lib.model.logits import scored_only
+    from stages.train.batch_plan import Micro
     from stages.train.data import Example
     from stages.train.loss import collate, sft_loss_sum
 

@@ -157,7 +157,7 @@ def accuracy(checkpoint: Path, b: Path) -> float:
     """Greedy accuracy on the 500 test prompts, scored like the evaluate stage does."""
     from stages.evaluate import EvaluateConfig
     from stages.evaluate.run import Generator
-    from stages.lib.jsonl import read_jsonl
+    from stages.lib.io.jsonl import read_jsonl
     from stages.lib.verify import make_verifier
 
     cfg = EvaluateConfig(max_output_tokens=8)

@@ -30,7 +30,7 @@ class Tokens:
 def main() -> None:
     from fake_server import start_subprocess
 
-    from stages.lib.prompt import TokenPrompt
+    from stages.lib.chat.prompt import TokenPrompt
     from stages.rl.rollout.vllm_requests import HTTPRollouts
 
     p = argparse.ArgumentParser()

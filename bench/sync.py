@@ -5,7 +5,7 @@ raw torch.distributed broadcast of the same bytes (the limit), in one run.
 
 The model: a Llama built from config (hidden 768, 12 layers: 113 M parameters, 0.45 GB in
 fp32). The actor is a plain process holding the model (`--actor`), sending as an rl actor's
-rank 0 does (`stages.rl.sync.backends`: `GroupPublisher` buckets over gloo, `DiskPublisher` a
+rank 0 does (`stages.rl.sync.transports`: `GroupPublisher` buckets over gloo, `DiskPublisher` a
 safetensors file); the servers are the rl stage's own (`VLLMEngine`, with our worker
 extension) and receive as a run does (`stages.rl.sync.vllm`). One sync = from the actor
 being told to send until every server holds the weights (the probe after it is not
@@ -44,7 +44,7 @@ def actor(model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from stages.rl.algo.logprobs import Sample, completion_logprobs
-    from stages.rl.sync.backends import DiskPublisher, GroupPublisher, tied_aliases
+    from stages.rl.sync.transports import DiskPublisher, GroupPublisher, tied_aliases
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -108,7 +108,7 @@ class Actor:
 def raw_rank(rank: int, world: int, store: str, nbytes: int, repeats: int) -> None:
     import torch
 
-    from stages.lib.weight_group import client_store, process_group
+    from stages.lib.dist.weight_group import client_store, process_group
 
     torch.set_num_threads(1)
     pg = process_group(client_store(store, world, 600.0), rank, world, 600.0, False)
@@ -150,8 +150,8 @@ def raw_broadcast(receivers: int, nbytes: int, repeats: int) -> float:
 
 # --- the servers ------------------------------------------------------------------------------
 def model_dir(hidden: int, layers: int) -> str:
-    from stages.lib.model import build_tiny_model
-    from stages.lib.model_config import TinyModel
+    from stages.lib.build.recipe import TinyModel
+    from stages.lib.build.tiny import build_tiny_model
 
     path = OUT / f"model-h{hidden}-l{layers}"
     if not (path / "config.json").exists():
@@ -164,7 +164,7 @@ def model_dir(hidden: int, layers: int) -> str:
 def case(engines: int, path: str, act: Actor, repeats: int) -> dict[str, Any]:
     """`repeats` syncs each way into `engines` fresh servers; seconds and parts."""
     from stages.lib.config import VLLMBackend
-    from stages.lib.vllm_auth import new_secret
+    from stages.lib.vllm.auth import new_secret
     from stages.rl.algo.logprobs import Sample
     from stages.rl.rollout.vllm import VLLMEngine
     from stages.rl.sync.vllm import VLLMDiskReceiver, VLLMGroupReceiver

@@ -14,7 +14,7 @@ given as token ids (as the rl stage sends it to vLLM) is answered as vLLM answer
 log-probability (`-0.5`), each request taking one slot whatever its `n`.
 
 With `tools` (`--tools`), chat answers script a model that uses the calculator
-environment (`stages.lib.environments.calculator`): a message holding an
+environment (`stages.lib.env.builtin.calculator`): a message holding an
 arithmetic expression (`12 * 7`) is answered `calc: 12 * 7`, a `result: N`
 message `<answer>N</answer>`; any other message gets the usual answer.
 

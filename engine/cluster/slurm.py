@@ -19,6 +19,9 @@ GPUs per job, the sbatch options), its job script (`pipe plan --format json`), a
   cluster cancels the rest, also after a failure or Ctrl-C.
 
 `dask_jobqueue` is imported only here and only for `scheduler: slurm`.
+
+One name, two sides of one concept (Slurm: the `cluster.slurm` block as the pipeline file
+declares it; this file: the jobs started from it; `engine/spec/slurm.py` the other side).
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ Input: a `RunReport` (and each stage's `metrics.json`, so a cached stage shows w
 found when it ran). Output: the lines `pipe run` prints on stdout at the end; each
 kind says what matters through its config's `headline` hook (evaluate: the accuracy
 table; train: the final loss; ...), the engine only lays them out.
+
+One name, two sides of one concept (a run's headline printed by `pipe run`: the engine's side,
+which prints what a kind's headline hook returns; `stages/evaluate/headline.py`: evaluate's
+hook, its report as an accuracy table).
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 Input: the block as written; output: a frozen `SlurmSpec` (checked like the rest of the
 file, located errors). `engine.cluster.slurm` turns it into `dask_jobqueue.SLURMCluster` options;
 GPUs per job come from `cluster.gpus_per_node`, not from here.
+
+One name, two sides of one concept (Slurm: the `cluster.slurm` block as the pipeline file
+declares it; `engine/cluster/slurm.py`: the jobs started from it).
 """
 
 from __future__ import annotations

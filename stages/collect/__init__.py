@@ -13,9 +13,9 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig, stage
+from stages.lib.block import CountOrAuto
 from stages.lib.config import (
     Backend,
-    CountOrAuto,
     LocalBackend,
     OpenAIBackend,
     Verifier,
@@ -27,7 +27,7 @@ from stages.lib.config import (
     check_verifier,
     derive_backend,
 )
-from stages.lib.env_config import EnvironmentConfig, check_environment
+from stages.lib.env.field import EnvironmentConfig, check_environment
 
 
 class CollectConfig(StageConfig):

@@ -23,10 +23,10 @@ from typing import Any
 from stages.collect.inputs import ROLLOUT_FIELDS, Prompt
 from stages.collect.io import Key, Sink
 from stages.collect.stats import Progress, Stats
-from stages.lib.adaptive import AdaptiveLimit
-from stages.lib.client import Completion, OpenAIClient, RequestError, backoff_delay, classify
-from stages.lib.client import sample_seed as _seed
-from stages.lib.track import Metrics
+from stages.lib.api.adaptive import AdaptiveLimit
+from stages.lib.api.client import Completion, OpenAIClient, RequestError, backoff_delay, classify
+from stages.lib.api.client import sample_seed as _seed
+from stages.lib.io.metrics import Metrics
 from stages.lib.verify import Score
 
 _dumps = json.JSONEncoder(ensure_ascii=False).encode

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from stages.lib.jsonl import open_binary
+from stages.lib.io.jsonl import open_binary
 
 # Fields a rollout adds; an input row's own values for them are not carried through.
 ROLLOUT_FIELDS = (

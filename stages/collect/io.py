@@ -4,7 +4,7 @@ Input: rollout lines and failure records from the collector. Output, for an
 output path OUT:
 
 - `OUT.partial`: rollouts appended (flushed in batches) while running.
-- `OUT.partial.meta.json`: the fingerprint of the settings that shape a
+- `OUT.partial.meta.json`: the resume key (a hash) of the settings that shape a
   rollout; a partial file written under other settings is discarded.
 - `OUT.failures.jsonl`: rows that failed for good, appended while running (a
   history: one record per failed run of a pair), rewritten at the end to one
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from operator import itemgetter
 from typing import IO, TYPE_CHECKING, Any
 
-from stages.lib.jsonl import atomic_write
+from stages.lib.io.jsonl import atomic_write
 
 if TYPE_CHECKING:
     from stages.collect import CollectConfig
@@ -110,7 +110,7 @@ def rollout_key(line: bytes) -> Key | None:
         return None
 
 
-def fingerprint(cfg: CollectConfig) -> str:
+def resume_key(cfg: CollectConfig) -> str:
     """Hash of the settings that shape each rollout (not the slice, parallelism or retries)."""
     backend = cfg.backend.model_dump(include={"kind", "model", "endpoint"})
     shaping = {
@@ -135,7 +135,7 @@ def prepare(output: str, stamp: str) -> bool:
     meta = meta_path(output)
     try:
         with open(meta) as handle:
-            same = json.load(handle).get("fingerprint") == stamp
+            same = json.load(handle).get("resume_key") == stamp
     except (OSError, ValueError):
         same = False
     if same:
@@ -143,7 +143,7 @@ def prepare(output: str, stamp: str) -> bool:
     for path in (partial_path(output), failures_path(output)):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-    atomic_write(meta, json.dumps({"fingerprint": stamp}) + "\n")
+    atomic_write(meta, json.dumps({"resume_key": stamp}) + "\n")
     return False
 
 

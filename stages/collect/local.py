@@ -2,7 +2,7 @@
 
 Input: (prompt, samples still to do) pairs and a checkpoint directory.
 Output: rollouts through the Recorder, a batch of `backend.batch_size`
-prompts at a time, through `stages.lib.generate.generate`, which puts prompt
+prompts at a time, through `stages.lib.model.generate.generate`, which puts prompt
 strings and message lists alike through the model's chat template (the
 format the train stage trains on). A rollout's latency is its
 batch's wall time. An exception in generation fails the stage (a missing
@@ -10,12 +10,15 @@ checkpoint is not a per-row failure); the rerun resumes.
 
 With an environment, `collect_local_episodes` plays one episode per pending (prompt,
 sample) pair, `backend.batch_size` pairs at a time, with evaluate's batched driver
-(`stages.lib.play.play_batched` and `local_answer`: every turn's open conversations in
+(`stages.lib.env.message_play.play_batched` and `local_answer`: every turn's open conversations in
 one generation call, each rendered by the chat template with the generation prompt). Its
 lines are the HTTP path's (`stages.collect.multiturn.episode_line`: messages, per-turn
 rewards, total_reward, turns, solved, end, reward, usage summed over the turns, and
 latency_s, here the batch's wall time), each written once, when its batch has ended, so a
 killed run redoes at most the batch it was playing.
+
+One name, two sides of one concept (the `local` engine, generation in the stage's own process:
+collect's backend; `stages/rl/rollout/local.py`: rl's rollout engine).
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 from stages.collect.inputs import Prompt
 from stages.collect.stats import Progress
-from stages.lib.client import Completion
+from stages.lib.api.client import Completion
 from stages.lib.config import LocalBackend
-from stages.lib.environment import Episode
+from stages.lib.env.contract import Episode
 
 if TYPE_CHECKING:
     from stages.collect import CollectConfig
@@ -67,8 +70,8 @@ def collect_local(
 
 def precision(cfg: CollectConfig) -> tuple[str, str]:
     """The dtype the backend's checkpoint is loaded in (`backend.precision`; auto: its own,
-    `stages.lib.dtypes.resolve_precision`), and why."""
-    from stages.lib.dtypes import resolve_precision
+    `stages.lib.model.dtypes.resolve_precision`), and why."""
+    from stages.lib.model.dtypes import resolve_precision
 
     assert isinstance(cfg.backend, LocalBackend) and cfg.backend.model is not None
     return resolve_precision(cfg.backend.precision, [cfg.backend.model])
@@ -81,7 +84,7 @@ def _generate_batch(
     device: str,
     dtype: str,
 ) -> None:
-    from stages.lib.generate import generate
+    from stages.lib.model.generate import generate
 
     assert isinstance(cfg.backend, LocalBackend)
     prompts = [p.messages if p.messages is not None else (p.text or "") for p, _ in batch]
@@ -116,8 +119,8 @@ def collect_local_episodes(
     device: str = "cpu",
 ) -> None:
     """Play every pending pair's episode in batches (on `device`) and record the lines."""
-    from stages.lib.environment import environment_factory
-    from stages.lib.generate import load
+    from stages.lib.env.contract import environment_factory
+    from stages.lib.model.generate import load
 
     assert isinstance(cfg.backend, LocalBackend) and cfg.environment is not None
     assert cfg.backend.model is not None  # the kind's check requires it
@@ -155,8 +158,8 @@ def _play_batch(
 ) -> int:
     """One batch of episodes played and written; returns how many failed."""
     from stages.collect.multiturn import episode_line
-    from stages.lib.environment import max_turns
-    from stages.lib.play import local_answer, play_batched
+    from stages.lib.env.contract import max_turns
+    from stages.lib.env.message_play import local_answer, play_batched
 
     assert isinstance(cfg.backend, LocalBackend) and cfg.environment is not None
     turns = max_turns(cfg.environment)

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stages.collect.inputs import Prompt, prompt_from_row
-from stages.lib.client import RequestError, classify, sample_seed
+from stages.lib.api.client import RequestError, classify, sample_seed
 from stages.lib.config import LocalBackend, VLLMBackend
 from stages.lib.verify import Score, make_verifier
 
 if TYPE_CHECKING:
     from stages.collect import CollectConfig
-    from stages.lib.client import OpenAIClient
+    from stages.lib.api.client import OpenAIClient
 
 log = logging.getLogger("pipe.collect.measure")
 
@@ -59,7 +59,7 @@ def measure_level(
     score = make_verifier(cfg.verifier)
     if isinstance(cfg.backend, LocalBackend):
         return _measure_local(cfg, prompts, score, parallelism, num_requests)
-    from stages.lib.backends import http_endpoint, make_client
+    from stages.lib.endpoints import http_endpoint, make_client
 
     gpus = 0
     if isinstance(cfg.backend, VLLMBackend):
@@ -129,7 +129,7 @@ def _measure_local(
     cfg: CollectConfig, prompts: list[Prompt], score: Score, parallelism: int, num_requests: int
 ) -> LevelResult:
     from stages.collect.local import precision
-    from stages.lib.generate import generate
+    from stages.lib.model.generate import generate
 
     assert isinstance(cfg.backend, LocalBackend)
     tally = _Tally([])

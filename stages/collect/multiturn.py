@@ -15,6 +15,9 @@ written once, when it ends, so a killed run neither loses nor repeats one. An en
 that raises, hangs past `environment.timeout_s` or answers nonsense fails its episode (the
 line holds the reason), never the run; `check_episodes` fails the stage when the failed
 share of the published output is above `environment.max_failed_share`.
+
+One name, two sides of one concept (a kind's multi-turn path, episodes against the stage's
+environment: collect's; `stages/evaluate/multiturn.py`: evaluate's).
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ from typing import Any
 
 from stages.collect.collector import Collector
 from stages.collect.inputs import EPISODE_FIELDS, Prompt
-from stages.lib.client import RequestError
-from stages.lib.client import sample_seed as _seed
-from stages.lib.env_config import EnvironmentConfig
-from stages.lib.environment import Episode, check_failures, max_turns, open_episode, take_turn
-from stages.lib.play import MakeEnv
+from stages.lib.api.client import RequestError
+from stages.lib.api.client import sample_seed as _seed
+from stages.lib.env.contract import Episode, check_failures, max_turns, open_episode, take_turn
+from stages.lib.env.field import EnvironmentConfig
+from stages.lib.env.message_play import MakeEnv
 
 _dumps = json.JSONEncoder(ensure_ascii=False).encode
 

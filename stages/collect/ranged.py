@@ -20,15 +20,15 @@ from stages.collect import io
 from stages.collect.inputs import Prompt, iter_lines, parse_row, row_range
 from stages.collect.stats import Stats
 from stages.lib.config import LocalBackend
-from stages.lib.jsonl import count_lines
+from stages.lib.io.jsonl import count_lines
 from stages.lib.verify import make_verifier
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.collect import CollectConfig
     from stages.collect.collector import Recorder
-    from stages.lib.backends import Endpoint
-    from stages.lib.play import MakeEnv
+    from stages.lib.endpoints import Endpoint
+    from stages.lib.env.message_play import MakeEnv
 
 T = TypeVar("T")
 
@@ -66,7 +66,7 @@ def collect_range(
         stats.total = max(0, (end - start) * cfg.num_repeats - done.count)
     sink = io.Sink(cfg.output)
     from stages.collect.collector import Recorder
-    from stages.lib.track import Metrics
+    from stages.lib.io.metrics import Metrics
 
     recorder = Recorder(score, sink, stats, failed_runs, ctx.log, Metrics(ctx.stage_dir))
     try:
@@ -103,7 +103,7 @@ def _resume(
     cfg: CollectConfig, done: io.DoneSet, stats: Stats, ctx: StageContext
 ) -> tuple[bool, dict[io.Key, int]]:
     """Mark pairs written or given up; returns (resuming?, failed-run counts to retry)."""
-    if not io.prepare(cfg.output, io.fingerprint(cfg)):
+    if not io.prepare(cfg.output, io.resume_key(cfg)):
         return False, {}
     stats.skipped_resumed = io.scan_partial(io.partial_path(cfg.output), done)
     retry: dict[io.Key, int] = {}
@@ -148,8 +148,8 @@ def _collect_http(
     work: Iterator[tuple[Prompt, list[int]]],
     recorder: Recorder,
 ) -> None:
-    from stages.lib.backends import http_endpoint
-    from stages.lib.environment import environment_factory
+    from stages.lib.endpoints import http_endpoint
+    from stages.lib.env.contract import environment_factory
 
     # an environment that cannot be loaded fails the stage before any engine starts
     make_env = environment_factory(cfg.environment, cfg.verifier) if cfg.environment else None
@@ -184,8 +184,8 @@ async def _collect_async(
     each (`stages.collect.multiturn`)."""
     from stages.collect.collector import Collector
     from stages.collect.multiturn import EpisodeCollector
-    from stages.lib.adaptive import AdaptiveLimit
-    from stages.lib.backends import make_client
+    from stages.lib.api.adaptive import AdaptiveLimit
+    from stages.lib.endpoints import make_client
 
     parallel = cfg.num_samples_in_parallel
     concurrency: int | AdaptiveLimit = AdaptiveLimit() if parallel == "auto" else parallel

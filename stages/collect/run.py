@@ -4,7 +4,7 @@ Input: a resolved CollectConfig (absolute `input` and `output`) and the
 StageContext. Output: `cfg.output` (rollouts, or episodes with an environment, sorted
 by prompt_idx, sample_idx), `<output>.failures.jsonl` when some rows failed for good,
 and the metrics dict (its `sampling`: every sampling field each request of this run
-carried, `stages.lib.sampling`; with a local backend, the precision its checkpoint was
+carried, `stages.lib.api.sampling`; with a local backend, the precision its checkpoint was
 loaded in, also in the stage's `settings.json`).
 
 `run_collect` publishes nothing until every pair is done, so it can be killed
@@ -23,8 +23,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from stages.collect.ranged import collect_range, up_to_date
+from stages.lib.api.sampling import request_sampling
 from stages.lib.config import LocalBackend, OpenAIBackend
-from stages.lib.sampling import request_sampling
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -38,7 +38,7 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     metrics = _collect(cfg, ctx)
     if isinstance(cfg.backend, LocalBackend):  # the precision its checkpoint was loaded in
         from stages.collect.local import precision
-        from stages.lib.jsonl import write_json
+        from stages.lib.io.jsonl import write_json
 
         dtype, why = precision(cfg)
         metrics["precision"] = {"dtype": dtype, "why": why}

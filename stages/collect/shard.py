@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from stages.collect import io
 from stages.collect.inputs import row_range
 from stages.collect.stats import LatencyHistogram
-from stages.lib.jsonl import count_lines
+from stages.lib.io.jsonl import count_lines
 
 if TYPE_CHECKING:
     from engine.stage import StageContext

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from stages.lib.track import Metrics
+from stages.lib.io.metrics import Metrics
 
 _MIN_S = 1e-4
 _GROWTH = math.log(1.02)

@@ -20,7 +20,7 @@ import random
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from stages.lib.jsonl import read_jsonl, write_jsonl
+from stages.lib.io.jsonl import read_jsonl, write_jsonl
 
 if TYPE_CHECKING:
     from engine.stage import StageContext

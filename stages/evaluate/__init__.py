@@ -22,8 +22,8 @@ from stages.lib.config import (
     check_verifier,
     derive_backend,
 )
-from stages.lib.env_config import EnvironmentConfig, check_environment
-from stages.lib.model_path import check_checkpoint
+from stages.lib.env.field import EnvironmentConfig, check_environment
+from stages.lib.model.path import check_checkpoint
 
 
 class EvaluateConfig(StageConfig):

@@ -3,6 +3,10 @@
 Input: the stage's result (`report.json`'s `results` and `accuracy_delta`). Output: a
 header and a row per checkpoint (n, accuracy, pass@k, mean reward, delta to the
 baseline), aligned, for `pipe run` to print last.
+
+One name, two sides of one concept (a run's headline printed by `pipe run`: the engine's side,
+which prints what a kind's headline hook returns; this file: evaluate's hook, its report as an
+accuracy table; `engine/run/headline.py` the other side).
 """
 
 from __future__ import annotations

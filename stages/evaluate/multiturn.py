@@ -17,6 +17,9 @@ one batched call (`play_batched`), each rendered with the shared chat template; 
 with backoff as the one-turn path's are. An episode the environment breaks is recorded
 with its reason; above `environment.max_failed_share` of a checkpoint's episodes the
 stage fails (`check_failures`).
+
+One name, two sides of one concept (a kind's multi-turn path, episodes against the stage's
+environment: collect's; this file: evaluate's; `stages/collect/multiturn.py` the other side).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.config import LocalBackend, OpenAIBackend
-from stages.lib.environment import (
+from stages.lib.env.contract import (
     Episode,
     Messages,
     check_failures,
@@ -38,13 +41,13 @@ from stages.lib.environment import (
     max_turns,
     open_episode,
 )
-from stages.lib.play import local_answer, play_batched, play_one, summary
+from stages.lib.env.message_play import local_answer, play_batched, play_one, summary
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.evaluate import EvaluateConfig
-    from stages.lib.backends import Endpoint
-    from stages.lib.client import OpenAIClient
+    from stages.lib.api.client import OpenAIClient
+    from stages.lib.endpoints import Endpoint
 
 log = logging.getLogger("pipe.stages.evaluate")
 
@@ -119,7 +122,7 @@ class Play:
     def _local_answer(self, path: str) -> Callable[[list[Messages]], list[Any]]:
         """The checkpoint, loaded once, answering a turn's conversations in one call."""
         from stages.lib.devices import torch_device
-        from stages.lib.generate import load
+        from stages.lib.model.generate import load
 
         cfg, backend = self.cfg, self.cfg.backend
         assert isinstance(backend, LocalBackend)
@@ -135,7 +138,7 @@ class Play:
         )
 
     def _http(self, path: str, rows: list[dict[str, Any]]) -> list[Episode]:
-        from stages.lib.backends import make_client
+        from stages.lib.endpoints import make_client
 
         with self.endpoint(path) as endpoint:
             client = make_client(self.cfg, endpoint, connections=self.env.concurrency)
@@ -144,7 +147,7 @@ class Play:
     async def _play_each(self, client: OpenAIClient, rows: list[dict[str, Any]]) -> list[Episode]:
         """Every episode on its own (`play_one`), `concurrency` at once: each knows its row
         and sample, so its requests go to its row's engine with their own seeds."""
-        from stages.lib.client import sample_seed
+        from stages.lib.api.client import sample_seed
 
         gate = asyncio.Semaphore(self.env.concurrency)
         turns = self.max_turns
@@ -204,7 +207,7 @@ class _Conversation:
 async def _ask(client: OpenAIClient, idx: int, messages: Messages, seed: int) -> str:
     """The model's answer to one conversation, retried with backoff while the failure is
     retryable (`complete_all`'s rule); a request that fails for good fails the stage."""
-    from stages.lib.client import complete_retrying
+    from stages.lib.api.client import complete_retrying
 
     url, head = client.prepare(_Conversation(idx, messages))
     body = f"{head}{seed}}}".encode()

@@ -6,7 +6,7 @@ checkpoint in this process, on the stage's GPU when it holds one; `vllm` serves 
 on the stage's GPUs; `openai` asks the served model, which is then the only one evaluated).
 Output, in the folder of `cfg.output`: `report.json` (`{"baseline": NAME, "sampling": {...},
 "results": [{"checkpoint", "n", "accuracy", "mean_reward", "pass_at_k"}, ...]}`; `sampling`:
-every sampling field each request carried, `stages.lib.sampling`), `report.md` (a table with
+every sampling field each request carried, `stages.lib.api.sampling`), `report.md` (a table with
 the differences to the baseline), `report.png` (a bar chart) and `generations.jsonl` (every
 sample with its reward). Returns the report plus the accuracy differences and, with a local
 backend, the one precision every checkpoint was loaded in (also `settings.json`).
@@ -38,15 +38,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.evaluate.multiturn import Play
+from stages.lib.api.sampling import request_sampling
 from stages.lib.config import LocalBackend, OpenAIBackend, VLLMBackend
-from stages.lib.jsonl import atomic_path, atomic_write, read_jsonl, write_json, write_jsonl
-from stages.lib.sampling import request_sampling
-from stages.lib.track import Metrics
+from stages.lib.io.jsonl import atomic_path, atomic_write, read_jsonl, write_json, write_jsonl
+from stages.lib.io.metrics import Metrics
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.evaluate import EvaluateConfig
-    from stages.lib.backends import Endpoint
+    from stages.lib.endpoints import Endpoint
 
 log = logging.getLogger("pipe.stages.evaluate")
 
@@ -101,11 +101,11 @@ class Generator:
 
     def set_precision(self, paths: Sequence[str]) -> dict[str, str] | None:
         """A local backend loads every checkpoint in one dtype (`backend.precision`,
-        `stages.lib.dtypes.resolve_precision`), recorded in the stage's `settings.json`; the
+        `stages.lib.model.dtypes.resolve_precision`), recorded in the stage's `settings.json`; the
         dtype and why (None: another backend, which loads nothing here)."""
         if not isinstance(self.cfg.backend, LocalBackend):
             return None
-        from stages.lib.dtypes import resolve_precision
+        from stages.lib.model.dtypes import resolve_precision
 
         self.dtype, why = resolve_precision(self.cfg.backend.precision, paths)
         log.info("every checkpoint loaded in %s (%s)", self.dtype, why)
@@ -118,7 +118,7 @@ class Generator:
         cfg, backend = self.cfg, self.cfg.backend
         if isinstance(backend, LocalBackend):
             from stages.lib.devices import torch_device
-            from stages.lib.generate import generate
+            from stages.lib.model.generate import generate
 
             return [
                 [Answer(g.text, g.finish_reason, g.completion_tokens) for g in sample]
@@ -140,7 +140,7 @@ class Generator:
     @contextmanager
     def endpoint(self, path: str) -> Iterator[Endpoint]:
         """The HTTP endpoint answering as `path` (vllm: a server for the block's duration)."""
-        from stages.lib.backends import http_endpoint
+        from stages.lib.endpoints import http_endpoint
 
         backend = self.cfg.backend
         if isinstance(backend, VLLMBackend):
@@ -154,8 +154,8 @@ class Generator:
     def _http(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:
         import asyncio
 
-        from stages.lib.backends import make_client
-        from stages.lib.client import complete_all
+        from stages.lib.api.client import complete_all
+        from stages.lib.endpoints import make_client
 
         with self.endpoint(path) as endpoint:
             client = make_client(self.cfg, endpoint, connections=64)
@@ -205,7 +205,7 @@ def evaluate_checkpoints(
         results.append(result)
         samples.extend(gen_rows)
         log.info("%s: accuracy %.3f on %d prompts", name, result["accuracy"], len(rows))
-    # every backend samples with these: HTTP requests carry them all (`stages.lib.sampling`)
+    # every backend samples with these: HTTP requests carry them all (`stages.lib.api.sampling`)
     vllm = not isinstance(cfg.backend, OpenAIBackend)  # an openai server: OpenAI's fields
     sampling = request_sampling(cfg.temperature, cfg.top_p, vllm)
     report = {"baseline": names[0], "sampling": sampling, "results": results}

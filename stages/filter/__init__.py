@@ -27,7 +27,7 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import ResolveContext, StageConfig, stage
-from stages.lib.config import check_callable
+from stages.lib.block import check_callable
 
 
 class FilterConfig(StageConfig):

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from stages.filter.rules import RULES, Counts, Rules, SeenSet
 from stages.filter.scan import BUFFER, OutOfOrder, filter_range, sort_by_prompt
-from stages.lib.jsonl import atomic_path, write_json
-from stages.lib.track import Metrics
+from stages.lib.io.jsonl import atomic_path, write_json
+from stages.lib.io.metrics import Metrics
 
 if TYPE_CHECKING:
     from engine.stage import StageContext

@@ -14,9 +14,10 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, MemoryNeed, ResolveContext, stage
+from stages.lib.block import CountOrAuto
+from stages.lib.build.recipe import TinyModel
 from stages.lib.config import (
     Backend,
-    CountOrAuto,
     LocalBackend,
     Verifier,
     VLLMBackend,
@@ -27,11 +28,11 @@ from stages.lib.config import (
     check_verifier,
     derive_backend,
 )
-from stages.lib.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
-from stages.lib.dtypes import SAVE_DTYPE_HELP, Dtype
-from stages.lib.env_config import EnvironmentConfig, check_environment
-from stages.lib.model_config import ModelRef, TinyModel
-from stages.lib.model_path import check_model_ref
+from stages.lib.dist.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
+from stages.lib.env.field import EnvironmentConfig, check_environment
+from stages.lib.model.declared import ModelRef
+from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
+from stages.lib.model.path import check_model_ref
 from stages.rl.algo.options import AlgorithmOptions, check_algorithm
 
 
@@ -203,7 +204,7 @@ class RLConfig(AlgorithmOptions):
         """The engine (a vLLM share, or the local engine's copy of the weights), the actor as a
         trainer, and the frozen reference when kl_coef > 0: in the compute dtype, split by
         ZeRO-3 under DeepSpeed, on the ref role's devices or, when that role has none of its
-        own, inside the actor's ranks (`stages.rl.roles.ref_model`; colocated with the actor, the two
+        own, inside the actor's ranks (`stages.rl.roles.frozen`; colocated with the actor, the two
         share devices and are summed there)."""
         model = self.model if isinstance(self.model, str) else self.model.model_dump()
         engines = [replace(n, role="vllm") for n in backend_memory(self.backend)]
@@ -295,9 +296,9 @@ class RLConfig(AlgorithmOptions):
 
     def _note_sleep(self, ctx: ResolveContext) -> list[Diagnostic]:
         """What `deepspeed_enable_sleep` will move off the actor's GPUs, and how, under the
-        resolved trainer and ZeRO stage (`stages.lib.sleep`: DeepSpeed's offload_states
+        resolved trainer and ZeRO stage (`stages.lib.dist.sleep`: DeepSpeed's offload_states
         exists only for ZeRO-1/2, and asks for FusedAdam at ZeRO-3)."""
-        from stages.lib.sleep import sleep_method
+        from stages.lib.dist.sleep import sleep_method
 
         actor = ctx.roles.get("actor")
         if not (self.deepspeed_enable_sleep and actor and actor.gpus) or self.async_train:

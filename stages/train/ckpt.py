@@ -22,7 +22,7 @@ import random
 import shutil
 from typing import Any
 
-from stages.lib.jsonl import atomic_write
+from stages.lib.io.jsonl import atomic_write
 
 LATEST = "latest"
 STATE = "trainer_state.json"

@@ -6,7 +6,7 @@ plus `completion` and `reward`, `prompt_idx`, `sample_idx`), conversations (a
 episode rows, or chat data), or dataset prompt rows (`prompt` or `messages`, plus
 `answer`).
 Output: `Example`s, each the token ids of one sequence (prompt, then response,
-then the token(s) the chat template closes an answer with: `stages.lib.tokens.answer_end`,
+then the token(s) the chat template closes an answer with: `stages.lib.chat.tokens.answer_end`,
 `<|im_end|>` for ChatML whatever its `eos_token`) and the prompt's length; the loss
 is taken on the response tokens only. A conversation trains on every assistant
 turn (its content and closing token); the system, user and environment
@@ -14,10 +14,10 @@ messages between them are masked out like a prompt. For `algorithm: dpo`,
 `dpo_pairs` names the (chosen, rejected) rows. A failed episode (`end: failed`)
 is left out: its conversation broke off.
 
-The prompt goes through the shared chat template (`stages.lib.prompt.format_prompt`),
+The prompt goes through the shared chat template (`stages.lib.chat.prompt.format_prompt`),
 so training sees exactly the text generation will continue from; the messages
 between two assistant turns are the template's text between them
-(`stages.lib.prompt.continuation_ids`), as the model saw them when it answered.
+(`stages.lib.chat.prompt.continuation_ids`), as the model saw them when it answered.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Example:
 
 def read_rows(path: str) -> list[Row]:
     """Every row of a JSONL file (blank lines skipped); a bad line is a `DataError`."""
-    from stages.lib.jsonl import read_jsonl
+    from stages.lib.io.jsonl import read_jsonl
 
     return list(read_jsonl(path, DataError))
 
@@ -226,14 +226,14 @@ def tokenize(samples: Sequence[Sample], tokenizer: Any, max_length: int) -> list
     token(s) of an answer, `answer_end(tokenizer).ids`; a conversation's later turns after
     it: the template's text up to each, then the turn + END), cut to `max_length` tokens.
     A one-turn row is the template's rendering of the conversation up to END (its text
-    after END, ChatML's newline, is never trained: `stages.lib.tokens`).
+    after END, ChatML's newline, is never trained: `stages.lib.chat.tokens`).
 
     A sequence longer than `max_length` loses its end; one whose prompt alone fills
     `max_length` keeps no response token (`response_len == 0`) and is left out of
     training by the caller.
     """
-    from stages.lib.prompt import format_prompt
-    from stages.lib.tokens import answer_end
+    from stages.lib.chat.prompt import format_prompt
+    from stages.lib.chat.tokens import answer_end
 
     eos = list(answer_end(tokenizer).ids)
     if not eos:
@@ -265,7 +265,7 @@ def _later_ids(
 ) -> list[tuple[int, int]]:
     """Append a conversation's later turns to `ids` (the template's text before each turn,
     then the turn and its closing tokens `eos`); returns each turn's [start, end) range."""
-    from stages.lib.prompt import as_messages, continuation_ids
+    from stages.lib.chat.prompt import as_messages, continuation_ids
 
     history = [*as_messages(sample.prompt), {"role": "assistant", "content": sample.target}]
     spans = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from stages.lib.jsonl import read_jsonl
+from stages.lib.io.jsonl import read_jsonl
 
 if TYPE_CHECKING:
     from stages.train import TrainConfig
@@ -35,7 +35,7 @@ class HeldOut:
         rank (a short share repeats its first, unscored) and generated in lockstep, so the
         ranks of a ZeRO-3 model run the same forward passes (each gathers the weights
         together; rank 0 generating alone waited for the others forever)."""
-        from stages.lib.generate import generate_with
+        from stages.lib.model.generate import generate_with
 
         mine = list(range(rank, len(self.prompts), world))
         share = -(-len(self.prompts) // world)

@@ -9,6 +9,9 @@ Each step's loss is the mean over the whole global batch: the summed loss of
 every response token (SFT) or pair (DPO) divided by the global batch's count,
 so micro batches and ranks of different sizes weigh what they hold. The
 reported loss is all-reduced over ranks; nothing else crosses ranks per step.
+
+One name, two sides of one concept (a kind's step loop: one train rank's;
+`stages/rl/controller/loop.py`: the rl controller's).
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from stages.lib.logits import scored_only
-from stages.lib.track import Metrics
+from stages.lib.io.metrics import Metrics
+from stages.lib.model.logits import scored_only
 from stages.train import ckpt as train_ckpt
-from stages.train.batch import BatchPlan, Micro, Step
+from stages.train.batch_plan import BatchPlan, Micro, Step
 from stages.train.data import TrainingSet
 from stages.train.heldout import HeldOut
 from stages.train.loss import Batch, collate, dpo_terms, sequence_logprobs, sft_loss_sum
@@ -78,7 +81,7 @@ class Loop:
     rank: int = 0
     world: int = 1
     reference: torch.nn.Module | None = None
-    fingerprint: str = ""
+    resume_key: str = ""
     threads: ThreadTuner | None = None  # num_threads: auto
     held_out: HeldOut | None = None  # eval_input: scored every eval_steps
     counters: Counters = field(default_factory=Counters)
@@ -260,7 +263,7 @@ class Loop:
             "batch_in_epoch": (step.index + 1) % self.plan.steps_per_epoch,
             "total_steps": self.plan.total_steps,
             "world_size": self.world,
-            "fingerprint": self.fingerprint,
+            "resume_key": self.resume_key,
         }
         root = f"{self.stage_dir}/checkpoints"
         train_ckpt.save(self.trainer, root, self.counters.step, state, self.rank)

@@ -12,6 +12,9 @@ finds the sequence boundaries from the position ids and keeps attention
 within each sequence (a block-diagonal causal mask with SDPA/eager,
 variable-length kernels with flash-attention). The padding at the end of a
 packed row forms a sequence of its own, masked out of the loss.
+
+One name, two sides of one concept (the loss of a trained model: train's (SFT, DPO);
+`stages/rl/algo/loss.py`: rl's (the clipped policy loss)).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stages.train.batch import Micro
+from stages.train.batch_plan import Micro
 from stages.train.data import Example
 
 IGNORE = -100
@@ -42,7 +45,7 @@ class Batch:
     tokens: int  # real (non-pad) tokens
 
     def scored(self, device: torch.device | str) -> torch.Tensor:
-        """Where a loss reads the logits: the positions with a target (`stages.lib.logits`)."""
+        """Where a loss reads the logits: the positions with a target (`stages.lib.model.logits`)."""
         return (self.targets != IGNORE).to(device)
 
     def at(self, scored: torch.Tensor) -> Batch:

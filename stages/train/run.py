@@ -4,7 +4,7 @@ Input: the resolved `TrainConfig` (absolute `input` JSONL, `model` a tiny
 model spec or a checkpoint directory, absolute `output`) and the
 `StageContext`.
 Output: the Hugging Face checkpoint at `cfg.output` (in `save_dtype`, the input's config
-fields and other files kept: `stages.lib.save`), and in the stage folder
+fields and other files kept: `stages.lib.model.save`), and in the stage folder
 `ds_config.json` (when DeepSpeed trains), `loss.jsonl`, `loss.png`,
 `train_log.txt` (every rank's output) and `checkpoints/`; returns the
 metrics dict the engine writes to `metrics.json`.
@@ -12,7 +12,7 @@ metrics dict the engine writes to `metrics.json`.
 The stage process itself never trains: it checks the data (so a bad row fails
 before any process starts), builds the tiny model when the config asks for
 one (`<stage_dir>/init_model`), decides whether an earlier interrupted run can
-be resumed (same config, inputs and world size: its fingerprint), writes the
+be resumed (same config, inputs and world size: its resume key), writes the
 worker spec and launches `stages.train.worker` once per rank: on CPU
 `num_processes` ranks over gloo, on GPU one per GPU of the stage over NCCL.
 """
@@ -29,10 +29,10 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from stages.lib.ds_config import build_ds_config
-from stages.lib.dtypes import resolve_save_dtype
-from stages.lib.jsonl import write_json
-from stages.lib.launch import Ranks, launch, rank_table
+from stages.lib.dist.ds_config import build_ds_config
+from stages.lib.dist.spawn import Ranks, launch, rank_table
+from stages.lib.io.jsonl import write_json
+from stages.lib.model.dtypes import resolve_save_dtype
 from stages.train import ckpt as train_ckpt
 from stages.train.data import dpo_pairs, read_rows, samples_of
 from stages.train.spec import WorkerSpec
@@ -72,7 +72,7 @@ def _texts(rows: list[dict[str, Any]], cfg: TrainConfig) -> list[str]:
     return out
 
 
-def _fingerprint(cfg: TrainConfig, world: int, trainer: str, device: str) -> str:
+def _resume_key(cfg: TrainConfig, world: int, trainer: str, device: str) -> str:
     """What a checkpoint must match to be resumed: config, inputs' versions, world size."""
     config = cfg.model_dump(mode="json", exclude=set(UNHASHED))
     stamps = {}
@@ -84,11 +84,11 @@ def _fingerprint(cfg: TrainConfig, world: int, trainer: str, device: str) -> str
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _resume_point(stage_dir: str, fingerprint: str, ctx: StageContext) -> int | None:
+def _resume_point(stage_dir: str, resume_key: str, ctx: StageContext) -> int | None:
     """The step an earlier run of this stage can resume from, or None (stale files cleared)."""
     root = f"{stage_dir}/checkpoints"
     found = train_ckpt.latest(root)
-    if found is not None and found[1].get("fingerprint") == fingerprint:
+    if found is not None and found[1].get("resume_key") == resume_key:
         step = int(found[1]["step"])
         train_ckpt.trim_loss_log(f"{stage_dir}/loss.jsonl", step)
         ctx.log.info("resuming from %s (step %d)", found[0], step)
@@ -108,7 +108,7 @@ def _model_dir(cfg: TrainConfig, rows: list[dict[str, Any]], stage_dir: str) -> 
         return cfg.model
     path = f"{stage_dir}/init_model"
     if not os.path.exists(f"{path}/config.json"):
-        from stages.lib.model import build_tiny_model
+        from stages.lib.build.tiny import build_tiny_model
 
         build_tiny_model(cfg.model, _texts(rows, cfg), path, seed=cfg.seed)
     return path
@@ -195,8 +195,8 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
     rows = _check_data(cfg)
     world = ranks.world
     trainer = trainer_kind(cfg)
-    fingerprint = _fingerprint(cfg, world, trainer, device)
-    resumed = _resume_point(stage_dir, fingerprint, ctx)
+    resume_key = _resume_key(cfg, world, trainer, device)
+    resumed = _resume_point(stage_dir, resume_key, ctx)
     model_dir = _model_dir(cfg, rows, stage_dir)
     ds_config = None
     if trainer == "deepspeed":
@@ -213,7 +213,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         threads=threads,
         tune_threads=cfg.num_threads == "auto" and threads > 1,
         ds_config=ds_config,
-        fingerprint=fingerprint,
+        resume_key=resume_key,
         save_dtype=save_dtype,
     )
     spec.write(f"{stage_dir}/train_spec.json")

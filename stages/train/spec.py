@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from stages.lib.jsonl import atomic_write
+from stages.lib.io.jsonl import atomic_write
 from stages.train import TrainConfig
 
 
@@ -28,8 +28,8 @@ class WorkerSpec(BaseModel):
     threads: int
     tune_threads: bool
     ds_config: dict[str, Any] | None
-    fingerprint: str
-    save_dtype: str  # the final checkpoint's dtype (`stages.lib.dtypes.resolve_save_dtype`)
+    resume_key: str
+    save_dtype: str  # the final checkpoint's dtype (`stages.lib.model.dtypes.resolve_save_dtype`)
 
     def write(self, path: str) -> None:
         atomic_write(path, self.model_dump_json(indent=1) + "\n")

@@ -5,7 +5,7 @@ the model directory, device, trainer kind, ds_config, threads) and the rank
 in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 Output: checkpoints and `loss.jsonl` in the stage folder; from rank 0 the
 final Hugging Face checkpoint at the config's `output` in the resolved save dtype
-(written to a temporary sibling, then renamed into place: `stages.lib.save`) and
+(written to a temporary sibling, then renamed into place: `stages.lib.model.save`) and
 `train_result.json`.
 
 DeepSpeed keeps process-global state (its accelerator, communication
@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stages.train import TrainConfig
-    from stages.train.batch import BatchPlan
+    from stages.train.batch_plan import BatchPlan
     from stages.train.data import TrainingSet
     from stages.train.loop import Loop
     from stages.train.spec import WorkerSpec
 
-from stages.lib.rank import (
+from stages.lib.chat.tokens import pad_id
+from stages.lib.dist.rank import (
     die_with_parent,
     exit_now,
     init_distributed,
@@ -39,7 +40,6 @@ from stages.lib.rank import (
     make_trainer,
     setup,
 )
-from stages.lib.tokens import pad_id
 
 log = logging.getLogger("pipe.train")
 
@@ -52,10 +52,10 @@ def _load(model_dir: str, ds_config: dict[str, Any] | None) -> tuple[Any, Any]:
 
 def _save_final(trainer: Any, spec: WorkerSpec, rank: int) -> None:
     """Rank 0 writes the Hugging Face checkpoint at the config's `output` in the resolved
-    save dtype, beside the input's files (`stages.lib.save`)."""
+    save dtype, beside the input's files (`stages.lib.model.save`)."""
     import torch.distributed as dist
 
-    from stages.lib.save import write_checkpoint
+    from stages.lib.model.save import write_checkpoint
 
     state = trainer.full_state_dict()  # every rank takes part under ZeRO-3
     if rank == 0:
@@ -65,7 +65,7 @@ def _save_final(trainer: Any, spec: WorkerSpec, rank: int) -> None:
 
 
 def plan_for(cfg: TrainConfig, data: TrainingSet, world: int) -> BatchPlan:
-    from stages.train.batch import BatchPlan
+    from stages.train.batch_plan import BatchPlan
 
     return BatchPlan(
         data.units,
@@ -153,7 +153,7 @@ def _build_loop(
         rank=rank,
         world=world,
         reference=reference,
-        fingerprint=spec.fingerprint,
+        resume_key=spec.resume_key,
         threads=ThreadTuner(spec.threads) if spec.tune_threads else None,
         held_out=HeldOut(cfg, tokenizer) if cfg.eval_input else None,
     )
@@ -201,7 +201,7 @@ def _record_rank(stage_dir: str, rank: int, world: int, device: str) -> None:
     """What this rank was given, as it sees it: `<stage_dir>/ranks/rank-<r>.json`."""
     import socket
 
-    from stages.lib.jsonl import write_json
+    from stages.lib.io.jsonl import write_json
 
     env = {
         k: os.environ.get(k)

@@ -114,10 +114,10 @@ def test_a_sync_that_moves_no_weights_fails_within_one_step_naming_the_engine(
     from engine.stage import StageContext
     from stages.dataset import DatasetConfig
     from stages.dataset.run import run_dataset
-    from stages.lib.weight_group import receive
+    from stages.lib.dist.weight_group import receive
     from stages.rl import RLConfig
     from stages.rl.run import run_rl
-    from stages.rl.sync import backends as rl_sync
+    from stages.rl.sync import transports as rl_sync
 
     class Discards(rl_sync.GroupReceiver):
         def apply(self, model: torch.nn.Module) -> None:

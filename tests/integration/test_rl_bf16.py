@@ -1,6 +1,6 @@
 """bf16 GRPO on CPU, as GPU users train: the actor in bf16 (DeepSpeed), the local engine in
 bf16 too (the actor's compute dtype; fp32 before issue 37), weights over gloo in bf16
-(`stages.rl.sync.backends.wire_dtype`), the probe after every sync.
+(`stages.rl.sync.transports.wire_dtype`), the probe after every sync.
 Before the wire dtype, ZeRO-0 failed its first probe (log-probabilities off by 3.78) and
 ZeRO-3 over two ranks met NaN probabilities at the first sampling (on an H100 too). The
 20-step learning comparison with fp32 is bench/rl_bf16.py (BENCHMARKS.md)."""

@@ -113,14 +113,14 @@ def test_two_zero3_reference_ranks_score_an_uneven_batch_like_one_whole_model(tm
     import threading
     from dataclasses import asdict
 
-    from stages.lib.ds_config import build_ds_config
-    from stages.lib.launch import Ranks, launch
-    from stages.lib.model import build_tiny_model
-    from stages.lib.model_config import TinyModel
+    from stages.lib.build.recipe import TinyModel
+    from stages.lib.build.tiny import build_tiny_model
+    from stages.lib.dist.ds_config import build_ds_config
+    from stages.lib.dist.spawn import Ranks, launch
     from stages.rl import RLConfig
     from stages.rl.algo.logprobs import Sample
     from stages.rl.roles.channel import StageEnd
-    from stages.rl.roles.ref_model import load_reference, reference_logprobs
+    from stages.rl.roles.frozen import load_reference, reference_logprobs
     from stages.rl.roles.spec import ActorSpec
 
     # hidden 160: the MLP matrices pass ZeRO-3's persistence threshold and are really split

@@ -114,7 +114,7 @@ def test_a_reload_that_moves_no_weights_fails_within_one_step_naming_the_engine(
     from stages.rl import RLConfig
     from stages.rl.rollout import vllm as vllm_engine
     from stages.rl.run import run_rl
-    from stages.rl.sync.backends import SyncFailed
+    from stages.rl.sync.transports import SyncFailed
 
     monkeypatch.setattr(vllm_engine.VLLMEngine, "reload", lambda self, weights_dir: None)
     monkeypatch.chdir(tmp_path)
@@ -217,7 +217,7 @@ def test_an_engine_killed_mid_sync_fails_the_step_naming_it_and_the_retry_resume
     from stages.rl import RLConfig
     from stages.rl.run import run_rl
     from stages.rl.sync import vllm as vllm_sync
-    from stages.rl.sync.backends import SyncFailed
+    from stages.rl.sync.transports import SyncFailed
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.integration]
 
 
 def _cached_models() -> int:
-    from stages.lib import generate
+    from stages.lib.model import generate
 
     return len(generate._CACHE)
 
@@ -30,8 +30,8 @@ def _cached_models() -> int:
 def test_stage_end_releases_cached_models(tmp_path: Path):
     from distributed import Client
 
-    from stages.lib.model import build_tiny_model
-    from stages.lib.model_config import TinyModel
+    from stages.lib.build.recipe import TinyModel
+    from stages.lib.build.tiny import build_tiny_model
 
     build_tiny_model(
         TinyModel(hidden_size=32, num_layers=1, num_heads=2, vocab_size=300),

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from stages.collect.inputs import parse_row
-from stages.lib.client import (
+from stages.lib.api.client import (
     Completion,
     OpenAIClient,
     RequestError,

@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from stages.lib.adaptive import AdaptiveLimit
+from stages.lib.api.adaptive import AdaptiveLimit
 
 
 @dataclass

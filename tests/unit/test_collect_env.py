@@ -21,8 +21,8 @@ from stages.collect.run import run_collect
 from stages.filter import FilterConfig
 from stages.filter.rules import Counts, Rules, completion_text
 from stages.filter.rules import parse_row as filter_row
-from stages.lib.env_config import EnvironmentConfig
-from stages.lib.environment import Episode
+from stages.lib.env.contract import Episode
+from stages.lib.env.field import EnvironmentConfig
 from tests.conftest import ROOT, run_cli, stub_checkpoint
 
 sys.path.insert(0, str(ROOT / "bench" / "collect"))
@@ -163,15 +163,15 @@ def test_the_failed_share_decides_whether_the_stage_fails(tmp_path: Path):
     )
 
 
-def test_the_environment_is_part_of_the_resume_fingerprint(tmp_path: Path):
+def test_the_environment_is_part_of_the_resume_resume_key(tmp_path: Path):
     plain = config(tmp_path, "http://127.0.0.1:9/v1", environment=None)
     calc = config(tmp_path, "http://127.0.0.1:9/v1")
     retry = config(tmp_path, "http://127.0.0.1:9/v1", environment={"kind": "retry"})
     loose = config(
         tmp_path, "http://127.0.0.1:9/v1", environment={"kind": "calculator", "timeout_s": 5}
     )
-    assert len({io.fingerprint(c) for c in (plain, calc, retry)}) == 3
-    assert io.fingerprint(loose) == io.fingerprint(calc)  # how patient, not what is collected
+    assert len({io.resume_key(c) for c in (plain, calc, retry)}) == 3
+    assert io.resume_key(loose) == io.resume_key(calc)  # how patient, not what is collected
 
 
 def test_the_completions_endpoint_cannot_run_episodes_and_local_can(tmp_path: Path):
@@ -211,8 +211,8 @@ def test_local_episodes_are_the_http_paths_lines_and_resume(tmp_path: Path):
     """The `local` backend plays the episodes in the stage's process (evaluate's batched
     driver); a killed run's rerun plays only the episodes not written."""
     pytest.importorskip("torch")
-    from stages.lib.model import build_tiny_model
-    from stages.lib.model_config import TinyModel
+    from stages.lib.build.recipe import TinyModel
+    from stages.lib.build.tiny import build_tiny_model
 
     rows = [{"prompt": f"What is {i} * 3?", "answer": str(3 * i)} for i in range(4)]
     build_tiny_model(
@@ -244,7 +244,7 @@ def test_local_episodes_are_the_http_paths_lines_and_resume(tmp_path: Path):
     # a run killed after three episodes: its rerun plays the five others
     Path(cfg.output).unlink()
     Path(io.partial_path(cfg.output)).write_text("".join(f"{line}\n" for line in lines[:3]))
-    Path(io.meta_path(cfg.output)).write_text(json.dumps({"fingerprint": io.fingerprint(cfg)}))
+    Path(io.meta_path(cfg.output)).write_text(json.dumps({"resume_key": io.resume_key(cfg)}))
     again = run_collect(cfg, ctx(tmp_path))
     assert again["written"] == 5
     assert Path(cfg.output).read_text().splitlines()[:3] == lines[:3]

@@ -8,7 +8,7 @@ from pathlib import Path
 from stages.collect.inputs import iter_lines, parse_row, prompt_from_row, row_range
 from stages.collect.io import DoneSet
 from stages.collect.ranged import pairs, pending
-from stages.lib.jsonl import count_lines
+from stages.lib.io.jsonl import count_lines
 
 
 def test_prompt_rows_carry_their_other_fields_verbatim():

@@ -106,15 +106,15 @@ def _cfg(**kw: object) -> CollectConfig:
     return CollectConfig.model_validate({**base, **kw}, strict=False)
 
 
-def test_fingerprint_covers_what_shapes_a_rollout_only():
-    assert io.fingerprint(_cfg()) == io.fingerprint(
+def test_resume_key_covers_what_shapes_a_rollout_only():
+    assert io.resume_key(_cfg()) == io.resume_key(
         _cfg(num_samples_in_parallel=7, limit=3, shards=2)
     )
-    assert io.fingerprint(_cfg()) == io.fingerprint(
+    assert io.resume_key(_cfg()) == io.resume_key(
         _cfg(backend={"kind": "openai", "base_url": "http://other:9/v1", "model": "m"})
     )
     for change in ({"temperature": 0.5}, {"num_repeats": 2}, {"seed": 1}, {"input": "/x"}):
-        assert io.fingerprint(_cfg()) != io.fingerprint(_cfg(**change)), change
+        assert io.resume_key(_cfg()) != io.resume_key(_cfg(**change)), change
 
 
 def test_prepare_keeps_matching_partials_and_clears_others(tmp_path: Path):
@@ -127,4 +127,4 @@ def test_prepare_keeps_matching_partials_and_clears_others(tmp_path: Path):
     assert io.prepare(out, "bbb") is False  # other settings: their rollouts are not reused
     assert not Path(io.partial_path(out)).exists()
     assert not Path(io.failures_path(out)).exists()
-    assert json.loads(Path(io.meta_path(out)).read_text()) == {"fingerprint": "bbb"}
+    assert json.loads(Path(io.meta_path(out)).read_text()) == {"resume_key": "bbb"}

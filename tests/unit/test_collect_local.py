@@ -98,7 +98,7 @@ def test_local_generation_resumes(tmp_path: Path, sevens: Path):
         strict=False,
     )
     out = str(stage / "rollouts.jsonl")
-    io.prepare(out, io.fingerprint(probe))
+    io.prepare(out, io.resume_key(probe))
     done = [(0, 0), (0, 1), (3, 1)]
     Path(io.partial_path(out)).write_text(
         "".join(

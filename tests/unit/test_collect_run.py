@@ -120,7 +120,7 @@ def test_collects_every_pair_once_with_exact_rewards(tmp_path: Path, server: Thr
     assert sorted(p.name for p in Path(cfg.output).parent.iterdir()) == [
         "rollouts.jsonl",
         "rollouts.jsonl.failures.jsonl",
-        "track.jsonl",  # the progress points for the run's trackers (stages.lib.track)
+        "track.jsonl",  # the progress points for the run's trackers (stages.lib.io.metrics)
     ]
 
 
@@ -155,8 +155,8 @@ def test_a_vllm_server_the_stage_started_samples_what_was_asked_whatever_its_def
     request at the config's temperature and top_p, the rest neutral: every field is sent."""
     import asyncio
 
-    from stages.lib.backends import Endpoint, make_client
-    from stages.lib.client import complete_all
+    from stages.lib.api.client import complete_all
+    from stages.lib.endpoints import Endpoint, make_client
 
     fake = server.server
     fake.record_bodies = True
@@ -197,7 +197,7 @@ def test_resume_redoes_nothing_written_and_retries_failures_up_to_the_cap(
     write_rows(tmp_path / "in.jsonl", rows)
     cfg = config(tmp_path, server.url, num_repeats=2, max_failed_runs=3)
     ctx = context(tmp_path)
-    io.prepare(cfg.output, io.fingerprint(cfg))  # as a killed earlier run left it
+    io.prepare(cfg.output, io.resume_key(cfg))  # as a killed earlier run left it
     earlier = [(0, 0), (0, 1), (4, 1), (7, 0)]
     lines = [
         json.dumps({**expected_rollout(i, s, rows[i]), "completion": "EARLIER", "latency_s": 1.0})

@@ -26,9 +26,9 @@ def tensors(folder: Path) -> dict[str, Any]:
 
 def save_trained(src: Path, out: Path, setting: str) -> str:
     """What a train or rl rank does: load for training (fp32, use_cache off), save."""
-    from stages.lib.dtypes import resolve_save_dtype
-    from stages.lib.rank import load_model
-    from stages.lib.save import write_checkpoint
+    from stages.lib.dist.rank import load_model
+    from stages.lib.model.dtypes import resolve_save_dtype
+    from stages.lib.model.save import write_checkpoint
 
     model = load_model(str(src), None)
     assert model.config.use_cache is False and next(model.parameters()).dtype == torch.float32
@@ -78,8 +78,8 @@ def test_save_dtype_float32_writes_fp32(family_checkpoint, family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rl_run_without_an_update_does_not_turn_bf16_into_fp32(family_checkpoint, family, tmp_path):
     """The actor's `final` (the rl stage's last request) on the weights it loaded."""
-    from stages.lib.dtypes import resolve_save_dtype
-    from stages.lib.rank import load_model
+    from stages.lib.dist.rank import load_model
+    from stages.lib.model.dtypes import resolve_save_dtype
     from stages.rl import RLConfig
     from stages.rl.roles.actor import Actor
 
@@ -133,7 +133,7 @@ def test_evaluate_does_not_compare_a_bf16_base_with_an_fp32_finetune(
     from engine.stage import StageContext
     from stages.evaluate import EvaluateConfig
     from stages.evaluate.run import Generator, evaluate_checkpoints
-    from stages.lib import generate as gen
+    from stages.lib.model import generate as gen
 
     base = family_checkpoint(family)
     tuned = tmp_path / "tuned"

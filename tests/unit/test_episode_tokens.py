@@ -21,9 +21,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stages.lib.generate import Generation
-from stages.lib.prompt import prompt_ids
-from stages.lib.tokens import answer_end
+from stages.lib.chat.prompt import prompt_ids
+from stages.lib.chat.tokens import answer_end
+from stages.lib.model.generate import Generation
 from tests.families import FAMILIES
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -97,9 +97,9 @@ def encode(tok: Any, text: str) -> list[int]:
 
 
 def play(tok: Any, answers: list[list[int]], role: str = "user", max_length: int = 512) -> Any:
-    from stages.rl.rollout.play import Sampling, play
+    from stages.rl.rollout.token_play import PlaySettings, play
 
-    s = Sampling(2, 1.0, 16, max_length, 0, 8, len(answers), 10.0, 4)
+    s = PlaySettings(2, 1.0, 16, max_length, 0, 8, len(answers), 10.0, 4)
     engine = Scripted(tok, answers)
     groups = play(engine, tok, lambda: Guess(len(answers), role), [{"prompt": QUESTION}], s)
     return groups[0], engine
@@ -155,8 +155,8 @@ def test_the_next_turns_prompt_is_the_same_in_rl_evaluate_and_collect(
     rendering with the generation prompt, after a cut first turn too."""
     import asyncio
 
-    from stages.lib import generate
-    from stages.lib import play as lib_play
+    from stages.lib.env import message_play as lib_play
+    from stages.lib.model import generate
 
     tok = tokenizer(family, family_checkpoint)
     answers = [encode(tok, "It is 4 and"), encode(tok, "4") + list(answer_end(tok).ids)]

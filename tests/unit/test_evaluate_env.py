@@ -17,7 +17,7 @@ from engine.stage import StageContext
 from stages.evaluate import EvaluateConfig
 from stages.evaluate.run import evaluate_checkpoints, run_evaluate
 from stages.lib.config import OpenAIBackend, Verifier
-from stages.lib.env_config import EnvironmentConfig
+from stages.lib.env.field import EnvironmentConfig
 from tests.unit.test_evaluate import ROWS, _config, _exact, run_dir  # noqa: F401  (a fixture)
 
 EXACT = Verifier(kind="exact_match")

@@ -291,5 +291,5 @@ def test_a_rerun_clears_what_a_killed_attempt_left(tmp_path: Path) -> None:
         "filter_report.json",
         "filtered.jsonl",
         "reward_histogram.png",
-        "track.jsonl",  # kept/dropped by rule for the run's trackers (stages.lib.track)
+        "track.jsonl",  # kept/dropped by rule for the run's trackers (stages.lib.io.metrics)
     ]

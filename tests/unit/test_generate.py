@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stages.lib.generate import Generation, generate  # noqa: E402
+from stages.lib.model.generate import Generation, generate  # noqa: E402
 from tests.unit.test_model import rigged_checkpoint, tiny_checkpoint  # noqa: E402
 
 torch.set_num_threads(1)
@@ -120,7 +120,7 @@ def test_decoding_passes_the_kv_cache_by_its_current_name_without_a_deprecation_
     import inspect
     import logging
 
-    from stages.lib.generate import load
+    from stages.lib.model.generate import load
 
     model, _ = load(str(models["sevens"]))  # never ends early: prefill, then every step
     current = "cache" if "cache" in inspect.signature(type(model).forward).parameters else None

@@ -3,6 +3,7 @@ kind, short files, and code versions that follow every file a kind runs."""
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
@@ -120,7 +121,48 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
         "rl",
         "train",
     ]
-    with open(copy / "stages/lib/client.py", "a") as f:  # HTTP backends (rl: its vLLM requests)
+    with open(copy / "stages/lib/api/client.py", "a") as f:  # HTTP backends (rl: its vLLM requests)
         f.write("\n# edited\n")
     again = _versions(copy)
     assert sorted(k for k in KINDS if again[k] != after[k]) == ["collect", "evaluate", "rl"]
+
+
+LIB_PACKAGES = ("api", "build", "chat", "dist", "env", "io", "model", "vllm")
+# file names every kind (or every role) has by design: the same job in each package
+PER_PACKAGE = {"__init__.py", "run.py", "spec.py", "cli.py"}
+# file names two packages share because they are the two sides of one concept; each
+# docstring names the other file. Every other module name is unique across engine/ and stages/
+TWO_SIDES = {
+    "slurm.py": ("engine/spec/slurm.py", "engine/cluster/slurm.py"),
+    "headline.py": ("engine/run/headline.py", "stages/evaluate/headline.py"),
+    "local.py": ("stages/collect/local.py", "stages/rl/rollout/local.py"),
+    "multiturn.py": ("stages/collect/multiturn.py", "stages/evaluate/multiturn.py"),
+    "loss.py": ("stages/train/loss.py", "stages/rl/algo/loss.py"),
+    "loop.py": ("stages/train/loop.py", "stages/rl/controller/loop.py"),
+    "vllm.py": ("stages/rl/rollout/vllm.py", "stages/rl/sync/vllm.py"),
+}
+
+
+def test_shared_stage_code_is_grouped_by_concern_each_package_stating_its_input_and_output():
+    lib = ROOT / "stages/lib"
+    loose = sorted(p.name for p in lib.glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= 8, loose
+    packages = sorted(p.name for p in lib.iterdir() if (p / "__init__.py").is_file())
+    assert packages == sorted(LIB_PACKAGES)
+    for name in ("", *LIB_PACKAGES):
+        doc = (lib / name / "__init__.py").read_text()
+        assert doc.startswith('"""') and "Input:" in doc and "Output:" in doc, name
+
+
+def test_one_name_one_meaning_no_two_modules_share_a_file_name():
+    seen: dict[str, list[str]] = {}
+    for top in ("engine", "stages"):
+        for p in sorted((ROOT / top).rglob("*.py")):
+            if p.name not in PER_PACKAGE:
+                seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    shared = {name: tuple(sorted(paths)) for name, paths in seen.items() if len(paths) > 1}
+    assert shared == {name: tuple(sorted(pair)) for name, pair in TWO_SIDES.items()}
+    for a, b in TWO_SIDES.values():
+        for this, other in ((a, b), (b, a)):
+            doc = ast.get_docstring(ast.parse((ROOT / this).read_text())) or ""
+            assert "two sides of one concept" in doc and other in doc.replace("\n", " "), this

@@ -1,12 +1,13 @@
 """What `pipe plan` accepts, `pipe run` runs: every refusal on the run path, classified.
 
 The test walks (with `ast`) every `raise` of an exception built with a message in
-`stages/**/*.py` outside the plan side (each kind's config module `stages/<kind>/__init__.py`
-and the shared rule modules `stages/lib/config.py`, `model_config.py`, `model_path.py`, `stages/lib/ds_config.py`,
-`stages/lib/env_config.py`, whose errors
-are plan-time errors already) and outside `stages/collect/tune/` (the `pipe tune` command,
-whose own refusals are located errors before it measures anything). Each raise site must
-be in REFUSALS, keyed by its file and the start of its message (an f-string's placeholders
+`stages/**/*.py` outside the plan side (each kind's config module
+`stages/<kind>/__init__.py` and the shared rule modules `stages/lib/block.py`, `config.py`,
+`build/recipe.py`, `model/declared.py`, `model/path.py`, `stages/lib/dist/ds_config.py`,
+`stages/lib/env/field.py`, whose errors are plan-time errors already) and outside
+`stages/collect/tune/` (the `pipe tune` command, whose own refusals are located errors
+before it measures anything). Each raise site must be in REFUSALS, keyed by its file and the
+start of its message (an f-string's placeholders
 read `{}`; a message with no literal text is the call's source), never by line, as one of:
 
 - `plan`: the same condition is refused before anything starts. Its `Case` is a minimal
@@ -36,11 +37,13 @@ from tests.conftest import ROOT, run_cli, stub_checkpoint
 
 Kind = Literal["plan", "data", "environment", "internal", "transient"]
 PLAN_SIDE = (
+    "stages/lib/block.py",
+    "stages/lib/build/recipe.py",
     "stages/lib/config.py",
-    "stages/lib/model_config.py",
-    "stages/lib/model_path.py",
-    "stages/lib/ds_config.py",
-    "stages/lib/env_config.py",
+    "stages/lib/model/declared.py",
+    "stages/lib/model/path.py",
+    "stages/lib/dist/ds_config.py",
+    "stages/lib/env/field.py",
 )
 NOT_RUN_PATH = ("stages/collect/tune/",)
 
@@ -230,29 +233,29 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ),
     ("stages/filter/run.py", "filter: no input"): plan(no_input("filter", "{}")),
     # --- shared by kinds -------------------------------------------------------------------
-    ("stages/lib/backends.py", "backend.api_key_env names"): environment(
+    ("stages/lib/endpoints.py", "backend.api_key_env names"): environment(
         "the variable must be set where the stage runs; plan never reads secrets"
     ),
-    ("stages/lib/backends.py", "backend kind '{}' has no HTTP endpoint"): internal(
+    ("stages/lib/endpoints.py", "backend kind '{}' has no HTTP endpoint"): internal(
         "callers send only openai and vllm backends here"
     ),
-    ("stages/lib/client.py", "unreachable"): internal("the retry loop returns or raises first"),
-    ("stages/lib/client.py", "bad_response"): transient("the server answered garbage: retried"),
-    ("stages/lib/client.py", "the completions endpoint needs rows"): data(
+    ("stages/lib/api/client.py", "unreachable"): internal("the retry loop returns or raises first"),
+    ("stages/lib/api/client.py", "bad_response"): transient("the server answered garbage: retried"),
+    ("stages/lib/api/client.py", "the completions endpoint needs rows"): data(
         "a prompt row with messages sent to endpoint: completions"
     ),
-    ("stages/lib/client.py", "status_error(resp.status"): transient(
+    ("stages/lib/api/client.py", "status_error(resp.status"): transient(
         "an HTTP error status from the server: retried when retryable"
     ),
-    ("stages/lib/jsonl.py", "{}:{}: expected a JSON object"): data("a malformed JSONL line"),
-    ("stages/lib/jsonl.py", "{}:{}: not valid JSON"): data("a malformed JSONL line"),
-    ("stages/lib/launch.py", "ranks {}-{} stopped"): environment(
+    ("stages/lib/io/jsonl.py", "{}:{}: expected a JSON object"): data("a malformed JSONL line"),
+    ("stages/lib/io/jsonl.py", "{}:{}: not valid JSON"): data("a malformed JSONL line"),
+    ("stages/lib/dist/spawn.py", "ranks {}-{} stopped"): environment(
         "a rank process of this job failed; its log says why"
     ),
-    ("stages/lib/launch.py", "training rank {} {}; last lines"): environment(
+    ("stages/lib/dist/spawn.py", "training rank {} {}; last lines"): environment(
         "a rank process exited non-zero (out of memory, a signal, its own error in its log)"
     ),
-    ("stages/lib/bpe.py", "vocab_size must be at least"): plan(
+    ("stages/lib/build/bpe.py", "vocab_size must be at least"): plan(
         Case(
             TINY.format(config="model: {vocab_size: 100}"),
             (
@@ -260,13 +263,13 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/model.py", "num_heads ({}) must divide"): plan(
+    ("stages/lib/build/tiny.py", "num_heads ({}) must divide"): plan(
         Case(
             TINY.format(config="model: {num_heads: 3}"),
             ("p.yaml:3:52: stages.t.config.model: num_heads 3 must divide hidden_size 128",),
         )
     ),
-    ("stages/lib/family_specs.py", "no package ships the real vocabulary"): plan(
+    ("stages/lib/build/conventions.py", "no package ships the real vocabulary"): plan(
         Case(
             TINY.format(config="model: {family: gemma, vocab: real}"),
             (
@@ -275,10 +278,10 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/family_specs.py", "vocab 'real' for family '{}' reads {} fr"): environment(
+    ("stages/lib/build/conventions.py", "vocab 'real' for family '{}' reads {} fr"): environment(
         "the package shipping the vocabulary is installed, or not, where the stage runs"
     ),
-    ("stages/lib/families.py", "unknown family '{}'; expected one of {}"): plan(
+    ("stages/lib/build/families.py", "unknown family '{}'; expected one of {}"): plan(
         Case(
             TINY.format(config="model: {family: qwen}"),
             (
@@ -287,7 +290,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/families.py", "unknown dtype '{}'; expected one of {}"): plan(
+    ("stages/lib/build/families.py", "unknown dtype '{}'; expected one of {}"): plan(
         Case(
             TINY.format(config="model: {family: chatml, dtype: bf16}"),
             (
@@ -296,7 +299,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/schedule.py", "unknown lr_scheduler"): plan(
+    ("stages/lib/dist/schedule.py", "unknown lr_scheduler"): plan(
         Case(
             TINY.format(config="lr_scheduler: step"),
             (
@@ -305,7 +308,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/trainer.py", "deepspeed could not load the checkpoint"): data(
+    ("stages/lib/dist/trainer.py", "deepspeed could not load the checkpoint"): data(
         "a checkpoint on disk that DeepSpeed cannot read"
     ),
     ("stages/evaluate/multiturn.py", "evaluate: an environment's episodes are "): plan(
@@ -331,28 +334,28 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "the retry loop returns or raises on its last attempt"
     ),
     # --- environments (an episode's failure is counted; only the share ends a stage) -------
-    ("stages/lib/environment.py", "{} took longer than {} s"): data(
+    ("stages/lib/env/contract.py", "{} took longer than {} s"): data(
         "a user's environment hanging: fails its episode, counted against max_failed_share"
     ),
-    ("stages/lib/environment.py", "{} raised {}: {}"): data(
+    ("stages/lib/env/contract.py", "{} raised {}: {}"): data(
         "a user's environment raising: fails its episode, counted against max_failed_share"
     ),
-    ("stages/lib/environment.py", "{} returned {}: expected a list of"): data(
+    ("stages/lib/env/contract.py", "{} returned {}: expected a list of"): data(
         "what a user's environment returns is known only when it runs: fails its episode"
     ),
-    ("stages/lib/environment.py", "step returned {}: expected (reward"): data(
+    ("stages/lib/env/contract.py", "step returned {}: expected (reward"): data(
         "what a user's environment returns is known only when it runs: fails its episode"
     ),
-    ("stages/lib/environment.py", "step returned the reward {}: expected a "): data(
+    ("stages/lib/env/contract.py", "step returned the reward {}: expected a "): data(
         "what a user's environment returns is known only when it runs: fails its episode"
     ),
-    ("stages/lib/environment.py", "step returned done={}"): data(
+    ("stages/lib/env/contract.py", "step returned done={}"): data(
         "what a user's environment returns is known only when it runs: fails its episode"
     ),
-    ("stages/lib/environment.py", "reset returned no messages"): data(
+    ("stages/lib/env/contract.py", "reset returned no messages"): data(
         "what a user's environment returns is known only when it runs: fails its episode"
     ),
-    ("stages/lib/environment.py", "environment: 'max_turns' is required"): plan(
+    ("stages/lib/env/contract.py", "environment: 'max_turns' is required"): plan(
         Case(
             """\
             name: p
@@ -366,7 +369,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/environment.py", "environment '{}': cannot load it"): plan(
+    ("stages/lib/env/contract.py", "environment '{}': cannot load it"): plan(
         Case(
             """\
             name: p
@@ -381,25 +384,25 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "a module that is found but fails while importing, or lacks the class, is known only "
         "by importing user code",
     ),
-    ("stages/lib/environment.py", "environment '{}': cannot build it with config"): environment(
+    ("stages/lib/env/contract.py", "environment '{}': cannot build it with config"): environment(
         "whether Class(**config) accepts the options is known only by running user code"
     ),
-    ("stages/lib/environment.py", "{}: {} of {} episodes failed"): data(
+    ("stages/lib/env/contract.py", "{}: {} of {} episodes failed"): data(
         "more episodes failed than environment.max_failed_share allows: known as they run"
     ),
-    ("stages/lib/environments.py", "the row has neither 'messages' nor"): data(
+    ("stages/lib/env/builtin.py", "the row has neither 'messages' nor"): data(
         "a prompt row without a prompt: fails its episode"
     ),
-    ("stages/lib/environments.py", "exponent too large"): data(
+    ("stages/lib/env/builtin.py", "exponent too large"): data(
         "the calculator's answer to the model's expression (an observation, not an error)"
     ),
-    ("stages/lib/environments.py", "unsupported: {}"): data(
+    ("stages/lib/env/builtin.py", "unsupported: {}"): data(
         "the calculator's answer to the model's expression (an observation, not an error)"
     ),
-    ("stages/lib/environments.py", "{}/{} answered HTTP {}: {}"): transient(
+    ("stages/lib/env/builtin.py", "{}/{} answered HTTP {}: {}"): transient(
         "the environment's server: fails its episode, counted against max_failed_share"
     ),
-    ("stages/lib/prompt.py", "a prompt of token ids has no messages"): internal(
+    ("stages/lib/chat/prompt.py", "a prompt of token ids has no messages"): internal(
         "token prompts are built by the rl stage's episodes, which never ask for messages"
     ),
     ("stages/lib/verify.py", "the row has no field"): data("a prompt row without its answer field"),
@@ -424,8 +427,8 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "a module that is found but fails while importing, or lacks the function, is known "
         "only by importing user code",
     ),
-    ("stages/lib/vllm_server.py", "vLLM is not installed"): environment("vLLM on the worker"),
-    ("stages/lib/vllm_server.py", "a vllm backend needs a 'model'"): plan(
+    ("stages/lib/vllm/server.py", "vLLM is not installed"): environment("vLLM on the worker"),
+    ("stages/lib/vllm/server.py", "a vllm backend needs a 'model'"): plan(
         Case(
             "name: p\nstages:\n  c: {kind: collect, config: {input: x.jsonl, backend: {kind: vllm}}}\n",
             (
@@ -434,23 +437,23 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         ),
         "evaluate and rl fill the model in themselves",
     ),
-    ("stages/lib/vllm_server.py", "vllm_num_engines ({}) x"): plan(VLLM_ENGINES),
-    ("stages/lib/vllm_server.py", "{}='{}' is not an executable"): environment(
+    ("stages/lib/vllm/server.py", "vllm_num_engines ({}) x"): plan(VLLM_ENGINES),
+    ("stages/lib/vllm/server.py", "{}='{}' is not an executable"): environment(
         "$PIPE_VLLM_PYTHON on the worker"
     ),
-    ("stages/lib/vllm_server.py", "{} GPUs do not split"): plan(
+    ("stages/lib/vllm/server.py", "{} GPUs do not split"): plan(
         VLLM_SLICES, "the placement gives the vllm role whole tensor-parallel groups per node"
     ),
-    ("stages/lib/vllm_process.py", "vLLM server on port {} exited"): environment(
+    ("stages/lib/vllm/process.py", "vLLM server on port {} exited"): environment(
         "the server failed to start; its log says why"
     ),
-    ("stages/lib/vllm_process.py", "vLLM server on port {} not healthy"): environment(
+    ("stages/lib/vllm/process.py", "vLLM server on port {} not healthy"): environment(
         "the server was not up within startup_timeout_s on this machine"
     ),
-    ("stages/lib/vllm_server.py", "a vLLM server needs a secret"): internal(
+    ("stages/lib/vllm/server.py", "a vLLM server needs a secret"): internal(
         "every caller makes the run's secret (new_secret) before starting a server"
     ),
-    ("stages/lib/vllm_auth.py", "{} is not set: refusing to serve"): internal(
+    ("stages/lib/vllm/auth.py", "{} is not set: refusing to serve"): internal(
         "the server's environment always carries the secret its starter made"
     ),
     # --- rl --------------------------------------------------------------------------------
@@ -475,16 +478,16 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "stages.rl.controller.settings.account names every field"
     ),
     ("stages/rl/controller/core.py", "rl needs prompts"): plan(no_input("rl", "{}")),
-    ("stages/rl/sync/backends.py", "step {}: engine '{}' scored"): environment(
+    ("stages/rl/sync/transports.py", "step {}: engine '{}' scored"): environment(
         "an engine's probe after a weight sync; a transfer that silently failed shows here"
     ),
-    ("stages/rl/sync/backends.py", "step {}: engine '{}' does not match"): environment(
+    ("stages/rl/sync/transports.py", "step {}: engine '{}' does not match"): environment(
         "an engine's probe after a weight sync; a transfer that silently failed shows here"
     ),
-    ("stages/rl/sync/backends.py", "engine '{}': weights did not arrive"): environment(
+    ("stages/rl/sync/transports.py", "engine '{}': weights did not arrive"): environment(
         "the weight transfer failed or timed out"
     ),
-    ("stages/rl/sync/backends.py", "engine '{}': no parameter '{}'"): internal(
+    ("stages/rl/sync/transports.py", "engine '{}': no parameter '{}'"): internal(
         "actor and engine build the same model from one model directory"
     ),
     ("stages/rl/sync/vllm.py", "SyncFailed('; '.join(errors))"): environment(
@@ -496,16 +499,16 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/rl/sync/vllm.py", "could not join the weight-sync group of "): environment(
         "an engine cannot reach the rendezvous or actor rank 0 (network between nodes)"
     ),
-    ("stages/lib/vllm_ext.py", "pipe_sync_receive before pipe_sync_join"): internal(
+    ("stages/lib/vllm/worker_ext.py", "pipe_sync_receive before pipe_sync_join"): internal(
         "the controller joins every server before the first receive"
     ),
-    ("stages/lib/weight_group.py", "weight sync: parameter '{}' where '{}' w"): internal(
+    ("stages/lib/dist/weight_group.py", "weight sync: parameter '{}' where '{}' w"): internal(
         "the sender announces the parameters in the order it sends them"
     ),
     ("stages/rl/rollout/vllm.py", "{}: HTTP {}"): environment("a vLLM server refused a request"),
     ("stages/rl/rollout/vllm.py", "{}: {}"): transient("a vLLM server could not be reached"),
     # --- train -----------------------------------------------------------------------------
-    ("stages/train/batch.py", "no training data"): data("an empty training set"),
+    ("stages/train/batch_plan.py", "no training data"): data("an empty training set"),
     ("stages/train/data.py", "has neither 'messages'"): data("a malformed training row"),
     ("stages/train/data.py", "has no 'completion'"): data("a malformed training row"),
     ("stages/train/data.py", "has no 'answer'"): data("a malformed training row"),
@@ -638,7 +641,7 @@ def test_the_guides_70b_placement_starts_its_engines_as_planned() -> None:
     """pipelines/rl_70b_cluster.yaml on 6x8x80GB plans, and the vllm role's devices on each
     node split into the planned engines the run starts (no run-time refusal left)."""
     from stages.lib.config import VLLMBackend
-    from stages.lib.vllm_server import device_slices
+    from stages.lib.vllm.server import device_slices
 
     args = ("pipelines/rl_70b_cluster.yaml", "--cluster", "6x8x80GB", "--format", "json")
     result = run_cli("plan", *args, cwd=ROOT)

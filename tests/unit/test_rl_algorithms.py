@@ -14,23 +14,23 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from stages.lib.build.recipe import TinyModel  # noqa: E402
+from stages.lib.build.tiny import build_tiny_model  # noqa: E402
 from stages.lib.config import Verifier  # noqa: E402
-from stages.lib.environment import environment_factory  # noqa: E402
-from stages.lib.model import build_tiny_model  # noqa: E402
-from stages.lib.model_config import TinyModel  # noqa: E402
+from stages.lib.env.contract import environment_factory  # noqa: E402
 from stages.rl import RLConfig  # noqa: E402
 from stages.rl.algo.advantage import (  # noqa: E402
     group_estimate,
     overlong_penalty,
     reinforce_pp_returns,
 )
+from stages.rl.algo.effects import algorithm_settings  # noqa: E402
 from stages.rl.algo.loss import (  # noqa: E402
     clipped_policy_loss,
     masked_policy_terms,
     sequence_log_ratio,
     token_scale,
 )
-from stages.rl.controller.algo_settings import algorithm_settings  # noqa: E402
 from stages.rl.rollout.prompts import Stream  # noqa: E402
 
 # --- estimators ------------------------------------------------------------------------

@@ -14,11 +14,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from stages.lib.build.recipe import TinyModel  # noqa: E402
+from stages.lib.build.tiny import build_tiny_model  # noqa: E402
 from stages.lib.config import Verifier  # noqa: E402
-from stages.lib.env_config import EnvironmentConfig  # noqa: E402
-from stages.lib.environment import environment_factory  # noqa: E402
-from stages.lib.model import build_tiny_model  # noqa: E402
-from stages.lib.model_config import TinyModel  # noqa: E402
+from stages.lib.env.contract import environment_factory  # noqa: E402
+from stages.lib.env.field import EnvironmentConfig  # noqa: E402
 from stages.lib.verify import make_verifier  # noqa: E402
 from stages.rl import RLConfig  # noqa: E402
 from stages.rl.rollout.prompts import Stream  # noqa: E402

@@ -15,9 +15,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from stages.lib.build.recipe import TinyModel  # noqa: E402
+from stages.lib.build.tiny import build_tiny_model  # noqa: E402
 from stages.lib.config import Verifier  # noqa: E402
-from stages.lib.model import build_tiny_model  # noqa: E402
-from stages.lib.model_config import TinyModel  # noqa: E402
 from stages.rl import RLConfig  # noqa: E402
 from stages.rl.algo.loss import masked_policy_terms, tis_weights  # noqa: E402
 from stages.rl.algo.mismatch import Gap  # noqa: E402
@@ -69,7 +69,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def rollout_samples(model_dir: str, temperature: float) -> list[Any]:
     """Step 1's kept samples from the fp32 local engine sampling at `temperature`."""
-    from stages.lib.environment import environment_factory
+    from stages.lib.env.contract import environment_factory
     from stages.rl.controller.batch import rollout
     from stages.rl.rollout.local import LocalEngine
     from stages.rl.rollout.prompts import Stream
@@ -92,7 +92,7 @@ def rollout_samples(model_dir: str, temperature: float) -> list[Any]:
 
 def actor(model_dir: str, **cfg: Any) -> Any:
     """The actor's request handlers on one CPU rank under plain torch (no process, no spec)."""
-    from stages.lib.rank import load_model, make_trainer
+    from stages.lib.dist.rank import load_model, make_trainer
     from stages.rl.roles.actor import Actor
 
     a = Actor.__new__(Actor)

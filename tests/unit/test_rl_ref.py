@@ -11,7 +11,7 @@ import pytest
 
 from engine.plan.memory import read_shape
 from engine.stage import Slot
-from stages.rl.roles.ref_model import in_actor
+from stages.rl.roles.frozen import in_actor
 from tests.conftest import run_cli
 from tests.unit.test_memory import LLAMA
 
@@ -122,9 +122,9 @@ def test_the_reference_loads_in_the_actor_unless_its_role_holds_devices_of_its_o
 def test_the_reference_loads_frozen_in_the_compute_dtype(tmp_path: Path, bf16: bool):
     import torch
 
-    from stages.lib.model import build_tiny_model
-    from stages.lib.model_config import TinyModel
-    from stages.rl.roles.ref_model import load_reference
+    from stages.lib.build.recipe import TinyModel
+    from stages.lib.build.tiny import build_tiny_model
+    from stages.rl.roles.frozen import load_reference
 
     build_tiny_model(TinyModel(**TINY), ["1 + 2 = 3"] * 20, str(tmp_path / "m"), seed=0)
     module, engine = load_reference(str(tmp_path / "m"), bf16, None, "cpu")
@@ -138,9 +138,9 @@ def test_the_reference_loads_frozen_in_the_compute_dtype(tmp_path: Path, bf16: b
 def test_on_a_gpu_the_reference_loads_there_in_bf16(tmp_path: Path):
     import torch
 
-    from stages.lib.model import build_tiny_model
-    from stages.lib.model_config import TinyModel
-    from stages.rl.roles.ref_model import load_reference
+    from stages.lib.build.recipe import TinyModel
+    from stages.lib.build.tiny import build_tiny_model
+    from stages.rl.roles.frozen import load_reference
 
     build_tiny_model(TinyModel(**TINY), ["1 + 2 = 3"] * 20, str(tmp_path / "m"), seed=0)
     module, _ = load_reference(str(tmp_path / "m"), True, None, "cuda:0")

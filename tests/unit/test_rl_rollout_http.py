@@ -50,7 +50,7 @@ def rollouts(server: Any, parallel: int | str) -> Any:
 
 
 def step(engine: Any, prompts: int = 64, group: int = 8) -> list[list[Any]]:
-    from stages.lib.prompt import TokenPrompt
+    from stages.lib.chat.prompt import TokenPrompt
 
     return engine.generate(
         [TokenPrompt((1, 5 + i % 7, 9)) for i in range(prompts)],
@@ -88,7 +88,7 @@ def test_a_number_bounds_the_requests_in_flight(server: Any):
 
 
 def test_each_sample_is_seeded_and_a_group_goes_to_one_server(server: Any):
-    from stages.lib.client import sample_seed
+    from stages.lib.api.client import sample_seed
 
     server.server.record_bodies = True
     engine = rollouts(server, 8)
@@ -112,7 +112,7 @@ def test_a_checkpoints_generation_config_does_not_change_the_policy_sampled(serv
     generation_config.json (vLLM's default `--generation-config auto`: Qwen2.5-Instruct's
     top_k 20, top_p 0.8, repetition_penalty 1.05) samples every rl request, sampled or
     greedy, with the policy the loss assumes: each request says every field."""
-    from stages.lib.prompt import TokenPrompt
+    from stages.lib.chat.prompt import TokenPrompt
 
     server.server.record_bodies = True
     server.server.defaults = {
@@ -144,8 +144,8 @@ def test_settings_record_the_sampling_each_vllm_request_sent():
 
 
 def test_every_step_records_what_was_in_flight(server: Any):
-    from stages.lib.env_config import EnvironmentConfig  # noqa: F401  (the rollout's imports)
-    from stages.lib.environment import environment_factory
+    from stages.lib.env.contract import environment_factory
+    from stages.lib.env.field import EnvironmentConfig  # noqa: F401  (the rollout's imports)
     from stages.rl.controller.batch import rollout
     from stages.rl.controller.loop import ENGINE_FIELDS
     from stages.rl.rollout.prompts import Stream

@@ -25,7 +25,7 @@ def _tiny(seed: int, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _sync(actor: torch.nn.Module, engine: torch.nn.Module, bf16: bool) -> None:
-    from stages.rl.sync.backends import GroupPublisher, GroupReceiver, wire_dtype
+    from stages.rl.sync.transports import GroupPublisher, GroupReceiver, wire_dtype
 
     wire = wire_dtype(bf16)
     receiver = GroupReceiver("local-0", 30.0, host="127.0.0.1", world=2, wire=wire)
@@ -48,7 +48,7 @@ def _sync(actor: torch.nn.Module, engine: torch.nn.Module, bf16: bool) -> None:
 
 def test_bf16_actor_into_fp32_engine_probe_passes():
     from stages.rl.algo.logprobs import Sample, completion_logprobs
-    from stages.rl.sync.backends import PROBE_TOLERANCE, verify
+    from stages.rl.sync.transports import PROBE_TOLERANCE, verify
 
     actor, engine = _tiny(0, torch.bfloat16), _tiny(1, torch.float32)
     _sync(actor, engine, bf16=True)

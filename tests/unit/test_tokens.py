@@ -17,8 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stages.lib.family_specs import FAMILIES as SPECS  # noqa: E402
-from stages.lib.tokens import answer_end, checkpoint_eos_ids, eos_ids, pad_id  # noqa: E402
+from stages.lib.build.conventions import FAMILIES as SPECS  # noqa: E402
+from stages.lib.chat.tokens import answer_end, checkpoint_eos_ids, eos_ids, pad_id  # noqa: E402
 from tests.families import FAMILIES  # noqa: E402
 
 torch.set_num_threads(1)
@@ -44,7 +44,7 @@ END = {
 
 def tokenizer_of(family: str, family_checkpoint: Build) -> Any:
     if family == "tiny":
-        from stages.lib.model import train_tokenizer
+        from stages.lib.build.tiny import train_tokenizer
 
         return train_tokenizer([f"{QUESTION} 5", "And 4 + 4? 8"] * 5, 300)
     from transformers import AutoTokenizer
@@ -124,7 +124,7 @@ def test_rl_roles_get_a_pad_id_from_a_config_with_an_eos_list_and_no_pad(
 def test_generation_stops_at_every_eos_and_the_templates_end_of_turn(family, family_checkpoint):
     import transformers
 
-    from stages.lib.generate import _eos_ids
+    from stages.lib.model.generate import _eos_ids
 
     path = family_checkpoint(family)
     fam = SPECS[family]

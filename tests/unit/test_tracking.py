@@ -1,7 +1,7 @@
 """The `tracking:` block, the driver's tracker writer without a cluster, and the headlines.
 
 The writer is fed by hand here (stage statuses set as `execute` sets them, events
-appended with the stages' own `stages.lib.track.Metrics`) and writes to real trackers:
+appended with the stages' own `stages.lib.io.metrics.Metrics`) and writes to real trackers:
 TensorBoard's event files read back with TensorBoard's reader, and an MLflow server
 that is not there (a closed port) to show a failing tracker costs one warning.
 """
@@ -22,7 +22,7 @@ from engine.run.headline import headlines
 from engine.run.report import RunReport
 from engine.run.tracking.recorder import start_tracking
 from engine.spec.load import load_pipeline
-from stages.lib.track import Metrics
+from stages.lib.io.metrics import Metrics
 from tests.conftest import run_cli
 
 TWO_STAGES = """\

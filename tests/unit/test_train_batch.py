@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from stages.lib.schedule import lr_factor, warmup_steps
-from stages.train.batch import BatchPlan, Micro, dynamic_groups, pack_rows
+from stages.lib.dist.schedule import lr_factor, warmup_steps
+from stages.train.batch_plan import BatchPlan, Micro, dynamic_groups, pack_rows
 
 
 def plan(n: int, lengths: list[int] | None = None, **kw: object) -> BatchPlan:

@@ -31,7 +31,7 @@ EPISODE = {
 @pytest.fixture(scope="module")
 def tokenizer():
     pytest.importorskip("transformers")
-    from stages.lib.model import train_tokenizer
+    from stages.lib.build.tiny import train_tokenizer
 
     texts = ["What is 12 * 7? calc: 12 * 7 result: 84 Use calc: lines."] * 4
     return train_tokenizer(texts, 300)
@@ -98,7 +98,7 @@ def test_a_cut_conversation_keeps_the_turns_that_fit(tokenizer):
 
 def test_collate_targets_match_the_labels(tokenizer):
     pytest.importorskip("torch")
-    from stages.train.batch import Micro
+    from stages.train.batch_plan import Micro
     from stages.train.loss import collate
 
     (ex,) = training_set(

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from stages.train import TrainConfig  # noqa: E402
-from stages.train.batch import BatchPlan, Micro  # noqa: E402
+from stages.train.batch_plan import BatchPlan, Micro  # noqa: E402
 from stages.train.data import Example, TrainingSet  # noqa: E402
 from stages.train.loss import (  # noqa: E402
     collate,
@@ -113,7 +113,7 @@ def test_dpo_loss_value():
 
 def one_step(packing: bool, dynamic: bool, micro: int) -> dict[str, object]:
     """Weights after one AdamW step on the same 6 sequences, batched differently."""
-    from stages.lib.trainer import TorchTrainer
+    from stages.lib.dist.trainer import TorchTrainer
     from stages.train.loop import Loop
 
     gen = torch.Generator().manual_seed(3)
@@ -169,8 +169,8 @@ def test_every_batching_gives_the_same_step():
 def test_logits_only_where_the_loss_reads_give_the_full_vocabularys_loss_and_gradients(packed):
     """At a 150k-token vocabulary the projection at every position was the largest cost of a
     step (3.97 s against 1.36 s for 16 rows): the loss and every gradient are the same when
-    only the answer positions are projected (`stages.lib.logits.scored_only`)."""
-    from stages.lib.logits import scored_only
+    only the answer positions are projected (`stages.lib.model.logits.scored_only`)."""
+    from stages.lib.model.logits import scored_only
 
     micro = Micro(rows=((0, 1), (2,)) if packed else ((0,), (1,), (2,)), units=(0, 1, 2))
     batch = collate(micro, EXAMPLES, pad_id=0, packed=packed)
@@ -199,7 +199,7 @@ def test_each_familys_model_gives_the_same_sft_loss_with_logits_only_at_the_answ
     it): the same loss and gradients on every architecture the test checkpoints cover."""
     from transformers import AutoModelForCausalLM
 
-    from stages.lib.logits import scored_only
+    from stages.lib.model.logits import scored_only
 
     micro = Micro(rows=((0, 1), (2,)), units=(0, 1, 2))
     batch = collate(micro, EXAMPLES, pad_id=0, packed=True)

@@ -1,7 +1,7 @@
 """Tracking: a run's plan, stages and metric events -> the trackers of its `tracking:` block.
 
 Input: the `Plan`, the live `RunReport` (its stage records change as the run goes) and
-each stage's `track.jsonl` (appended by `stages.lib.track.Metrics` wherever a metric is
+each stage's `track.jsonl` (appended by `stages.lib.io.metrics.Metrics` wherever a metric is
 made: a rank, a collector, a controller). Output: the calls of `engine.run.tracking.base.Tracker`
 on every tracker named, from the driver only: one writer per tracker, no tracker
 library or credential on a worker.
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from engine.plan.dag import Plan
 
 log = logging.getLogger("pipe.tracking")
-EVENTS = "track.jsonl"  # stages.lib.track.EVENTS
+EVENTS = "track.jsonl"  # stages.lib.io.metrics.EVENTS
 ARTIFACTS = ("*.png", "*.md", "report.json", "*_report.json", "metrics.json")
 RAN = ("running", "succeeded", "failed", "cancelled")
 NEVER_RAN = ("cached", "not-selected", "skipped", "not-run")

@@ -36,7 +36,7 @@ from stages.collect.tune.sweep import (
     diagnose,
     sweep,
 )
-from stages.lib.jsonl import read_jsonl
+from stages.lib.io.jsonl import read_jsonl
 
 if TYPE_CHECKING:
     from engine.spec.load import LoadedPipeline

@@ -11,7 +11,7 @@ ZeRO optimizers' backward flags, and autocast applies only there. The vocabulary
 runs only where a loss reads: padded, over the positions from the batch's first completion
 token on (transformers' `logits_to_keep`, the last K positions); packed, over the scored
 positions alone, which a pre-hook on the output embeddings selects from the hidden states
-(`stages.lib.logits.scored_only`: the same on every transformers release, where a 2-D
+(`stages.lib.model.logits.scored_only`: the same on every transformers release, where a 2-D
 `logits_to_keep` is new in 5.24 and raises `IndexError` in 5.17). The actor (with gradients),
 the reference and the engine (for the probe after a sync) call the same code, so equal
 weights give equal numbers.
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from stages.lib.logits import scored_only
+from stages.lib.model.logits import scored_only
 from stages.rl.algo.loss import entropy, token_logprobs
 from stages.rl.algo.packing import layout
 

@@ -27,6 +27,9 @@ reference. Output: advantages (and which groups carry a signal), and the loss te
 
 With one update per batch the ratio is 1 and its gradient is `grad(new)`, so the loss
 reduces to REINFORCE with a group-mean baseline (tests/unit/test_rl_loss.py shows it).
+
+One name, two sides of one concept (the loss of a trained model: train's (SFT, DPO); this file:
+rl's (the clipped policy loss); `stages/train/loss.py` the other side).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Output: per rank, its micro batches in order; an empty micro batch is a dummy pa
 
 Rank r takes every world-th sample of the step, as before; then ranks split their largest
 micro batch (or add a dummy) until all have the same count, the rule of the train stage
-(`stages.train.batch.BatchPlan.equalize`). ZeRO-3 gathers each layer's weights in every
+(`stages.train.batch_plan.BatchPlan.equalize`). ZeRO-3 gathers each layer's weights in every
 forward and reduces the gradients in every backward with all ranks taking part, so a
 rank with one pass more than another waits for it forever. A dummy pass runs a real
 sample forward and backward with loss weight 0: it takes part in every collective and

@@ -12,7 +12,7 @@ quarter, at most `rollout_batch_size` prompts. Each group's rewards are the epis
 totals plus DAPO's overlong penalty (`overlong_buffer`), and its advantages come from the
 `advantage` estimator (`stages.rl.algo.advantage`); the recorded rewards stay the verifier's.
 
-Every sample is an episode (`stages.rl.rollout.play`); without an environment it is the
+Every sample is an episode (`stages.rl.rollout.token_play`); without an environment it is the
 verifier's one turn (`single_turn`), the same engine call and numbers as a plain rollout.
 An episode's reward is its total over turns, and advantages are normalised within the
 prompt's group of episodes. An episode the environment broke (raised, hung, answered
@@ -44,7 +44,7 @@ class Scored:
 
 def rollout(c: Any, step: int) -> Batch:
     """Batch `step`: see the module docstring."""
-    from stages.lib.environment import check_failures
+    from stages.lib.env.contract import check_failures
     from stages.rl.algo.logprobs import Sample
 
     cfg = c.cfg
@@ -117,11 +117,11 @@ def _refill_size(kept: int, want: int, drawn: int) -> int:
 def _play(c: Any, indices: list[int], step: int, round_: int) -> list[Any]:
     """The groups of episodes of `indices`' prompts; round 0 the step's own, later rounds
     dynamic sampling's refills (their own sampling seeds)."""
-    from stages.lib.environment import max_turns
-    from stages.rl.rollout.play import Sampling, play
+    from stages.lib.env.contract import max_turns
+    from stages.rl.rollout.token_play import PlaySettings, play
 
     cfg, env = c.cfg, c.cfg.environment
-    sampling = Sampling(
+    sampling = PlaySettings(
         num_samples=cfg.num_repeats,
         temperature=cfg.temperature,
         max_new_tokens=cfg.max_output_tokens,
@@ -160,11 +160,11 @@ def _score(cfg: Any, group: list[Any]) -> Scored:
 def held_out(c: Any) -> float:
     """The share of held-out episodes solved within `max_turns`, greedy (one per prompt);
     the first-turn share goes to `c.first_turn` (the report puts the two side by side)."""
-    from stages.lib.environment import check_failures, max_turns
-    from stages.rl.rollout.play import Sampling, play
+    from stages.lib.env.contract import check_failures, max_turns
+    from stages.rl.rollout.token_play import PlaySettings, play
 
     cfg, env = c.cfg, c.cfg.environment
-    sampling = Sampling(
+    sampling = PlaySettings(
         num_samples=1,
         temperature=0.0,
         max_new_tokens=cfg.max_output_tokens,

@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.config import VLLMBackend
-from stages.lib.jsonl import write_json
+from stages.lib.io.jsonl import write_json
 from stages.rl.controller.loop import Batch, run_steps
 from stages.rl.controller.records import plot, read_metrics, write_settings
 from stages.rl.roles.launch import Roles
@@ -41,7 +41,7 @@ class Controller:
     def __init__(self, cfg: RLConfig, ctx: StageContext) -> None:
         import torch
 
-        from stages.lib.environment import environment_factory
+        from stages.lib.env.contract import environment_factory
 
         torch.set_num_threads(cfg.num_threads)
         self.cfg, self.ctx = cfg, ctx
@@ -69,7 +69,7 @@ class Controller:
         self.version = 0
         self.first_turn: float | None = None
         # set when it starts (`stages.rl.controller.start`)
-        self.fingerprint = ""
+        self.resume_key = ""
         self.sync_choice: Any = None  # a `SyncChoice`: the backend that runs, and why
         self.sync_kind = ""
         self.host = ""
@@ -109,7 +109,7 @@ class Controller:
 
     def sync(self, version: int) -> dict[str, Any]:
         from stages.rl.algo.logprobs import Sample
-        from stages.rl.sync.backends import verify
+        from stages.rl.sync.transports import verify
 
         start = time.perf_counter()
         probe = {"ids": self.probe[0], "prompt_len": self.probe[1]}
@@ -197,7 +197,7 @@ class Controller:
         return out
 
     def save(self, step: int) -> None:
-        state = {"step": step, "fingerprint": self.fingerprint, "version": self.version}
+        state = {"step": step, "resume_key": self.resume_key, "version": self.version}
         tag = f"step_{step:08d}"
         if self.critic is not None:  # first: the actor's `latest` marks a complete checkpoint
             self.critic.request("save", {"tag": tag}, timeout_s=3600, alive=self.actor_alive)

@@ -10,6 +10,9 @@ k, and while it trains the engine samples up to q batches ahead with the weights
 (version k-1); then the sync. A batch records the version that sampled it and its
 staleness (updates between that version and the one it trains); with q = 0 the order is
 exactly the synchronous one.
+
+One name, two sides of one concept (a kind's step loop: one train rank's; this file: the rl
+controller's; `stages/train/loop.py` the other side).
 """
 
 from __future__ import annotations

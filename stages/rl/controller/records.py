@@ -17,8 +17,8 @@ import shutil
 from collections.abc import Sequence
 from typing import Any
 
-from stages.lib.jsonl import atomic_path, atomic_write, write_json
-from stages.lib.track import Metrics
+from stages.lib.io.jsonl import atomic_path, atomic_write, write_json
+from stages.lib.io.metrics import Metrics
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -88,7 +88,7 @@ def write_settings(path: str, config: Any, how: dict[str, tuple[str, str]]) -> N
     write_json(path, settings_record(config, how))
 
 
-def fingerprint(cfg: Any, world: int, trainer: str, unhashed: Sequence[str]) -> str:
+def resume_key(cfg: Any, world: int, trainer: str, unhashed: Sequence[str]) -> str:
     """What a checkpoint must match to be resumed: the config (less `unhashed`), the
     inputs' versions, the actor's world size and trainer."""
     config = cfg.model_dump(mode="json", exclude=set(unhashed))
@@ -102,7 +102,7 @@ def fingerprint(cfg: Any, world: int, trainer: str, unhashed: Sequence[str]) -> 
 
 
 def resume_point(
-    stage_dir: str, fingerprint: str, log: logging.Logger
+    stage_dir: str, resume_key: str, log: logging.Logger
 ) -> tuple[str | None, int, int]:
     """The checkpoint tag to resume from, its step and weight version (None, 0, 0: a fresh
     start, whatever an earlier run left cleared)."""
@@ -115,7 +115,7 @@ def resume_point(
         if os.path.exists(state_path):
             with open(state_path, encoding="utf-8") as f:
                 state = json.load(f)
-            if state.get("fingerprint") == fingerprint:
+            if state.get("resume_key") == resume_key:
                 trim_metrics(f"{stage_dir}/metrics.jsonl", int(state["step"]))
                 log.info("resuming from %s (step %d)", tag, state["step"])
                 return tag, int(state["step"]), int(state.get("version", state["step"]))

@@ -23,9 +23,9 @@ TRAINED = ("actor", "critic", "ref")
 def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     """Start every role placed on this worker; return when all of them have exited."""
     from stages.lib.config import VLLMBackend
+    from stages.rl.roles.frozen import in_actor
     from stages.rl.roles.launch import start_ranks
     from stages.rl.roles.layout import local_ranks
-    from stages.rl.roles.ref_model import in_actor
     from stages.rl.rollout.pool import host_engine, spawn
 
     assert ctx.link is not None

@@ -12,9 +12,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from stages.lib.sampling import request_sampling
-from stages.lib.sleep import sleep_method
-from stages.rl.controller.algo_settings import algorithm_settings
+from stages.lib.api.sampling import request_sampling
+from stages.lib.dist.sleep import sleep_method
+from stages.rl.algo.effects import algorithm_settings
 from stages.rl.sync.choice import SyncChoice
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ def account(
 ) -> dict[str, tuple[str, str]]:
     """Every field of `cfg` with its status in a run with these decisions (`engines`: where
     each engine started; `saved`: the final checkpoint's dtype and why,
-    `stages.lib.dtypes.resolve_save_dtype`)."""
+    `stages.lib.model.dtypes.resolve_save_dtype`)."""
     ds = trainer == "deepspeed"
     no_ds = (S, "plain torch trains the actor (deepspeed is not installed or trainer: torch)")
     how: dict[str, tuple[str, str]] = {
@@ -272,7 +272,7 @@ def _verifier(cfg: RLConfig) -> tuple[str, str]:
 
 
 def _environment(cfg: RLConfig) -> tuple[str, str]:
-    from stages.lib.environment import max_turns
+    from stages.lib.env.contract import max_turns
 
     env = cfg.environment
     if env is None:

@@ -15,7 +15,7 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.config import VLLMBackend
-from stages.rl.controller.records import fingerprint, resume_point
+from stages.rl.controller.records import resume_key, resume_point
 from stages.rl.controller.settings import account
 from stages.rl.roles.launch import host_of
 from stages.rl.roles.layout import role_workers
@@ -32,8 +32,8 @@ def init_model_dir(c: Controller) -> str:
         return c.cfg.model
     path = f"{c.dir}/init_model"
     if not os.path.exists(f"{path}/config.json"):
-        from stages.lib.model import build_tiny_model
-        from stages.lib.prompt import as_messages
+        from stages.lib.build.tiny import build_tiny_model
+        from stages.lib.chat.prompt import as_messages
 
         texts: list[str] = []
         for p in c.data.prompts:
@@ -43,25 +43,25 @@ def init_model_dir(c: Controller) -> str:
     return path
 
 
-def _fingerprint(c: Controller, world: int, trainer: str) -> str:
-    return fingerprint(c.cfg, world, trainer, UNHASHED)
+def _resume_key(c: Controller, world: int, trainer: str) -> str:
+    return resume_key(c.cfg, world, trainer, UNHASHED)
 
 
-def _resume(c: Controller, fingerprint: str) -> tuple[str | None, int]:
+def _resume(c: Controller, resume_key: str) -> tuple[str | None, int]:
     """The checkpoint tag to resume from and its step (None, 0: a fresh start)."""
-    tag, step, version = resume_point(c.dir, fingerprint, c.ctx.log)
+    tag, step, version = resume_point(c.dir, resume_key, c.ctx.log)
     c.version = version if tag else c.version
     return tag, step
 
 
 def start(c: Controller) -> int:
     """Build the engine, launch the actor, sync the first weights; the step to start at."""
-    from stages.lib.ds_config import build_ds_config
-    from stages.lib.dtypes import resolve_save_dtype
+    from stages.lib.dist.ds_config import build_ds_config
+    from stages.lib.model.dtypes import resolve_save_dtype
     from stages.rl.roles.channel import StageEnd
     from stages.rl.roles.spec import ActorSpec
     from stages.rl.rollout.local import LocalEngine
-    from stages.rl.sync.backends import make_receiver, sync_file, wire_dtype
+    from stages.rl.sync.transports import make_receiver, sync_file, wire_dtype
 
     cfg = c.cfg
     model_dir = init_model_dir(c)
@@ -70,11 +70,11 @@ def start(c: Controller) -> int:
     trainer = (
         "deepspeed" if cfg.trainer == "deepspeed" or (cfg.trainer == "auto" and has_ds) else "torch"
     )
-    fingerprint = _fingerprint(c, world, trainer)
-    tag, start = _resume(c, fingerprint)
-    c.fingerprint = fingerprint
+    resume_key = _resume_key(c, world, trainer)
+    tag, start = _resume(c, resume_key)
+    c.resume_key = resume_key
     from stages.lib.devices import torch_device
-    from stages.lib.launch import rank_table
+    from stages.lib.dist.spawn import rank_table
     from stages.rl.sync.choice import choose_sync, shared_gpu
 
     engine_device = torch_device(c.ctx, "vllm")
@@ -116,7 +116,7 @@ def start(c: Controller) -> int:
         "world": sync_world,
         "store": getattr(c.receiver, "address", ""),
     }
-    from stages.rl.roles.ref_model import RefRanks, in_actor
+    from stages.rl.roles.frozen import RefRanks, in_actor
 
     ref_in_actor = cfg.kl_coef > 0 and in_actor(c.ctx.slots)
     saved = resolve_save_dtype(cfg.save_dtype, model_dir)

@@ -9,7 +9,7 @@ returns its statistics), `sync` (publish the weights to the engine, then score t
 the hybrid engine), `final` (the Hugging Face checkpoint at `output`), `stop`.
 
 Rank 0 talks to the stage and passes each request on to the other ranks (through the
-rendezvous store, not a collective: they may wait for hours, `stages.lib.serve`); every rank
+rendezvous store, not a collective: they may wait for hours, `stages.lib.dist.serve`); every rank
 trains on its share of each optimizer step's samples (gradients averaged by the
 trainer), and per-token losses are divided by the step's token count over all ranks.
 """
@@ -24,7 +24,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from stages.lib.rank import (
+from stages.lib.chat.tokens import pad_id
+from stages.lib.dist.rank import (
     die_with_parent,
     exit_now,
     init_distributed,
@@ -32,7 +33,6 @@ from stages.lib.rank import (
     make_trainer,
     setup,
 )
-from stages.lib.tokens import pad_id
 
 log = logging.getLogger("pipe.rl")
 
@@ -50,7 +50,7 @@ class Actor:
         )
         self.reference: Any = None  # here when the ref role has no devices of its own
         if self.cfg.kl_coef > 0 and spec.ref_in_actor:
-            from stages.rl.roles.ref_model import load_reference
+            from stages.rl.roles.frozen import load_reference
 
             self.reference, self.ref_engine = load_reference(
                 spec.model_dir, self.cfg.bf16, spec.ds_config, device
@@ -225,7 +225,7 @@ class Actor:
 
     def sync(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Publish the weights (rank 0 sends, every rank gathers), then score the probe."""
-        from stages.rl.sync.backends import make_publisher, sync_file, tied_aliases, wire_dtype
+        from stages.rl.sync.transports import make_publisher, sync_file, tied_aliases, wire_dtype
 
         start = time.perf_counter()
         if self.rank == 0 and self.publisher is None:
@@ -260,7 +260,7 @@ class Actor:
         """The frozen reference's log-probabilities of each sample's completion, when it
         loads here (PPO's KL penalty in the reward); every rank scores every sample."""
         from stages.rl.algo.logprobs import Sample
-        from stages.rl.roles.ref_model import reference_logprobs
+        from stages.rl.roles.frozen import reference_logprobs
 
         assert self.reference is not None
         samples = [Sample(**s) for s in payload["samples"]]
@@ -288,7 +288,7 @@ class Actor:
         tag = payload["tag"]
         self.trainer.save(root, tag)
         if self.rank == 0:
-            from stages.lib.jsonl import atomic_write, write_json
+            from stages.lib.io.jsonl import atomic_write, write_json
 
             write_json(f"{root}/{tag}/rl_state.json", payload["state"])
             atomic_write(f"{root}/latest", tag)
@@ -296,8 +296,8 @@ class Actor:
 
     def final(self, payload: dict[str, Any]) -> str:
         """The Hugging Face checkpoint at `output` in the resolved save dtype, beside the
-        input's files (written beside it, then renamed in: `stages.lib.save`)."""
-        from stages.lib.save import write_checkpoint
+        input's files (written beside it, then renamed in: `stages.lib.model.save`)."""
+        from stages.lib.model.save import write_checkpoint
 
         output = self.cfg.output
         state = self.trainer.full_state_dict()  # under ZeRO-3 on rank 0 only, module by module
@@ -309,7 +309,7 @@ class Actor:
 
     def offload(self, payload: Any) -> str:
         """The optimizer side off the GPU while the engine generates (hybrid engine; how:
-        `stages.lib.sleep`); what moved."""
+        `stages.lib.dist.sleep`); what moved."""
         return str(self.trainer.offload())
 
     def reload(self, payload: Any) -> str:
@@ -319,9 +319,9 @@ class Actor:
 
 def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:
     """Answer requests with `handlers` until `stop`: rank 0 receives each and passes it on
-    to the other ranks (through the store, not a collective: `stages.lib.serve`), every rank
+    to the other ranks (through the store, not a collective: `stages.lib.dist.serve`), every rank
     runs it, rank 0 replies."""
-    from stages.lib.serve import Requests
+    from stages.lib.dist.serve import Requests
 
     requests = Requests(world, conn)
     while True:

@@ -16,8 +16,8 @@ import logging
 import random
 from typing import Any
 
-from stages.lib.rank import exit_now, load_model, make_trainer
-from stages.lib.tokens import pad_id
+from stages.lib.chat.tokens import pad_id
+from stages.lib.dist.rank import exit_now, load_model, make_trainer
 
 log = logging.getLogger("pipe.rl.critic")
 

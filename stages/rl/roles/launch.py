@@ -22,7 +22,7 @@ from stages.rl.roles.layout import local_ranks, rendezvous, role_table, role_wor
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
-    from stages.lib.launch import Ranks
+    from stages.lib.dist.spawn import Ranks
     from stages.rl import RLConfig
 
 
@@ -46,7 +46,7 @@ def start_ranks(
     in `errors`."""
     import torch
 
-    from stages.lib.launch import launch
+    from stages.lib.dist.spawn import launch
 
     device = "cuda" if ranks.devices and torch.cuda.is_available() else "cpu"
     stage_dir = ctx.stage_dir.rstrip("/")
@@ -128,7 +128,7 @@ def record_rank(stage_dir: str, role: str, rank: int, world: int, device: str) -
     """A rank's own record of what it was given: `<stage_dir>/ranks/<role>-<rank>.json`."""
     import socket
 
-    from stages.lib.jsonl import write_json
+    from stages.lib.io.jsonl import write_json
 
     env = os.environ
     write_json(

@@ -2,7 +2,7 @@
 
 Input: the `ActorSpec` the actor reads (its ds_config says whether ZeRO-3 splits the
 weights) and the rank in the environment; the ref role's ranks form their own
-torch.distributed job on the role's devices (`stages.rl.roles.ref_model` says when it has them).
+torch.distributed job on the role's devices (`stages.rl.roles.frozen` says when it has them).
 Output: answers to the stage's requests: `ref_logprobs` (each sample's completion
 log-probabilities under the frozen reference, in the compute dtype; every rank scores every
 world-th sample, in as many passes as the busiest rank, and rank 0 returns them in order),
@@ -15,9 +15,9 @@ import logging
 import os
 from typing import Any
 
-from stages.lib.rank import exit_now
-from stages.lib.tokens import pad_id
-from stages.rl.roles.ref_model import load_reference, reference_logprobs
+from stages.lib.chat.tokens import pad_id
+from stages.lib.dist.rank import exit_now
+from stages.rl.roles.frozen import load_reference, reference_logprobs
 
 log = logging.getLogger("pipe.rl.ref")
 

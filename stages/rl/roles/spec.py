@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from stages.lib.jsonl import atomic_write
+from stages.lib.io.jsonl import atomic_write
 from stages.rl import RLConfig
 
 
@@ -36,7 +36,9 @@ class ActorSpec(BaseModel):
     resume_tag: str | None
     total_updates: int
     ref_in_actor: bool = False  # kl_coef > 0 and the ref role has no devices of its own
-    save_dtype: str = "float32"  # the final checkpoint's (`stages.lib.dtypes.resolve_save_dtype`)
+    save_dtype: str = (
+        "float32"  # the final checkpoint's (`stages.lib.model.dtypes.resolve_save_dtype`)
+    )
 
     def write(self, path: str) -> None:
         atomic_write(path, self.model_dump_json(indent=1) + "\n")

@@ -8,6 +8,9 @@ as they finish), greedy answers for held-out scoring, and the probe's log-probab
 after a sync. `sleep` frees the weights (the hybrid engine, while the actor trains);
 `wake_weights` allocates them again, to be filled by the next sync; the KV cache is
 allocated per generation call, so `wake_cache` has nothing to reserve here.
+
+One name, two sides of one concept (the `local` engine, generation in the stage's own process:
+collect's backend; this file: rl's rollout engine; `stages/collect/local.py` the other side).
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from typing import Any
 
 import torch
 
-from stages.lib.generate import Generation, generate_with
-from stages.lib.prompt import Prompt
-from stages.lib.tokens import pad_id
+from stages.lib.chat.prompt import Prompt
+from stages.lib.chat.tokens import pad_id
+from stages.lib.model.generate import Generation, generate_with
 from stages.rl.algo.logprobs import Sample, completion_logprobs
 
 log = logging.getLogger("pipe.rl")

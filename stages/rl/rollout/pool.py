@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from stages.lib.generate import Generation
-from stages.lib.prompt import Prompt
+from stages.lib.chat.prompt import Prompt
+from stages.lib.model.generate import Generation
 from stages.rl.algo.logprobs import Sample
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ def host_engine(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     from stages.lib.devices import torch_device
     from stages.rl.roles.channel import connect
     from stages.rl.rollout.local import LocalEngine
-    from stages.rl.sync.backends import make_receiver, wire_dtype
+    from stages.rl.sync.transports import make_receiver, wire_dtype
 
     assert ctx.link is not None
     torch.set_num_threads(cfg.num_threads)

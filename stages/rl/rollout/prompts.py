@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stages.lib.jsonl import read_jsonl
-from stages.lib.prompt import Prompt
+from stages.lib.chat.prompt import Prompt
+from stages.lib.io.jsonl import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -71,10 +71,10 @@ class Stream:
 
 def probe_ids(tokenizer: Any, prompt: Prompt, answer: str) -> tuple[tuple[int, ...], int]:
     """A fixed probe: the first prompt (chat template applied) and its reference answer closed
-    as the template closes an answer (`stages.lib.tokens.answer_end`), as token ids, and
+    as the template closes an answer (`stages.lib.chat.tokens.answer_end`), as token ids, and
     where the answer starts."""
-    from stages.lib.prompt import format_prompt
-    from stages.lib.tokens import answer_end
+    from stages.lib.chat.prompt import format_prompt
+    from stages.lib.chat.tokens import answer_end
 
     head = list(tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
     tail = list(tokenizer(answer, add_special_tokens=False)["input_ids"])

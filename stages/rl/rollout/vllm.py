@@ -4,7 +4,7 @@ Input: the model directory (the actor's starting weights and its tokenizer), the
 block, the devices the plan gives the `vllm` role. Output: what `LocalEngine` gives
 (samples with token ids and the sampling distribution's log-probabilities, greedy
 answers, the probe's log-probabilities), from `vllm_num_engines` OpenAI-compatible
-servers (`stages.lib.vllm_server`, one per tensor-parallel slice of the devices), each
+servers (`stages.lib.vllm.server`, one per tensor-parallel slice of the devices), each
 prompt's group sent to one server, prompts spread over the servers in turn, one request
 per sample with `num_samples_in_parallel` in flight (`stages.rl.rollout.vllm_requests`). The role's
 other workers start the servers on their own devices (`host_servers`, in the stage's task
@@ -13,7 +13,7 @@ link; the controller reaches, syncs and probes every server alike.
 
 Weights (`stages.rl.sync.vllm`): a gloo or NCCL group from actor rank 0 into every
 server's workers, through our worker extension (`--worker-extension-cls`,
-`stages.lib.vllm_ext`) and vLLM's `/collective_rpc`; or, with `disk`, a safetensors file
+`stages.lib.vllm.worker_ext`) and vLLM's `/collective_rpc`; or, with `disk`, a safetensors file
 every server reloads. Either way each server then drops its prefix cache and scores the
 probe. Those are development endpoints (`VLLM_SERVER_DEV_MODE=1`); every request bears
 the run's secret.
@@ -22,13 +22,16 @@ Log-probabilities: the servers run with `--logprobs-mode processed_logprobs`, so
 sampled token's log-probability is taken under the temperature-scaled distribution, as
 the actor's ratio needs; nothing else shapes that distribution: the servers start with
 `--generation-config vllm` and every request sends every sampling field, top-k, top-p,
-min-p and the penalties neutral (`stages.lib.sampling`), so a checkpoint's
+min-p and the penalties neutral (`stages.lib.api.sampling`), so a checkpoint's
 `generation_config.json` (Qwen2.5-Instruct's top_k 20, top_p 0.8, repetition_penalty
 1.05) does not change the policy sampled: softmax(logits / temperature) over the whole
 vocabulary. The probe is scored from `prompt_logprobs` (the raw model),
 so both sides score it at temperature 1. Sleep (`vllm_enable_sleep`, GPU only):
 `/sleep?level=1` while the actor trains, then `/wake_up` for the weights before the
 sync and for the KV cache after it.
+
+One name, two sides of one concept (the rl stage's vLLM engines: the rollouts they generate;
+`stages/rl/sync/vllm.py`: the weights synced into them).
 """
 
 from __future__ import annotations
@@ -42,11 +45,11 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from engine.stage import visible_names
+from stages.lib.api.sampling import request_sampling
+from stages.lib.chat.prompt import Prompt
+from stages.lib.chat.tokens import checkpoint_eos_ids, pad_id
 from stages.lib.config import VLLMBackend
-from stages.lib.generate import Generation
-from stages.lib.prompt import Prompt
-from stages.lib.sampling import request_sampling
-from stages.lib.tokens import checkpoint_eos_ids, pad_id
+from stages.lib.model.generate import Generation
 from stages.rl.algo.logprobs import Sample
 from stages.rl.rollout.vllm_requests import HTTPRollouts
 
@@ -76,7 +79,7 @@ def server_args(bf16: bool, gpu: bool, max_model_len: int | None) -> list[str]:
     """What the rl stage adds to each server's command line: the training precision,
     sampled log-probabilities under the temperature, the weight-sync worker extension, and
     on GPUs the context length."""
-    from stages.lib.vllm_ext import EXTENSION
+    from stages.lib.vllm.worker_ext import EXTENSION
 
     args = ["--dtype", "bfloat16" if bf16 else "float32"]
     args += ["--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION]
@@ -107,7 +110,7 @@ def start_servers(
     engine on GPUs computes in fp32, not TF32 (`FP32_EXACT_ENV`): the probe's 1e-4 holds."""
     import torch
 
-    from stages.lib.vllm_server import FP32_EXACT_ENV, vllm_servers
+    from stages.lib.vllm.server import FP32_EXACT_ENV, vllm_servers
 
     tp = backend.vllm_tensor_parallel_size
     update: dict[str, Any] = {"model": model_dir}
@@ -138,7 +141,7 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
     the servers of the `vllm` role's other workers (told the model through the link)."""
     import json
 
-    from stages.lib.vllm_auth import new_secret
+    from stages.lib.vllm.auth import new_secret
     from stages.rl.roles.layout import role_workers
 
     assert isinstance(cfg.backend, VLLMBackend)
@@ -230,7 +233,7 @@ class VLLMEngine:
         server requires `secret` on every request, and every request here bears it."""
         from transformers import AutoTokenizer
 
-        from stages.lib.vllm_auth import bearer
+        from stages.lib.vllm.auth import bearer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.served = model_dir

@@ -2,7 +2,7 @@
 
 Input: the servers' URLs, the tokenizer, the served model name, the request headers (the
 run's secret) and `num_samples_in_parallel` (a number, or `auto`: the collect stage's
-adaptive limit, `stages.lib.adaptive.AdaptiveLimit`, which ramps to the servers'
+adaptive limit, `stages.lib.api.adaptive.AdaptiveLimit`, which ramps to the servers'
 knee and keeps tracking it from step to step). Output: per prompt, its samples as
 `Generation`s (token ids, the sampling distribution's log-probabilities), and `stats` of the
 latest call: requests in flight (mean and peak), the servers' own queue wait per request
@@ -11,7 +11,7 @@ does not export it) and generated tokens per second.
 
 Every sample of every group is its own request (`n: 1`, seeded per prompt and sample as the
 collect stage seeds them) and carries every sampling field: the temperature, the rest
-neutral (`stages.lib.sampling`), so the servers sample softmax(logits / temperature) over
+neutral (`stages.lib.api.sampling`), so the servers sample softmax(logits / temperature) over
 the whole vocabulary, the policy the loss assumes, whatever their defaults. All of a
 step's requests are submitted at once and the bound decides how many are in flight: a
 server batches what it is sent, so a handful of group requests at a time would leave a
@@ -30,12 +30,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from stages.lib.adaptive import AdaptiveLimit
-from stages.lib.client import backoff_delay, classify, sample_seed, status_error
-from stages.lib.generate import Generation
-from stages.lib.prompt import Prompt, prompt_ids
-from stages.lib.sampling import request_sampling
-from stages.lib.tokens import eos_ids
+from stages.lib.api.adaptive import AdaptiveLimit
+from stages.lib.api.client import backoff_delay, classify, sample_seed, status_error
+from stages.lib.api.sampling import request_sampling
+from stages.lib.chat.prompt import Prompt, prompt_ids
+from stages.lib.chat.tokens import eos_ids
+from stages.lib.model.generate import Generation
 
 MAX_RETRIES, BACKOFF_S = 4, 0.5
 _QUEUE = re.compile(r"^vllm:request_queue_time_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$", re.M)
@@ -105,7 +105,7 @@ class HTTPRollouts:
         self.urls, self.tokenizer, self.served = list(urls), tokenizer, served
         self.headers, self.timeout_s, self.parallel = headers, timeout_s, parallel
         self.adaptive = AdaptiveLimit() if parallel == "auto" else None  # kept across steps
-        self.stops = eos_ids(tokenizer) if stops is None else stops  # `stages.lib.tokens`
+        self.stops = eos_ids(tokenizer) if stops is None else stops  # `stages.lib.chat.tokens`
         self.stats: dict[str, Any] = {}
 
     def generate(
@@ -241,7 +241,7 @@ class HTTPRollouts:
 def stop_token(choice: dict[str, Any], ids: list[int], stops: list[int], eos: Any) -> int | None:
     """The sampled stop token a stopped answer's `token_ids` leave out, None if they hold it.
 
-    An answer ending in any stop id (`stages.lib.tokens.eos_ids`: `<|endoftext|>` as well as
+    An answer ending in any stop id (`stages.lib.chat.tokens.eos_ids`: `<|endoftext|>` as well as
     `<|im_end|>`) holds it, and nothing is added: no token joins a sequence that the engine
     did not sample. Otherwise the engine's `stop_reason` says what it sampled: a token id,
     or none for the tokenizer's end-of-sequence token; a stop string adds nothing."""

@@ -6,10 +6,10 @@ holding the actor's weights, and what the sync cost (`stats`).
 - `VLLMGroupReceiver` (`gloo`, `nccl`): the controller hosts the rendezvous store on its
   reachable address; actor rank 0 is group rank 0, and every worker of every engine (each
   tensor-parallel worker, on every node of the role) a rank after it, reached through
-  vLLM's `/collective_rpc` and our worker extension (`stages.lib.vllm_ext`). The first sync
+  vLLM's `/collective_rpc` and our worker extension (`stages.lib.vllm.worker_ext`). The first sync
   joins them (an engine that cannot reach the store or the actor fails it, naming both
   ends: that sync is the stage's start); each sync then broadcasts the weights once, in
-  buckets, to all engines at the same time (`stages.lib.weight_group`), each worker loading
+  buckets, to all engines at the same time (`stages.lib.dist.weight_group`), each worker loading
   them in place, and the prefix caches are dropped. No file is written.
 - `VLLMDiskReceiver` (`disk`, the explicit choice): actor rank 0 writes
   `<stage>/sync/model.safetensors`, then every server reloads it (`reload_weights`).
@@ -17,6 +17,9 @@ holding the actor's weights, and what the sync cost (`stats`).
 Requests in flight: none. A sync runs between generations in both the synchronous and the
 asynchronous loop (the engine samples ahead while the actor trains, then the sync), so
 generation is drained before every update; staleness is recorded as before.
+
+One name, two sides of one concept (the rl stage's vLLM engines: the rollouts they generate;
+this file: the weights synced into them; `stages/rl/rollout/vllm.py` the other side).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
-from stages.rl.sync.backends import SyncFailed
+from stages.rl.sync.transports import SyncFailed
 
 
 class VLLMEngine(Protocol):
@@ -75,7 +78,7 @@ class VLLMGroupReceiver:
     pulls = False  # the servers receive while the actor sends
 
     def __init__(self, engine: VLLMEngine, host: str, timeout_s: float, nccl: bool) -> None:
-        from stages.lib.weight_group import host_store
+        from stages.lib.dist.weight_group import host_store
 
         self.engine, self.timeout_s, self.nccl = engine, timeout_s, nccl
         self.name = engine.name

@@ -1,0 +1,98 @@
+"""The prompt format every stage shares: one chat template for training and generation.
+
+Input: a prompt (a string, or a list of chat messages) and a tokenizer.
+Output: the text a model sees before its answer.
+
+The tiny models' chat template is deliberately plain:
+
+    <|bos|><|system|>...<|user|>...<|assistant|>ANSWER<|eos|>
+
+`format_prompt` renders a prompt up to and including the assistant marker
+through the tokenizer's own chat template (any Hugging Face checkpoint with
+one works the same way); training appends the target and the template's closing
+token (`stages.lib.chat.tokens.answer_end`), generation continues from it. Tokenize its output with
+`add_special_tokens=False` (the template already holds the BOS token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stages.lib.chat.tokens import answer_end
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    """A prompt already as token ids (a multi-turn episode's conversation so far, exactly as
+    the model saw and wrote it: no re-tokenisation between turns)."""
+
+    ids: tuple[int, ...]
+
+
+Prompt = str | Sequence[dict[str, str]] | TokenPrompt
+
+
+def as_messages(prompt: Prompt) -> list[dict[str, str]]:
+    """A prompt as chat messages: a string becomes a single user message."""
+    if isinstance(prompt, TokenPrompt):
+        raise TypeError("a prompt of token ids has no messages")
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
+def format_prompt(tokenizer: Any, prompt: Prompt) -> str:
+    """The text a model sees before its answer, through the tokenizer's chat template."""
+    text = tokenizer.apply_chat_template(
+        as_messages(prompt), tokenize=False, add_generation_prompt=True
+    )
+    return str(text)
+
+
+def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """The token ids a model sees before its answer (a `TokenPrompt` as it is)."""
+    if isinstance(prompt, TokenPrompt):
+        return list(prompt.ids)
+    text = format_prompt(tokenizer, prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def continuation_ids(
+    tokenizer: Any, messages: Sequence[dict[str, str]], new: Sequence[dict[str, str]]
+) -> list[int]:
+    """The tokens that follow a finished assistant turn when `new` messages (an environment's
+    observation) are appended and the model is to answer again: the chat template's text of
+    `messages + new` (with the generation prompt) past that of `messages` alone, from the end
+    of the turn's closing token on (the turn's ids end at it: ChatML's newline after
+    `<|im_end|>` is the first token here, `stages.lib.chat.tokens.answer_end`). A template whose
+    rendering of the longer conversation does not extend the shorter one's (some strip
+    earlier turns' reasoning) falls back to `new` rendered on its own, without the BOS."""
+    rest = answer_end(tokenizer).rest
+    before = str(tokenizer.apply_chat_template(list(messages), tokenize=False))
+    after = format_prompt(tokenizer, [*messages, *new])
+    if after.startswith(before):
+        delta = after[len(before) :]
+    else:
+        delta = format_prompt(tokenizer, list(new))
+        bos = getattr(tokenizer, "bos_token", None)
+        if bos and delta.startswith(bos):
+            delta = delta[len(bos) :]
+    if rest and before.endswith(rest):
+        delta = rest + delta
+    return list(tokenizer(delta, add_special_tokens=False)["input_ids"])

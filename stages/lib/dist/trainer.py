@@ -1,0 +1,395 @@
+"""The optimizer side of a rank: DeepSpeed's engine, or plain torch with the same interface.
+
+Input: the model, the resolved optimizer settings (any config with the fields
+of `OptimizerSettings`: the train and rl kinds' configs), the ds_config dict (DeepSpeed)
+and the run's total steps. Output: a `Trainer` whose call (the model's top-level forward),
+`backward` and `step` run one optimizer step as a series of micro batches, which saves and
+loads resumable checkpoints, and hands rank 0 the full weights for the final checkpoint.
+
+Both use torch's AdamW (betas 0.9/0.95) with the schedule of
+`stages.lib.dist.schedule`, gradient clipping at 1.0, and gradients averaged over
+ranks. Gradient accumulation boundaries are set by the caller for each micro
+batch, because dynamic batching gives steps a varying number of them; the loss
+the caller passes is already scaled (DeepSpeed's own 1/accumulation scaling
+is off). On GPU with `adam_offload`, DeepSpeed's CPU Adam is used instead of
+torch's (torch's AdamW on offloaded fp32 states would be slow at scale).
+
+`offload()` and `reload()` move the optimizer side off the GPU and back (`stages.lib.dist.sleep`
+chooses how); a checkpoint saved while the states are away brings them back for the save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+from stages.lib.dist.schedule import lr_factor, warmup_steps
+from stages.lib.dist.sleep import Sleep, sleep_method
+
+
+class OptimizerSettings(Protocol):
+    """The resolved settings a trainer reads (a kind's frozen config has them as fields)."""
+
+    @property
+    def learning_rate(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def warmup_ratio(self) -> float: ...
+    @property
+    def lr_scheduler(self) -> Literal["constant", "cosine", "linear"]: ...
+    @property
+    def bf16(self) -> bool: ...
+    @property
+    def zero_stage(self) -> int: ...
+    @property
+    def adam_offload(self) -> bool: ...
+
+
+BETAS = (0.9, 0.95)
+log = logging.getLogger("pipe.train")
+
+
+def _scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimizerSettings, total: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    warm = warmup_steps(total, cfg.warmup_ratio)
+    kind = cfg.lr_scheduler
+    # LambdaLR's counter k is the number of updates done: the next update is step k+1
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: lr_factor(k + 1, total, warm, kind)
+    )
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay: list[torch.nn.Parameter] = []
+    plain: list[torch.nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partition is flat
+            (plain if ndim < 2 or "norm" in name else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": plain, "weight_decay": 0.0},
+    ]
+
+
+class HostStates:
+    """Tensors parked in host memory by swapping their storage (`tensor.data`), the way
+    DeepSpeed's `offload_states` moves its own: whoever holds a tensor (an optimizer's
+    state, its parameter groups) sees it move, and the optimizer's state keeps its keys
+    (nothing extra lands in a checkpoint). Host buffers (pinned with CUDA) are kept and
+    reused at the next offload."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.parked: list[tuple[torch.Tensor, torch.device]] = []
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def offload(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Copy each tensor into its host buffer and point it there; the bytes moved."""
+        moved = 0
+        for t in tensors:
+            buf = self.buffers.get(id(t))
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+                self.buffers[id(t)] = buf
+            buf.copy_(t.data)
+            self.parked.append((t, t.device))
+            t.data = buf
+            moved += t.numel() * t.element_size()
+        return moved
+
+    def reload(self) -> int:
+        """Every parked tensor back on its device, in fresh memory; the bytes moved."""
+        moved = 0
+        for t, device in self.parked:
+            t.data = t.data.to(device, copy=True, non_blocking=self.pin)
+            moved += t.numel() * t.element_size()
+        if self.pin:
+            torch.cuda.synchronize()
+        self.parked = []
+        return moved
+
+
+def optimizer_tensors(optimizer: Any, module: torch.nn.Module) -> list[torch.Tensor]:
+    """What an optimizer owns beyond the model: the tensors of its state (Adam's moments),
+    and the parameters it steps that are not the model's (fp32 master copies)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # a DeepSpeed wrapper's torch optimizer
+    own = {id(p) for p in module.parameters()}
+    out = [p for g in inner.param_groups for p in g["params"] if id(p) not in own]
+    out += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
+    return out
+
+
+class Sleeper:
+    """What both trainers share: a forward's logits, the offload/reload bookkeeping."""
+
+    sleep: Sleep
+    asleep: bool = False
+
+    def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
+        return self(**inputs).logits  # type: ignore[no-any-return,operator]
+
+    def offload(self) -> str:
+        """The optimizer side off the GPU (hybrid engine); what moved."""
+        if not self.sleep.moves or self.asleep:
+            return f"skipped: {self.sleep.how}" if not self.sleep.moves else "already offloaded"
+        moved = self._offload()
+        self.asleep = True
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # give the blocks back for the engine's process
+        return f"{self.sleep.how}" + (f" ({moved} bytes)" if moved else "")
+
+    def reload(self) -> str:
+        """The optimizer side back on the GPU before the next update."""
+        if not self.asleep:
+            return (
+                "skipped: nothing offloaded" if self.sleep.moves else f"skipped: {self.sleep.how}"
+            )
+        moved = self._reload()
+        self.asleep = False
+        return "reloaded" + (f" ({moved} bytes)" if moved else "")
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        """The states on the GPU for the duration (a checkpoint saved while they are away)."""
+        was = self.asleep
+        if was:
+            self.reload()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload()
+
+    def _offload(self) -> int:
+        raise NotImplementedError
+
+    def _reload(self) -> int:
+        raise NotImplementedError
+
+
+class TorchTrainer(Sleeper):
+    """Plain torch: AdamW, gradients all-reduced by hand at each step when world > 1."""
+
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimizerSettings, total: int, device: str):
+        self.module = model.to(device)
+        self.device, self.bf16 = device, cfg.bf16
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=BETAS
+        )
+        self.scheduler = _scheduler(self.optimizer, cfg, total)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.sleep = sleep_method("torch", 0, False, device)
+        self.host = HostStates(pin=device.startswith("cuda"))
+
+    def begin_micro(self, boundary: bool) -> None:
+        """Nothing to do: gradients are reduced in `step`."""
+
+    def __call__(self, **inputs: Any) -> Any:
+        """The model's top-level forward, under bf16 autocast when training in bf16."""
+        with self._autocast():
+            return self.module(**inputs)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def step(self) -> float | None:
+        """Average gradients over ranks, clip, update; returns the gradient norm."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.world > 1:
+            grads = [p.grad for p in params if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= self.world
+            at = 0
+            for g in grads:
+                g.copy_(flat[at : at + g.numel()].view_as(g))
+                at += g.numel()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def _offload(self) -> int:
+        return self.host.offload(optimizer_tensors(self.optimizer, self.module))
+
+    def _reload(self) -> int:
+        return self.host.reload()
+
+    def save(self, root: str, tag: str) -> None:
+        with self.awake():
+            self._save(root, tag)
+
+    def _save(self, root: str, tag: str) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            state = {
+                "model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            }
+            os.makedirs(os.path.join(root, tag), exist_ok=True)
+            torch.save(state, os.path.join(root, tag, "torch_state.pt"))
+
+    def load(self, root: str, tag: str) -> None:
+        state = torch.load(os.path.join(root, tag, "torch_state.pt"), map_location=self.device)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """None: every rank holds the whole model already (`save_pretrained` as it is)."""
+        return None
+
+
+class DeepSpeedTrainer(Sleeper):
+    """DeepSpeed's engine with the generated ds_config (ZeRO 0-3, offload, bf16)."""
+
+    name = "deepspeed"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: OptimizerSettings,
+        total: int,
+        device: str,
+        ds_config: dict[str, Any],
+    ):
+        import deepspeed
+
+        groups = _param_groups(model, cfg.weight_decay)
+        optimizer: torch.optim.Optimizer
+        if cfg.adam_offload and cfg.zero_stage > 0 and device.startswith("cuda"):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(groups, lr=cfg.learning_rate, betas=BETAS)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=BETAS)
+        scheduler = _scheduler(optimizer, cfg, total)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        self.module = self.engine.module
+        self.zero3 = cfg.zero_stage == 3
+        self.sleep = sleep_method("deepspeed", cfg.zero_stage, cfg.adam_offload, device)
+        self.host = HostStates(pin=device.startswith("cuda"))
+        # DeepSpeed keeps the gradient norm only through a ZeRO, fp16 or bf16 optimizer (the
+        # same test as its own clipping of plain fp32 gradients): otherwise step() measures it
+        e = self.engine
+        self.own_norm = not (e.fp16_enabled() or e.bfloat16_enabled() or e.zero_optimization())
+        if self.zero3:
+            self._log_partitioning()
+
+    def _log_partitioning(self) -> None:
+        """How much of the model ZeRO-3 split over the ranks (small tensors stay whole)."""
+        params = list(self.module.parameters())
+        split = [p for p in params if not getattr(p, "ds_persist", True)]
+        log.info(
+            "zero 3: %d of %d weight tensors partitioned, %d of %d elements held on this rank",
+            len(split),
+            len(params),
+            sum(p.ds_tensor.numel() for p in params),
+            sum(p.ds_numel for p in params),
+        )
+
+    def begin_micro(self, boundary: bool) -> None:
+        """Tell DeepSpeed whether this micro batch ends the step, and that a forward begins
+        (before its forward)."""
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        # deepspeed 0.19 runtime/engine.py `forward` first calls a ZeRO optimizer's
+        # clear_backward_seen_flag: ZeRO-3 counts its micro steps there (stage3.py: micro step
+        # 0 copies a gradient partition, later ones add). The rl ranks' passes go through
+        # engine.forward (`__call__`) and so clear it too; here as well for a pass that does
+        # not. Twice is harmless: only a backward sets the flag again.
+        clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
+        if clear is not None:
+            clear()
+
+    def __call__(self, **inputs: Any) -> Any:
+        """The top-level forward through DeepSpeed's engine (ZeRO-3's trace starts there)."""
+        return self.engine(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float | None:
+        """Update; returns the gradient norm before clipping (with a plain fp32 optimizer
+        measured here, on the gradients DeepSpeed has already averaged over the ranks)."""
+        if self.own_norm:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None
+            self.engine.step()
+            return norm
+        self.engine.step()
+        found = self.engine.get_global_grad_norm()
+        return None if found is None else float(found)
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def save(self, root: str, tag: str) -> None:
+        with self.awake():
+            self.engine.save_checkpoint(root, tag=tag, save_latest=False)
+
+    def _offload(self) -> int:
+        """By `self.sleep.method` (`stages.lib.dist.sleep`: what DeepSpeed 0.19 offers where)."""
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum as Device
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+        method, opt = self.sleep.method, self.engine.optimizer
+        if method == "trainer":  # ZeRO-0: torch AdamW, or the bf16 wrapper's fp32 copies too
+            return self.host.offload(optimizer_tensors(opt, self.module))
+        if method == "deepspeed":  # ZeRO-1/2: stage_1_and_2.py offload_states, any optimizer
+            states = [State.hp_params, State.optim_states, State.lp_grads]
+            self.engine.offload_states(include=states, device=Device.cpu, pin_memory=True)
+            return 0
+        # ZeRO-3: stage3.py asserts FusedAdam only for hp_params and optim_states; those two
+        # are moved here as it moves them (their storage swapped), the rest by DeepSpeed
+        moved = self.host.offload([*opt.fp32_partitioned_groups_flat, *_state_tensors(opt)])
+        states = [State.lp_grads, State.contiguous_grad_buffer]
+        self.engine.offload_states(include=states, device=Device.cpu, pin_memory=True)
+        return moved
+
+    def _reload(self) -> int:
+        if self.sleep.method != "trainer":
+            self.engine.reload_states()
+        return self.host.reload()
+
+    def load(self, root: str, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(root, tag=tag)
+        if path is None:
+            raise RuntimeError(f"deepspeed could not load the checkpoint {root}/{tag}")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Under ZeRO-3 (every rank calls it) the whole model's weights in host memory on rank
+        0, gathered one module at a time (DeepSpeed's consolidated state dict: no rank holds
+        the whole model on its GPU); None on the other ranks and without ZeRO-3."""
+        if not self.zero3:
+            return None
+        return self.engine._zero3_consolidated_16bit_state_dict()  # type: ignore[no-any-return]
+
+
+def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors of a DeepSpeed ZeRO optimizer's inner torch optimizer's state."""
+    inner = optimizer.optimizer
+    return [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]

@@ -1,0 +1,97 @@
+"""The `environment` block of the rl, collect and evaluate configs, and its plan-time rules.
+
+Input: the YAML block (a built-in name or a `module:Class`, or a `url`). Output: an
+`EnvironmentConfig`, and the located diagnostics of `check_environment` (an unimportable
+module, a user's environment without `max_turns`, a verifier it would override). What an
+environment is and does: `stages.lib.env.contract`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, model_validator
+
+from engine.errors import Diagnostic
+from engine.stage import ResolveContext
+from stages.lib.block import Block, check_callable, named_or_callable
+
+ENVIRONMENT_KINDS = ("single_turn", "retry", "calculator")
+
+
+def _environment_kind(value: Any) -> Any:
+    return named_or_callable(value, ENVIRONMENT_KINDS, "module:Class")
+
+
+class EnvironmentConfig(Block):
+    """A multi-turn environment the model talks to (`stages.lib.env.contract`)."""
+
+    kind: Annotated[str | None, BeforeValidator(_environment_kind)] = Field(
+        None,
+        description="single_turn, retry, calculator (built-ins, scored by the stage's verifier), or your own 'module:Class' (scores itself).",
+    )
+    url: str | None = Field(
+        None,
+        description="An environment served over HTTP (POST /reset and /step, JSON); instead of kind.",
+    )
+    max_turns: int | None = Field(
+        None,
+        gt=0,
+        description="Model turns per episode at most; required for 'module:Class' and url (built-ins: single_turn 1, retry 2, calculator 4).",
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the environment (module:Class is built as Class(**config)).",
+    )
+    timeout_s: float = Field(
+        60.0, gt=0, description="A reset or step taking longer fails its episode."
+    )
+    max_failed_share: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Failed episodes (the environment raised, hung or answered nonsense) tolerated per step (rl) or per run (collect, evaluate); above it the stage fails.",
+    )
+    concurrency: int = Field(
+        64, gt=0, description="Environment calls in flight at once (episodes wait on I/O together)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvironmentConfig:
+        if (self.kind is None) == (self.url is None):
+            raise ValueError("an environment needs exactly one of 'kind' or 'url'")
+        return self
+
+
+def check_environment(
+    env: EnvironmentConfig | None, ctx: ResolveContext, path: str = "environment"
+) -> list[Diagnostic]:
+    """An environment must be loadable where the stage runs and bounded in turns; a user's
+    environment scores its own episodes, so a verifier beside it (which it would override)
+    is refused."""
+    if env is None:
+        return []
+    out: list[Diagnostic] = []
+    verifier_set = sorted(p for p in ctx.explicit if p == "verifier" or p.startswith("verifier."))
+    user = env.url is not None or (env.kind is not None and env.kind not in ENVIRONMENT_KINDS)
+    if env.kind is not None:
+        out += check_callable(ctx, f"{path}.kind", "environment", env.kind)
+    if user and env.max_turns is None:
+        out.append(
+            ctx.error(
+                f"{path}.kind" if env.kind else f"{path}.url",
+                "an environment of your own (kind 'module:Class' or url) needs 'max_turns': "
+                "it decides when an episode is done, so the stage needs a bound",
+            )
+        )
+    if user and verifier_set:  # a user's environment scores itself
+        out.append(
+            ctx.error(
+                verifier_set[0],
+                f"the environment ({ctx.source(f'{path}.kind' if env.kind else f'{path}.url')}) "
+                "scores the episodes itself, so this "
+                "verifier would be ignored: remove it (the built-in environments single_turn, "
+                "retry and calculator are the ones scored by the verifier)",
+            )
+        )
+    return out

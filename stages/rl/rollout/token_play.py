@@ -1,0 +1,200 @@
+"""The rl stage's episodes at the level of tokens: what the engine saw and wrote, turn by turn.
+
+Input: the engine (local, vLLM or the pool of both: `generate(prompts, num_samples, ...)`
+with token ids and behaviour log-probabilities), its tokenizer, one environment per
+episode, the step's rows and the sampling settings. Output: per row, its group of
+`Trace`s: the episode (messages, per-turn rewards) and its token sequence with the loss
+mask (1 for the model's own tokens, 0 for an observation's) and the behaviour
+log-probabilities (0.0 at observation tokens, which carry no loss).
+
+Turn 1 asks the engine for `num_samples` answers to the row's opening (the group shares
+its prompt and the engine's prefix cache), exactly as a one-turn rollout does; a group
+whose episodes opened differently asks once per episode. The environment's calls of a
+turn run concurrently (`concurrency` at once); the episodes that go on get the
+observation's tokens appended (the chat template's text for the new messages past the
+finished turn: `stages.lib.chat.prompt.continuation_ids`) and the next turn is generated from
+the token ids themselves, so the sequence trained on is token for token the one sampled.
+An episode ends when the environment says done, at `max_turns`, or when its tokens
+reach `max_length` (what is past it is cut, as a one-turn rollout cuts it).
+
+A turn that does not end with the template's closing token (cut at `max_new_tokens`, or
+stopped on another end-of-sequence id, which stays as sampled) is closed as the template
+closes it before the observation follows: the closing ids of
+`stages.lib.chat.tokens.answer_end` join the sequence outside the loss (behaviour log-prob
+0.0), as the observation's do; no token enters a sequence that the engine did not sample
+or the template did not write. So an episode whose answers re-tokenise as sampled is the
+template's rendering of its final conversation, `apply_chat_template(messages)`, token for
+token, less the text after the last closing token (ChatML's and Gemma's newline) and, when
+the last answer was cut, less that answer's closing too: the last turn is left as
+sampled, since tokens after it would carry no loss and change no gradient (a one-turn
+rollout stays the engine's answer, number for number). An observation the template cannot
+render (Gemma and Mistral refuse a `system` message after the first turn) fails its
+episode with the template's message, as a broken environment does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from stages.lib.chat.prompt import TokenPrompt, continuation_ids
+from stages.lib.chat.tokens import answer_end
+from stages.lib.env.contract import Environment, Episode, take_turn
+from stages.lib.env.message_play import open_all
+
+
+@dataclass
+class Trace:
+    """One episode and its tokens: `ids[:prompt_len]` the opening, then turns and
+    observations, `mask` and `logprobs` one per token after the opening."""
+
+    episode: Episode
+    ids: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    generated: int = 0  # tokens the engine produced (an answer cut by max_length included)
+    pending: str = ""  # the latest answer's text, for the environment's step
+    cut: bool = False  # the latest answer did not fit in max_length
+    last: tuple[int, ...] = ()  # the latest answer's tokens (to tell whether it was closed)
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float], own: bool) -> None:
+        self.ids += ids
+        self.mask += [int(own)] * len(ids)
+        self.logprobs += list(logprobs) if own else [0.0] * len(ids)
+
+
+@dataclass(frozen=True)
+class PlaySettings:
+    """How a step's episodes are played: samples per prompt, sampling temperature, token and
+    turn bounds, the seed, and how many play at once."""
+
+    num_samples: int
+    temperature: float
+    max_new_tokens: int
+    max_length: int
+    seed: int
+    batch_size: int
+    max_turns: int
+    timeout_s: float
+    concurrency: int
+
+
+def play(
+    engine: Any,
+    tokenizer: Any,
+    make_env: Callable[[], Environment],
+    rows: Sequence[dict[str, Any]],
+    s: PlaySettings,
+) -> list[list[Trace]]:
+    """Every row's group of episodes played to its end (module docstring)."""
+    return asyncio.run(_play(engine, tokenizer, make_env, rows, s))
+
+
+async def _play(
+    engine: Any,
+    tokenizer: Any,
+    make_env: Callable[[], Environment],
+    rows: Sequence[dict[str, Any]],
+    s: PlaySettings,
+) -> list[list[Trace]]:
+    episodes = await open_all(make_env, rows, s.num_samples, s.timeout_s, s.concurrency)
+    traces = [Trace(e) for e in episodes]
+    groups = [traces[i : i + s.num_samples] for i in range(0, len(traces), s.num_samples)]
+    await _first_turn(engine, groups, s)
+    for turn in range(1, s.max_turns + 1):
+        if turn > 1:
+            going = [t for t in traces if not t.episode.done]
+            if not going:
+                break
+            gens = await _generate(engine, [TokenPrompt(tuple(t.ids)) for t in going], 1, s, turn)
+            for t, g in zip(going, gens, strict=True):
+                _answered(t, g[0], s)
+        await _steps(tokenizer, [t for t in traces if not t.episode.done], s)
+    return groups
+
+
+async def _generate(
+    engine: Any, prompts: list[Any], n: int, s: PlaySettings, turn: int
+) -> list[Any]:
+    """The engine's answers, in a thread: an engine may run an event loop of its own."""
+    return await asyncio.to_thread(  # type: ignore[no-any-return]
+        engine.generate,
+        prompts,
+        num_samples=n,
+        temperature=s.temperature,
+        max_new_tokens=s.max_new_tokens,
+        seed=s.seed + 7_919 * (turn - 1),  # turn 1: the one-turn rollout's seed
+        batch_size=s.batch_size,
+    )
+
+
+async def _first_turn(engine: Any, groups: list[list[Trace]], s: PlaySettings) -> None:
+    """Turn 1: one request of `num_samples` per group sharing its opening, else one each."""
+    shared = [g for g in groups if _same_opening(g)]
+    single = [t for g in groups if not _same_opening(g) for t in g if not t.episode.done]
+    if shared:
+        opening = [g[0].episode.messages for g in shared]
+        answers = await _generate(engine, opening, s.num_samples, s, 1)
+        for g, gens in zip(shared, answers, strict=True):
+            for t, gen in zip(g, gens, strict=True):
+                _answered(t, gen, s, first=True)
+    if single:
+        gens = await _generate(engine, [t.episode.messages for t in single], 1, s, 1)
+        for t, g in zip(single, gens, strict=True):
+            _answered(t, g[0], s, first=True)
+
+
+def _same_opening(group: list[Trace]) -> bool:
+    first = group[0].episode
+    return all(not t.episode.done and t.episode.messages == first.messages for t in group)
+
+
+def _answered(t: Trace, gen: Any, s: PlaySettings, first: bool = False) -> None:
+    """The engine's answer joins the trace (cut at `max_length`); the text goes to the step."""
+    if first:
+        t.ids, t.prompt_len = list(gen.prompt_ids), len(gen.prompt_ids)
+    room = max(0, s.max_length - len(t.ids))
+    t.add(gen.token_ids[:room], gen.logprobs[:room], own=True)
+    t.generated += gen.completion_tokens
+    t.pending = gen.text
+    t.cut = len(gen.token_ids) > room
+    t.last = tuple(gen.token_ids)
+
+
+async def _steps(tokenizer: Any, going: list[Trace], s: PlaySettings) -> None:
+    """The environment's step for every episode answered this turn, concurrently; the
+    observation's tokens join the episodes that go on."""
+    gate = asyncio.Semaphore(s.concurrency)
+
+    async def one(t: Trace) -> None:
+        async with gate:
+            before = list(t.episode.messages)
+            observation = await take_turn(t.episode, t.pending, s.max_turns, s.timeout_s)
+        if observation is None:
+            return
+        if t.cut:
+            t.episode.done, t.episode.end = True, "length"
+            return
+        turn = [*before, {"role": "assistant", "content": t.pending}]
+        try:
+            extra = closing(tokenizer, t.last) + continuation_ids(tokenizer, turn, observation)
+        except Exception as exc:  # the template refuses the conversation (a role it lacks)
+            t.episode.fail(f"the chat template cannot render the observation: {exc}")
+            return
+        if len(extra) >= s.max_length - len(t.ids):  # no room left for the model's answer
+            t.episode.done, t.episode.end = True, "length"
+            return
+        t.add(extra, (), own=False)
+
+    await asyncio.gather(*(one(t) for t in going))
+
+
+def closing(tokenizer: Any, answer: Sequence[int]) -> list[int]:
+    """The template's closing ids a cut answer lacks (none for one that ends with them)."""
+    ids = list(answer_end(tokenizer).ids)
+    if not ids or list(answer[-len(ids) :]) == ids:
+        return []
+    return ids
