@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,15 +63,10 @@ os._exit(0)
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_ranks(cfg: dict[str, Any], world: int = 2) -> dict[str, int]:
     """Start `world` ranks with the train stage's rank environment; the larger peaks."""
     from stages.lib.dist.spawn import Ranks, rank_env
+    from stages.lib.net import free_port
 
     port = free_port()
     procs = []

@@ -68,7 +68,7 @@ def init_distributed() -> str:
 
     if importlib.util.find_spec("deepspeed") is None:
         return "torch"
-    from stages.lib.dist.spawn import free_port
+    from stages.lib.net import free_port
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

@@ -22,7 +22,7 @@ from tests.sleep_rank import Settings, tiny
 
 def direct(module: Any, samples: list[Any], device: str) -> torch.Tensor:
     """The old path: decoder and head called directly, the head over completion positions."""
-    from stages.rl.algo.loss import token_logprobs
+    from stages.lib.model.logits import token_logprobs
     from stages.rl.algo.packing import layout
 
     lay = layout(samples, device, 0, packed=False)

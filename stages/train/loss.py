@@ -26,10 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stages.lib.model.logits import IGNORE, token_logprobs
 from stages.train.batch_plan import Micro
 from stages.train.data import Example
-
-IGNORE = -100
 
 
 @dataclass
@@ -102,17 +101,6 @@ def collate(micro: Micro, examples: Sequence[Example], pad_id: int, packed: bool
         seqs=tuple(seqs),
         tokens=0 if micro.dummy else tokens,
     )
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) at every position (0 where the target is -100), in fp32."""
-    flat = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]),
-        targets.reshape(-1).to(logits.device),
-        ignore_index=IGNORE,
-        reduction="none",
-    )
-    return -flat.view(targets.shape)
 
 
 def sft_loss_sum(logits: torch.Tensor, batch: Batch) -> torch.Tensor:

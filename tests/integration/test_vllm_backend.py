@@ -29,6 +29,7 @@ import psutil
 import pytest
 
 from stages.lib.config import VLLMBackend
+from stages.lib.net import free_port
 from stages.lib.vllm import server as vs
 from stages.lib.vllm.auth import bearer, new_secret
 from tests.cluster import alive
@@ -468,7 +469,7 @@ def test_server_dies_with_a_killed_stage(backend: VLLMBackend, tmp_path: Path) -
 
 @vllm_marks
 def test_startup_timeout_stops_server(backend: VLLMBackend, tmp_path: Path) -> None:
-    port = vs.free_port()
+    port = free_port()
     slow = VLLMBackend(kind="vllm", model=backend.model, port=port, startup_timeout_s=1.0)
     with (
         pytest.raises(RuntimeError) as err,

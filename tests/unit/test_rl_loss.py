@@ -6,11 +6,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from stages.lib.model.logits import token_logprobs  # noqa: E402
 from stages.rl.algo.loss import (  # noqa: E402
     clipped_policy_loss,
     group_advantages,
     kl_k3,
-    token_logprobs,
 )
 
 

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from stages.lib.model.logits import token_logprobs  # noqa: E402
 from stages.train import TrainConfig  # noqa: E402
 from stages.train.batch_plan import BatchPlan, Micro  # noqa: E402
 from stages.train.data import Example, TrainingSet  # noqa: E402
@@ -17,7 +18,6 @@ from stages.train.loss import (  # noqa: E402
     dpo_terms,
     sequence_logprobs,
     sft_loss_sum,
-    token_logprobs,
 )
 
 torch.set_num_threads(1)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from stages.lib.net import free_port
 from stages.lib.dist.rank import MARK, PARENT_ENV
 
 if TYPE_CHECKING:
@@ -45,13 +46,6 @@ TAIL_LINES = 40
 
 class TrainingFailed(RuntimeError):
     """A training rank exited with a non-zero status."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free at the time of asking."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ forward and backward; a loss reads only the answer tokens. A forward pre-hook on
 embeddings selects the hidden states, so the pass still enters through the model's
 top-level forward (DeepSpeed's engine and ZeRO-3's hooks, the torch trainer's autocast) and
 works the same on every transformers release (a 2-D `logits_to_keep` is new in 5.24). The
-rl stage's log-probabilities and the train stage's SFT and DPO losses use it.
+rl stage's log-probabilities and the train stage's SFT and DPO losses use it, and
+`token_logprobs`, the one function both turn those logits into log-probabilities with.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 @contextmanager
@@ -40,3 +42,22 @@ def scored_only(module: torch.nn.Module, mask: torch.Tensor | None) -> Iterator[
         yield
     finally:
         handle.remove()
+
+
+IGNORE = -100  # a target no loss reads (Hugging Face's label padding)
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(target) at every position under `softmax(logits / temperature)`, in fp32; 0 where
+    the target is `IGNORE`. train's losses read it at temperature 1, rl's ratio and KL at the
+    sampling temperature (the policy the engine sampled from)."""
+    scaled = logits.float() / max(temperature, 1e-6)
+    flat = F.cross_entropy(
+        scaled.reshape(-1, scaled.shape[-1]),
+        targets.reshape(-1).to(logits.device),
+        ignore_index=IGNORE,
+        reduction="none",
+    )
+    return -flat.view(targets.shape)

@@ -49,7 +49,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -58,6 +57,7 @@ from pathlib import Path
 
 from stages.lib.api.sampling import SERVER_ARGS
 from stages.lib.config import VLLMBackend
+from stages.lib.net import free_port
 from stages.lib.vllm.auth import MIDDLEWARE, SECRET_ENV
 from stages.lib.vllm.process import HOST, start_server, stop_server, wait_healthy
 
@@ -96,15 +96,6 @@ def find_vllm_python(gpus: int = 0) -> str:
 def importable_here() -> bool:
     """Whether this interpreter has vLLM (found, not imported: that takes seconds)."""
     return importlib.util.find_spec("vllm") is not None
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port on `host` that was free a moment ago."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def server_command(

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from stages.rl.algo.loss import group_advantages
-from stages.rl.algo.ppo import batch_reference, whiten
+from stages.rl.algo.ppo import batch_reference, token_rewards, whiten
 
 
 def group_estimate(
@@ -73,10 +73,9 @@ def reinforce_pp_returns(
     returns: list[list[float]] = []
     for i, final in enumerate(rewards):
         mask = masks[i]
-        per = [0.0] * len(mask)
-        if kl_coef > 0 and ref is not None:
-            per = [-kl_coef * (o - r) * m for o, r, m in zip(old[i], ref[i], mask, strict=True)]
-        per[-1] += final
+        per = token_rewards(
+            final, len(mask), old[i], None if ref is None else ref[i], kl_coef, mask
+        )
         acc, out = 0.0, [0.0] * len(per)
         for t in reversed(range(len(per))):
             acc += per[t]

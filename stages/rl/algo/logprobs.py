@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from stages.lib.model.logits import scored_only
-from stages.rl.algo.loss import entropy, token_logprobs
+from stages.lib.model.logits import scored_only, token_logprobs
+from stages.rl.algo.loss import entropy
 from stages.rl.algo.packing import layout
 
 

@@ -53,12 +53,6 @@ def group_advantages(
     return adv, keep
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probability of each target token under `softmax(logits / temperature)`."""
-    scaled = logits.float() / max(temperature, EPS)
-    return torch.log_softmax(scaled, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
 def entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Entropy of the sampling distribution at each position."""
     logp = torch.log_softmax(logits.float() / max(temperature, EPS), dim=-1)

@@ -28,11 +28,15 @@ def token_rewards(
     old: Sequence[float] | None,
     ref: Sequence[float] | None,
     kl_coef: float,
+    mask: Sequence[float] | None = None,
 ) -> list[float]:
-    """Per-token rewards of one completion."""
+    """Per-token rewards of one completion: `-kl_coef * (old - ref)` at each token (times
+    `mask`, where given: REINFORCE++ puts no KL on observation tokens), plus the final reward
+    at the last token. PPO's GAE and REINFORCE++'s returns both start from it."""
     rewards = [0.0] * length
     if kl_coef > 0 and old is not None and ref is not None:
-        rewards = [-kl_coef * (o - r) for o, r in zip(old, ref, strict=True)]
+        weights = [1.0] * length if mask is None else mask
+        rewards = [-kl_coef * (o - r) * w for o, r, w in zip(old, ref, weights, strict=True)]
     rewards[-1] += final
     return rewards
 
