@@ -218,7 +218,8 @@ def main() -> None:
             spent = time.perf_counter() - began
             print(
                 f"[{len(done)}/{len(jobs)}] {t} {n} seed {sd}: held-out {done[job]['accuracy']} "
-                f"({spent / len(done):.0f} s per arm, eta {spent / len(done) * (len(jobs) - len(done)):.0f} s)",
+                f"({spent / len(done):.0f} s per arm, "
+                f"eta {spent / len(done) * (len(jobs) - len(done)):.0f} s)",
                 flush=True,
             )
 

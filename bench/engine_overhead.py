@@ -65,7 +65,8 @@ def main() -> None:
         print(f"stages: {args.stages}, workers: 2 (LocalCluster, processes)")
         print(f"bare Dask no-op task, fan-out: {bare[False] * 1e3:6.2f} ms per task")
         print(
-            f"bare Dask no-op task, chain:   {bare[True] * 1e3:6.2f} ms per task (submit, wait for the result, repeat)"
+            f"bare Dask no-op task, chain:   {bare[True] * 1e3:6.2f} ms per task (submit, wait "
+            "for the result, repeat)"
         )
         for chain in (False, True):
             with tempfile.TemporaryDirectory() as tmp:
@@ -83,7 +84,8 @@ def main() -> None:
                 per = total / args.stages * 1e3
                 over = per - bare[chain] * 1e3
                 print(
-                    f"pipe run, {shape}: {total:6.2f} s total, {per:6.2f} ms per stage ({ok} succeeded); "
+                    f"pipe run, {shape}: {total:6.2f} s total, {per:6.2f} ms per stage ({ok} "
+                    "succeeded); "
                     f"engine overhead over bare Dask: {over:6.2f} ms per stage"
                 )
     finally:

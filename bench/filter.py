@@ -1,6 +1,7 @@
 """Benchmark: the filter stage over a generated rollouts file on a 2-worker LocalCluster.
 
-    .venv/bin/python bench/filter.py [--size-gb 5] [--workers 2] [--rules full|light] [--dir DIR] [--keep]
+    .venv/bin/python bench/filter.py [--size-gb 5] [--workers 2] [--rules full|light]
+        [--dir DIR] [--keep]
 
 Generates a rollouts JSONL of about `--size-gb` GB (rows of 0.5-2 KB, groups of
 4 samples per prompt, uniform groups and duplicate answers among them) in a
@@ -194,7 +195,8 @@ def main() -> None:
         gib = 2**30
         print(f"rules: {args.rules} {json.dumps(RULES[args.rules])}")
         print(
-            f"filter: {report['rows_in']:,} rows in {seconds:.1f} s = {report['rows_in'] / seconds:,.0f} rows/s"
+            f"filter: {report['rows_in']:,} rows in {seconds:.1f} s = "
+            f"{report['rows_in'] / seconds:,.0f} rows/s"
             f" ({size / 1e6 / seconds:.0f} MB/s), kept {report['rows_kept']:,},"
             f" {report['partitions']} partitions, mode {report['mode']}"
         )

@@ -42,7 +42,8 @@ def main() -> None:
     prompts = [TokenPrompt((1, 5 + i % 7, 9)) for i in range(64)]
     print(f"fake server: {args.capacity} slots x {args.latency_ms:.0f} ms; 64 prompts x 8 samples")
     print(
-        f"{'bound':>6} {'step':>5} {'wall s':>7} {'in flight':>10} {'peak':>5} {'limit':>6} {'server busy':>12}"
+        f"{'bound':>6} {'step':>5} {'wall s':>7} {'in flight':>10} {'peak':>5} {'limit':>6} "
+        f"{'server busy':>12}"
     )
     try:
         for parallel in ("auto", 16, args.capacity):

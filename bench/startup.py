@@ -223,7 +223,8 @@ def main() -> None:
             f"{case:8s} {'pipe run':9s} {median(r, 'wall'):7.2f} {median(r, 'cpu'):7.2f} {phases}"
         )
         print(
-            f"{'':8s} {'bare':9s} {median(b, 'wall'):7.2f} {median(b, 'cpu'):7.2f}   (import {module})"
+            f"{'':8s} {'bare':9s} {median(b, 'wall'):7.2f} {median(b, 'cpu'):7.2f}   (import "
+            f"{module})"
         )
         over_wall = statistics.median(x.wall - y.wall for x, y in zip(r, b, strict=True))
         over_cpu = statistics.median(x.cpu - y.cpu for x, y in zip(r, b, strict=True))

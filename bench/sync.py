@@ -262,7 +262,8 @@ def main() -> None:
     finally:
         act.close()
     print(
-        f"\nmodel: {rows[0]['bytes'] / 4e6:.0f} M parameters, {rows[0]['bytes'] / 1e9:.2f} GB (fp32)"
+        f"\nmodel: {rows[0]['bytes'] / 4e6:.0f} M parameters, {rows[0]['bytes'] / 1e9:.2f} GB "
+        "(fp32)"
     )
     print(
         f"{'engines':>7} {'disk s':>7} {'coll. s':>8} {'raw s':>6} {'coll/disk':>9} "

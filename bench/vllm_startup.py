@@ -1,4 +1,5 @@
-"""vLLM start-up on the CPU: seconds from launch to healthy, first reply, and stop, for a tiny model.
+"""vLLM start-up on the CPU: seconds from launch to healthy, first reply, and stop, for a tiny
+model.
 
     .venv/bin/python bench/vllm_startup.py [--runs 3]
 

@@ -2,8 +2,8 @@
 `python -m tests.sleep_rank ZERO BF16 DEVICE` prints one JSON line.
 
 Two trainers start from the same weights and take the same two steps; one offloads and
-reloads its states (`stages.lib.dist.trainer`, by the method `stages.lib.dist.sleep` picks for a GPU)
-between them. Output: the method, what moved, the device bytes allocated before the
+reloads its states (`stages.lib.dist.trainer`, by the method `stages.lib.dist.sleep` picks for
+a GPU) between them. Output: the method, what moved, the device bytes allocated before the
 offload, after it and after the reload (CUDA only), which optimizer tensors were off the
 device while asleep, and whether the two trainers' weights are identical at the end.
 """

@@ -2,7 +2,8 @@
 
 A tiny locally built model (the vLLM backend tests' builder) is served for
 the stage; every row, chat messages or a prompt string, goes to
-/v1/chat/completions (the model's chat template); every pair is written once, then the server is gone.
+/v1/chat/completions (the model's chat template); every pair is written once, then the
+server is gone.
 Skipped where no vLLM interpreter is found (`make install-vllm`).
 """
 

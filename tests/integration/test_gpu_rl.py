@@ -72,7 +72,8 @@ def test_grpo_on_gpus(tmp_path: Path, colocate: str, sync: str):
 
 VLLM_PIPELINE = PIPELINE.replace(
     "          vllm_sync_backend: {sync}\n",
-    "          vllm_sync_backend: nccl\n          backend: {{kind: vllm, vllm_enable_sleep: {sleep}}}\n",
+    "          vllm_sync_backend: nccl\n          backend: {{kind: vllm, vllm_enable_sleep: "
+    "{sleep}}}\n",
 ).replace("num_heads: 2", "num_heads: 4")
 
 

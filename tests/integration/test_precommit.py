@@ -70,8 +70,8 @@ def test_the_hooks_fail_on_a_bad_pipeline_until_it_is_fixed(tmp_path: Path):
     assert failed.returncode == 1, failed.stdout + failed.stderr
     lines = failed.stdout.splitlines()
     assert (
-        "pipelines/bad.yaml:8:13: stages.filter.needs[0]: no stage named 'dta'; did you mean 'data'?"
-        in lines
+        "pipelines/bad.yaml:8:13: stages.filter.needs[0]: no stage named 'dta'; did you mean "
+        "'data'?" in lines
     )
     assert "pipelines/good.yaml: ok (1 stages)" in lines
     assert not any("README" in line for line in lines)  # only pipeline files are passed

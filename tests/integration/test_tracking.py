@@ -1,8 +1,8 @@
 """Experiment tracking through `pipe run`, read back with each tracker's own reader.
 
 The quickstart shrunk as in test_quickstart, with TensorBoard, MLflow (its default store, a
-SQLite file in the run folder) and W&B (offline) all set: TensorBoard's `EventAccumulator` reads the train loss series the
-stage wrote to `loss.jsonl`; `MlflowClient` finds one parent run, a child per stage, the
+SQLite file in the run folder) and W&B (offline) all set: TensorBoard's `EventAccumulator`
+reads the train loss series the stage wrote to `loss.jsonl`; `MlflowClient` finds one parent run, a child per stage, the
 plan's parameters with their provenance and evaluate's accuracy; W&B's offline run files
 hold the same loss history. Run again, every stage is cached: the children say so and
 log nothing. No secret from the environment lands in any file. A tracker whose server is

@@ -108,5 +108,6 @@ def test_diagnose_says_parallelism_limits_below_capacity(pipeline: Path) -> None
     assert lines[3] == "verdict: parallelism is the limit"
     assert lines[4].startswith("why: throughput scaled ")
     assert lines[5] == (
-        "next step: raise num_samples_in_parallel: run `pipe tune` to find the knee, with --write to keep it"
+        "next step: raise num_samples_in_parallel: run `pipe tune` to find the knee, with --write "
+        "to keep it"
     )

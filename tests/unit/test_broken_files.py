@@ -85,10 +85,13 @@ def test_all_errors_reported_at_once_sorted_by_line(tmp_path: Path):
     result = run_cli("validate", "p.yaml", cwd=tmp_path)
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [
-        "p.yaml:2:10: profile: unknown profile 'defualt'; expected 'default', 'high-performance' or 'max-throughput'; did you mean 'default'?",
-        "p.yaml:6:39: stages.collect.config.num_samples_in_parallel: expected a positive integer or 'auto', found 'fast'",
+        "p.yaml:2:10: profile: unknown profile 'defualt'; expected 'default', 'high-performance' "
+        "or 'max-throughput'; did you mean 'default'?",
+        "p.yaml:6:39: stages.collect.config.num_samples_in_parallel: expected a positive integer "
+        "or 'auto', found 'fast'",
         "p.yaml:9:13: stages.filter.needs[0]: no stage named 'colect'; did you mean 'collect'?",
-        "p.yaml:10:14: stages.filter.config.max_lenght: unknown field 'max_lenght'; did you mean 'max_length'?",
+        "p.yaml:10:14: stages.filter.config.max_lenght: unknown field 'max_lenght'; did you mean "
+        "'max_length'?",
     ]
 
 

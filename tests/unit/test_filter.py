@@ -32,7 +32,8 @@ def row(p: int, s: int, reward: float, completion: str = "x", **extra: Any) -> d
 def run(
     tmp_path: Path, rows: list[dict[str, Any]], **config: Any
 ) -> tuple[list[Any], dict[str, Any]]:
-    """Filter `rows` through the registered stage; return the kept (prompt_idx, sample_idx) and the report."""
+    """Filter `rows` through the registered stage; return the kept (prompt_idx, sample_idx)
+    and the report."""
     src = tmp_path / "rollouts.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     stage_dir = tmp_path / "filter"

@@ -75,7 +75,8 @@ def test_validate_imports_no_heavy_library():
     code = (
         "import sys\n"
         "from engine.cli import main\n"
-        "tracked = ['--set', 'tracking.tensorboard.dir=tb', '--set', 'tracking.mlflow.experiment=x',\n"
+        "tracked = ['--set', 'tracking.tensorboard.dir=tb', '--set', "
+        "'tracking.mlflow.experiment=x',\n"
         "           '--set', 'tracking.wandb.mode=offline']\n"  # trackers named: found, not imported
         "for args in (['pipelines/quickstart.yaml', *tracked],\n"
         "             ['pipelines/grpo_quickstart.yaml', '--cluster', '1x8x80GB']):\n"

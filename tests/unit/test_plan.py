@@ -106,12 +106,12 @@ def test_ds_config_passes_deepspeed_for_every_preset_pair(
 def test_presets_command_lists_reasons():
     out = run_cli("presets").stdout
     assert (
-        "profile high-performance: Colocate every model on the same GPUs (hybrid engine) and overlap communication."
-        in out
+        "profile high-performance: Colocate every model on the same GPUs (hybrid engine) and "
+        "overlap communication." in out
     )
     assert (
-        "  vllm_gpu_memory_utilization = 0.5: hybrid engine: leave half of each GPU for the colocated trainer"
-        in out
+        "  vllm_gpu_memory_utilization = 0.5: hybrid engine: leave half of each GPU for the "
+        "colocated trainer" in out
     )
     assert (
         "  zero_stage = 3: when hitting OOM: increase --zero_stage (2 -> 3) to shard parameters too"

@@ -136,7 +136,8 @@ VLLM_ENGINES = Case(
       c: {kind: collect, resources: {gpus: 2}, config: {input: x.jsonl, backend: {kind: vllm, model: m}}}
     """,
     (
-        "--set stages.c.config.backend.vllm_num_engines=4: stages.c.config.backend.vllm_num_engines: "
+        "--set stages.c.config.backend.vllm_num_engines=4: "
+        "stages.c.config.backend.vllm_num_engines: "
         "4 engines x tensor-parallel size 1 = 4 GPUs, but the stage has 2; use vllm_num_engines 2",
     ),
     sets=("stages.c.config.backend.vllm_num_engines=4",),
@@ -167,7 +168,8 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         Case(
             "name: p\nstages:\n  d: {kind: dataset}\n",
             (
-                "p.yaml:3:3: stages.d.config.task: source 'reasoning_gym' needs a 'task', e.g. chain_sum",
+                "p.yaml:3:3: stages.d.config.task: source 'reasoning_gym' needs a 'task', e.g. "
+                "chain_sum",
             ),
         )
     ),
@@ -209,10 +211,12 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/evaluate/run.py", "need 0 < k <= n"): internal("k_values(n) gives 0 < k <= n"),
     # --- filter ----------------------------------------------------------------------------
     ("stages/filter/parallel.py", "OutOfOrder(start"): data(
-        "the input's rows of a prompt are not contiguous: caught, the file is sorted and filtered again"
+        "the input's rows of a prompt are not contiguous: caught, the file is sorted and filtered "
+        "again"
     ),
     ("stages/filter/scan.py", "OutOfOrder(row.offset"): data(
-        "the input's rows of a prompt are not contiguous: caught, the file is sorted and filtered again"
+        "the input's rows of a prompt are not contiguous: caught, the file is sorted and filtered "
+        "again"
     ),
     ("stages/filter/rules.py", "{}: expected an integer"): data("a malformed rollout row"),
     ("stages/filter/rules.py", "{}: expected a JSON object"): data("a malformed rollout row"),
@@ -222,7 +226,8 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         Case(
             'name: p\nstages:\n  f: {kind: filter, config: {input: x.jsonl, predicate: "nomod:keep"}}\n',
             (
-                "p.yaml:3:57: stages.f.config.predicate: predicate 'nomod:keep': no module named 'nomod'",
+                "p.yaml:3:57: stages.f.config.predicate: predicate 'nomod:keep': no module named "
+                "'nomod'",
             ),
         ),
         "a module that is found but fails while importing is known only by running it",
@@ -259,7 +264,8 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         Case(
             TINY.format(config="model: {vocab_size: 100}"),
             (
-                "p.yaml:3:65: stages.t.config.model.vocab_size: expected a number at least 262, found 100",
+                "p.yaml:3:65: stages.t.config.model.vocab_size: expected a number at least 262, "
+                "found 100",
             ),
         )
     ),
@@ -328,7 +334,8 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "a vLLM server's HTTP error: retried while retryable, then the step fails naming it"
     ),
     ("stages/rl/rollout/vllm_requests.py", "{}: {}"): transient(
-        "a sample request that failed for good (after its retries): the step fails naming the server"
+        "a sample request that failed for good (after its retries): the step fails naming the "
+        "server"
     ),
     ("stages/rl/rollout/vllm_requests.py", "the loop returns or raises on its last a"): internal(
         "the retry loop returns or raises on its last attempt"
@@ -430,9 +437,11 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/vllm/server.py", "vLLM is not installed"): environment("vLLM on the worker"),
     ("stages/lib/vllm/server.py", "a vllm backend needs a 'model'"): plan(
         Case(
-            "name: p\nstages:\n  c: {kind: collect, config: {input: x.jsonl, backend: {kind: vllm}}}\n",
+            "name: p\nstages:\n  c: {kind: collect, config: {input: x.jsonl, backend: {kind: "
+            "vllm}}}\n",
             (
-                "p.yaml:3:3: stages.c.config.backend: a 'vllm' backend needs a 'model' to generate with",
+                "p.yaml:3:3: stages.c.config.backend: a 'vllm' backend needs a 'model' to "
+                "generate with",
             ),
         ),
         "evaluate and rl fill the model in themselves",
@@ -593,7 +602,8 @@ def test_every_raise_on_the_run_path_is_classified() -> None:
         if not found:
             problems.append(
                 f"{site.path}:{site.line}: raise {site.message[:60]!r} is not classified: add "
-                f"({site.path!r}, {site.message[:40]!r}) to REFUSALS in tests/unit/test_refusals.py "
+                f"({site.path!r}, {site.message[:40]!r}) to REFUSALS in "
+                "tests/unit/test_refusals.py "
                 "as plan(Case(...)) when the config and cluster alone decide it (with the "
                 "plan-time check in the kind's config module), else as data, environment, "
                 "internal or transient with a one-line reason"

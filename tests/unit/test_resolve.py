@@ -114,12 +114,17 @@ def test_memory_constrained_settings_and_no_colocation(tmp_path: Path):
     assert all(r["colocated_with"] == [] for r in p.as_dict()["roles"].values())
     notes = [d.render() for d in p.resolved.notes]
     assert notes == [
-        "p.yaml:3:9: warning: resources.colocate: memory preset 'memory_constrained' sets 'none' over profile "
+        "p.yaml:3:9: warning: resources.colocate: memory preset 'memory_constrained' sets 'none' "
+        "over profile "
         "'high-performance''s 'all' (when hitting OOM: disable all --colocate_* options)",
-        "p.yaml:3:9: warning: stages.train.config.overlap_comm: memory preset 'memory_constrained' sets false over "
-        "profile 'high-performance''s true (when hitting OOM: disable --overlap_comm (its buckets take memory))",
-        "p.yaml:3:9: warning: stages.value.config.overlap_comm: memory preset 'memory_constrained' sets false over "
-        "profile 'high-performance''s true (when hitting OOM: disable --overlap_comm (its buckets take memory))",
+        "p.yaml:3:9: warning: stages.train.config.overlap_comm: memory preset "
+        "'memory_constrained' sets false over "
+        "profile 'high-performance''s true (when hitting OOM: disable --overlap_comm (its buckets "
+        "take memory))",
+        "p.yaml:3:9: warning: stages.value.config.overlap_comm: memory preset "
+        "'memory_constrained' sets false over "
+        "profile 'high-performance''s true (when hitting OOM: disable --overlap_comm (its buckets "
+        "take memory))",
     ]
 
 
@@ -132,7 +137,8 @@ def test_max_throughput_settings_with_caution(tmp_path: Path):
         True,
     )
     assert [d.render() for d in p.resolved.notes] == [
-        "p.yaml:2:10: warning: profile: async_train and use_dynamic_batch may affect training stability; "
+        "p.yaml:2:10: warning: profile: async_train and use_dynamic_batch may affect training "
+        "stability; "
         "validate convergence first"
     ]
 
@@ -156,7 +162,8 @@ def test_user_zero_stage_wins_over_memory_preset_with_a_note(tmp_path: Path):
     assert cfg(p, "train")["zero_stage"] == 2
     assert p.stages["train"].resolved.source("zero_stage").render() == "p.yaml:19:93"
     assert [d.render() for d in p.resolved.notes] == [
-        "p.yaml:19:93: note: stages.train.config.zero_stage: 2 overrides memory preset 'memory_constrained''s 3 "
+        "p.yaml:19:93: note: stages.train.config.zero_stage: 2 overrides memory preset "
+        "'memory_constrained''s 3 "
         "(when hitting OOM: increase --zero_stage (2 -> 3) to shard parameters too)"
     ]
 
@@ -172,7 +179,8 @@ def test_provenance_of_preset_values(tmp_path: Path):
 
 def test_10_gpus_at_1_1_1_is_a_located_error_with_suggestions(tmp_path: Path):
     assert errors(tmp_path, TRAIN_VLLM.format(profile="default", memory="default", gpus=10)) == [
-        "p.yaml:4:35: cluster.gpus: 10 GPUs do not split vllm:actor:critic = 1:1:1 into whole GPUs per role; "
+        "p.yaml:4:35: cluster.gpus: 10 GPUs do not split vllm:actor:critic = 1:1:1 into whole "
+        "GPUs per role; "
         "GPU counts that would: 9 or 12 (a multiple of 3)"
     ]
 
@@ -184,8 +192,10 @@ def test_tensor_parallel_4_on_2_gpu_nodes_is_a_located_error(tmp_path: Path):
         .replace("vllm_tensor_parallel_size: 2", "vllm_tensor_parallel_size: 4")
     )
     assert errors(tmp_path, text) == [
-        "p.yaml:14:74: stages.collect.config.backend.vllm_tensor_parallel_size: tensor-parallel size 4 does not "
-        "fit on a node of 2 GPUs (cluster.gpus_per_node); a tensor-parallel group never spans nodes: use 1, 2"
+        "p.yaml:14:74: stages.collect.config.backend.vllm_tensor_parallel_size: tensor-parallel "
+        "size 4 does not "
+        "fit on a node of 2 GPUs (cluster.gpus_per_node); a tensor-parallel group never spans "
+        "nodes: use 1, 2"
     ]
 
 
@@ -194,7 +204,8 @@ def test_engines_times_tp_must_equal_role_gpus(tmp_path: Path):
         "vllm_tensor_parallel_size: 2}", "vllm_tensor_parallel_size: 2, vllm_num_engines: 4}"
     )
     assert errors(tmp_path, text) == [
-        "p.yaml:14:95: stages.collect.config.backend.vllm_num_engines: 4 engines x tensor-parallel size 2 = 8 GPUs, "
+        "p.yaml:14:95: stages.collect.config.backend.vllm_num_engines: 4 engines x "
+        "tensor-parallel size 2 = 8 GPUs, "
         "but role 'vllm' has 16; use vllm_num_engines 8"
     ]
 
@@ -205,7 +216,8 @@ def test_batch_must_divide_by_micro_times_data_parallel(tmp_path: Path):
         "micro_train_batch_size: 3, train_batch_size: 64",
     )
     assert errors(tmp_path, text) == [
-        "p.yaml:19:77: stages.train.config.train_batch_size: 64 is not divisible by micro_train_batch_size 3 x "
+        "p.yaml:19:77: stages.train.config.train_batch_size: 64 is not divisible by "
+        "micro_train_batch_size 3 x "
         "16 data-parallel rank(s) = 48; use 48 or 96"
     ]
 
@@ -273,7 +285,8 @@ def test_a_ratio_role_no_stage_uses_gets_no_gpus_and_a_warning(tmp_path: Path):
     assert p.as_dict()["roles"] == {"actor": {"gpus": 8, "colocated_with": []}}
     assert [d.render() for d in p.resolved.notes] == [
         "p.yaml:4:11: warning: resources.ratio.vllm: no stage uses role 'vllm'; it gets no GPUs",
-        "p.yaml:4:30: warning: resources.ratio.critic: no stage uses role 'critic'; it gets no GPUs",
+        "p.yaml:4:30: warning: resources.ratio.critic: no stage uses role 'critic'; it gets no "
+        "GPUs",
     ]
 
 
@@ -302,9 +315,12 @@ def test_bad_references(tmp_path: Path):
           e: {kind: evaluate, needs: [data], config: {input: "@data.test", checkpoints: [m]}}
     """
     assert errors(tmp_path, text) == [
-        "p.yaml:4:51: stages.t.config.input: '@dat' refers to no stage named 'dat'; did you mean 'data'?",
-        "p.yaml:5:36: stages.u.config.input: '@data' refers to stage 'data', which stage 'u' does not need; add it to needs",
-        "p.yaml:6:54: stages.e.config.input: stage 'data' (dataset) has no output 'test'; its outputs: 'output', 'test_output' or 'val_output'",
+        "p.yaml:4:51: stages.t.config.input: '@dat' refers to no stage named 'dat'; did you mean "
+        "'data'?",
+        "p.yaml:5:36: stages.u.config.input: '@data' refers to stage 'data', which stage 'u' does "
+        "not need; add it to needs",
+        "p.yaml:6:54: stages.e.config.input: stage 'data' (dataset) has no output 'test'; its "
+        "outputs: 'output', 'test_output' or 'val_output'",
     ]
 
 
@@ -315,14 +331,16 @@ def test_adam_offload_needs_zero(tmp_path: Path):
           t: {kind: train, config: {input: x.jsonl, adam_offload: true}}
     """
     assert errors(tmp_path, text) == [
-        "p.yaml:3:59: stages.t.config.adam_offload: optimizer offload needs ZeRO: set zero_stage 1, 2 or 3"
+        "p.yaml:3:59: stages.t.config.adam_offload: optimizer offload needs ZeRO: set zero_stage "
+        "1, 2 or 3"
     ]
 
 
 def test_user_preset_folder_beside_pipeline(tmp_path: Path):
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "tiny.memory.yaml").write_text(
-        "kind: memory\nname: tiny\nsettings:\n  micro_train_batch_size: {value: 1, reason: laptop}\n"
+        "kind: memory\nname: tiny\nsettings:\n  micro_train_batch_size: {value: 1, reason: "
+        "laptop}\n"
     )
     text = """\
         name: p

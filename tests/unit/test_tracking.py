@@ -44,7 +44,8 @@ def test_tracking_mistakes_are_located(tmp_path: Path):
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [
         f"{path}:10:3: tracking.mlfow: unknown field 'mlfow'; did you mean 'mlflow'?",
-        f"{path}:11:17: tracking.wandb.mode: expected 'online' or 'offline', found 'onlin'; did you mean 'online'?",
+        f"{path}:11:17: tracking.wandb.mode: expected 'online' or 'offline', found 'onlin'; did "
+        "you mean 'online'?",
     ]
 
 

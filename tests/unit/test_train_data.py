@@ -53,7 +53,8 @@ def test_missing_fields_are_named_with_the_row():
     with pytest.raises(DataError) as e:
         samples_of(rows, "completion", "data.jsonl")
     assert str(e.value) == (
-        "data.jsonl: row 1 has no 'completion' (target: completion; use target: answer for gold answers)"
+        "data.jsonl: row 1 has no 'completion' (target: completion; use target: answer for gold "
+        "answers)"
     )
     with pytest.raises(DataError) as e:
         samples_of([{"answer": "1"}], "answer", "data.jsonl")

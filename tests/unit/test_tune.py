@@ -150,19 +150,22 @@ def test_text_report() -> None:
             Lv(5, 50.0, 0.1, 0.1),
             Lv(20, 55.0, 0.36, 0.5),
             "backend",
-            "throughput scaled 1.1x from parallelism 5 to 20 (ideal 4x) while p50 latency rose 3.6x: requests queue in the backend",
+            "throughput scaled 1.1x from parallelism 5 to 20 (ideal 4x) while p50 latency rose "
+            "3.6x: requests queue in the backend",
         ),
         (
             Lv(5, 50.0, 0.1, 0.1),
             Lv(20, 52.0, 0.1, 0.1, verify_s=0.8, wall_s=1.0),
             "verification",
-            "throughput scaled 1.0x from parallelism 5 to 20 (ideal 4x), and the verifier took 80% of the wall time",
+            "throughput scaled 1.0x from parallelism 5 to 20 (ideal 4x), and the verifier took "
+            "80% of the wall time",
         ),
         (
             Lv(5, 50.0, 0.1, 0.1),
             Lv(20, 50.0, 0.1, 0.1),
             "client",
-            "throughput scaled 1.0x from parallelism 5 to 20 (ideal 4x) while p50 latency stayed flat (1.0x): requests are not really concurrent",
+            "throughput scaled 1.0x from parallelism 5 to 20 (ideal 4x) while p50 latency stayed "
+            "flat (1.0x): requests are not really concurrent",
         ),
         (
             Lv(5, 50.0, 0.1, 0.1),
@@ -281,7 +284,8 @@ def test_diagnose_prints_the_verdict(project: Path, capsys: pytest.CaptureFixtur
     assert capsys.readouterr().out.splitlines()[-3:] == [
         "verdict: parallelism is the limit",
         "why: throughput scaled 4.0x from parallelism 5 to 20 (ideal 4x)",
-        "next step: raise num_samples_in_parallel: run `pipe tune` to find the knee, with --write to keep it",
+        "next step: raise num_samples_in_parallel: run `pipe tune` to find the knee, with --write "
+        "to keep it",
     ]
     assert (project / "d.png").exists()
     assert (project / "p.yaml").read_text() == PIPELINE
@@ -320,7 +324,8 @@ def test_an_invalid_pipeline_is_reported_like_validate(project: Path) -> None:
     result = invoke("p.yaml", "--stage", "collect")
     assert result.exit_code == 2
     assert result.stderr == (
-        "p.yaml:10:7: stages.collect.config.verifyer: unknown field 'verifyer'; did you mean 'verifier'?\n"
+        "p.yaml:10:7: stages.collect.config.verifyer: unknown field 'verifyer'; did you mean "
+        "'verifier'?\n"
     )
 
 
