@@ -6,9 +6,9 @@ settings and the blocks they use (name, type, default, description), in a fixed 
 the same schema always gives the same page. `tests/unit/test_docs.py` fails when the
 committed page differs from what this writes; `make docs-reference` rewrites it.
 
-Each kind's table sits between `<!-- settings:KIND -->` and `<!-- /settings:KIND -->` (the
-top-level keys' under `pipeline`, a stage's under `stage`), so the page of that kind
-includes it (MyST's `include` with `start-after`/`end-before`).
+Each table sits between `<!-- settings:NAME -->` and `<!-- /settings:NAME -->` (NAME a kind,
+a block such as `EnvironmentConfig`, `pipeline` for the top-level keys, `stage` for a
+stage's), so another page includes it (MyST's `include` with `start-after`/`end-before`).
 
 Standard library only: `python scripts/docs_settings.py [--check]`.
 """
@@ -179,7 +179,8 @@ class Page:
         used = ", ".join(self.users.get(name, ()))
         if used:
             lines += [f"Used by {used}.", ""]
-        return [*lines, *self.table(definition), ""]
+        table = [f"<!-- settings:{name} -->", *self.table(definition), f"<!-- /settings:{name} -->"]
+        return [*lines, *table, ""]
 
     def render(self) -> str:
         defs, schema = self.defs, self.schema
