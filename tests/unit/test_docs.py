@@ -155,6 +155,29 @@ def test_every_relative_link_resolves(path: Path):
     assert broken(path) == []
 
 
+def includes(path: Path) -> list[tuple[int, Path, dict[str, str]]]:
+    """(line, file, options) of every MyST `include` directive of a page."""
+    text = path.read_text()
+    found = []
+    for match in re.finditer(r"^```+\{include\}[ \t]+(\S+)\n((?::[\w-]+:.*\n)*)", text, re.M):
+        options = dict(re.findall(r"^:([\w-]+):[ \t]*(.*)$", match.group(2), re.M))
+        number = text.count("\n", 0, match.start()) + 1
+        found.append((number, (path.parent / match.group(1)).resolve(), options))
+    return found
+
+
+@pytest.mark.parametrize("path", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_include_finds_its_markers(path: Path):
+    """A settings table a page includes by its markers is still in the generated page (a
+    renamed block would otherwise fail only in `make docs`)."""
+    for number, target, options in includes(path):
+        text = target.read_text()
+        for key in ("start-after", "end-before"):
+            if key in options:
+                where = f"{path.relative_to(ROOT)}:{number}"
+                assert options[key] in text, f"{where}: no {options[key]!r} in {target.name}"
+
+
 def test_link_checker_sees_what_is_broken(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
     (tmp_path / "b.md").write_text("# The `b` page\n\n## Run on *Slurm*\n\n## Run on Slurm\n")
