@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: install install-slurm stop-slurm install-vllm quickstart test test-fast test-vllm test-gpu wheelhouse gpu-check lint fmt schemas bench bench-rl bench-rl-setup clean
+.PHONY: install install-slurm stop-slurm install-vllm quickstart test test-fast test-vllm test-gpu wheelhouse gpu-check lint fmt schemas docs docs-reference bench bench-rl bench-rl-setup clean
 
 install: $(VENV)/.installed
 
@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -U pip
 	# CPU build of torch from the wheel on disk; an unpinned torch would pull a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[train,tasks,dev,tracking]'
+	$(PY) -m pip install -q -e '.[train,tasks,dev,tracking,docs]'
 	# the real Qwen and Llama 3 vocabularies for the family test checkpoints (stages/lib/build/conventions.py
 	# reads the files; nothing of either package is imported, so none of their dependencies)
 	$(PY) -m pip install -q --no-deps dashscope==2.0.2 llama-models==0.3.0
@@ -79,8 +79,19 @@ fmt: install
 	$(VENV)/bin/ruff check --fix engine stages tests bench
 	$(VENV)/bin/ruff format engine stages tests bench
 
+# schemas/ and the settings page generated from it (docs/reference/settings.md)
 schemas: install
 	$(VENV)/bin/pipe schema --out schemas
+	$(PY) scripts/docs_settings.py
+
+# the docs site in docs/_build/html (Sphinx + MyST), warnings as errors; CI runs it
+docs: install
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+
+# docs/reference/settings.md from the committed schemas/ (standard library only; `make schemas`
+# writes both); tests/unit/test_docs.py fails when the committed page drifts
+docs-reference:
+	$(PYTHON) scripts/docs_settings.py
 
 bench: install
 	$(PY) bench/validate.py
@@ -99,4 +110,4 @@ bench-rl: install bench-rl-setup
 	$(PY) bench/rl.py --async --shapes 32x8 --steps 60
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-trl runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-trl runs .pytest_cache .mypy_cache .ruff_cache docs/_build

@@ -1,0 +1,213 @@
+"""The docs: the settings page matches the schema, and every relative link resolves.
+
+Links are read from README.md and docs/**/*.md without Sphinx (`make docs` checks the site
+again, warnings as errors): a link's file must exist, and its `#anchor` must be a heading of
+that page under the GitHub/MyST slug rule, or a MyST label `(name)=`. Links to http(s) and
+mailto addresses are not followed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^\s*(```+|~~~+)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+LABEL = re.compile(r"^\(([^()\s]+)\)=\s*$")
+# [text](target) and ![alt](target); the text may hold one level of brackets or `code`
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+REFERENCE = re.compile(r"^\s{0,3}\[[^\]]+\]:\s+<?(\S+?)>?(?:\s|$)")
+INCLUDE = re.compile(r"^```+\{(?:include|literalinclude|image|figure)\}\s+(\S+)")
+EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location(
+        "docs_settings", ROOT / "scripts" / "docs_settings.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pages() -> list[Path]:
+    found = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    return [p for p in found if "_build" not in p.relative_to(ROOT).parts]
+
+
+def prose(path: Path) -> list[tuple[int, str, bool]]:
+    """(line number, text, inside a fence) of every line; a fence's own lines count as inside."""
+    lines, fence = [], ""
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if fence:
+            lines.append((number, line, True))
+            close = re.fullmatch(r"\s*(`{3,}|~{3,})\s*", line)
+            if close and close.group(1)[0] == fence[0] and len(close.group(1)) >= len(fence):
+                fence = ""
+        elif match := FENCE.match(line):
+            fence = match.group(1)
+            lines.append((number, line, True))
+        else:
+            lines.append((number, line, False))
+    return lines
+
+
+def github_slug(title: str) -> str:
+    """MyST's `github_slugify` (myst_parser.slugs), which is GitHub's rule."""
+    return re.sub(r"[^\w\u4e00-\u9fff\- ]", "", title.lower().replace(" ", "-"))
+
+
+def heading_text(source: str) -> str:
+    """The text of a heading's Markdown: links become their text, code and emphasis marks go."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", source)
+    text = re.sub(r"(?<!\\)`+", "", text)
+    text = re.sub(r"(?<![\w\\])[*_]+|[*_]+(?!\w)", "", text)
+    return re.sub(r"\\(.)", r"\1", text)
+
+
+def anchors(path: Path) -> set[str]:
+    """The ids a link may name in a page: its headings' slugs (deduplicated as GitHub and MyST
+    do: x, x-1, x-2) and its MyST labels."""
+    found: set[str] = set()
+    for _, line, fenced in prose(path):
+        if fenced:
+            continue
+        if label := LABEL.match(line):
+            found.add(label.group(1))
+        elif heading := HEADING.match(line):
+            slug = base = github_slug(heading_text(heading.group(2)))
+            n = 1
+            while slug in found:
+                slug, n = f"{base}-{n}", n + 1
+            if slug:
+                found.add(slug)
+    return found
+
+
+def links(path: Path) -> list[tuple[int, str]]:
+    """(line, target) of every link, image, reference definition and include of a page."""
+    found = []
+    for number, line, fenced in prose(path):
+        if fenced:
+            if include := INCLUDE.match(line.strip()):
+                found.append((number, include.group(1)))
+            continue
+        text = re.sub(r"(`+).*?\1", "", line)  # code spans hold examples, not links
+        found += [(number, m.group(1)) for m in LINK.finditer(text)]
+        if reference := REFERENCE.match(text):
+            found.append((number, reference.group(1)))
+    return found
+
+
+def broken(path: Path) -> list[str]:
+    problems = []
+    for number, target in links(path):
+        if EXTERNAL.match(target):
+            continue
+        file, _, anchor = target.partition("#")
+        where = f"{path.relative_to(ROOT)}:{number}: {target}"
+        resolved = (path.parent / file).resolve() if file else path
+        if not resolved.exists():
+            problems.append(f"{where}: no file {resolved.relative_to(ROOT)}")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            problems.append(f"{where}: no heading or label '{anchor}' in {resolved.name}")
+    return problems
+
+
+def test_committed_settings_page_is_current():
+    generator = load_generator()
+    committed = generator.PAGE.read_text()
+    assert committed == generator.generate(), (
+        "docs/reference/settings.md drifted from schemas/: run `make docs-reference` and commit"
+    )
+
+
+def test_settings_page_has_every_kind_and_setting():
+    generator = load_generator()
+    schema = json.loads(generator.SCHEMA.read_text())
+    page = generator.generate()
+    for kind, block in generator.kinds(schema["$defs"]).items():
+        start = page.index(f"<!-- settings:{kind} -->")
+        section = page[start : page.index(f"<!-- /settings:{kind} -->")]
+        for name in schema["$defs"][block]["properties"]:
+            assert f"| `{name}` |" in section, f"{kind}.{name} missing"
+    for name in schema["properties"]:
+        assert f"| `{name}` |" in page
+
+
+def test_settings_cells_escape_markdown():
+    generator = load_generator()
+    assert generator.escape("runs/<name>/ a|b *x* `a|b <c>` _y_ snake_case") == (
+        r"runs/\<name\>/ a\|b \*x\* `a\|b <c>` \_y\_ snake_case"
+    )
+
+
+@pytest.mark.parametrize("path", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(path: Path):
+    assert broken(path) == []
+
+
+def includes(path: Path) -> list[tuple[int, Path, dict[str, str]]]:
+    """(line, file, options) of every MyST `include` directive of a page."""
+    text = path.read_text()
+    found = []
+    for match in re.finditer(r"^```+\{include\}[ \t]+(\S+)\n((?::[\w-]+:.*\n)*)", text, re.M):
+        options = dict(re.findall(r"^:([\w-]+):[ \t]*(.*)$", match.group(2), re.M))
+        number = text.count("\n", 0, match.start()) + 1
+        found.append((number, (path.parent / match.group(1)).resolve(), options))
+    return found
+
+
+@pytest.mark.parametrize("path", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_include_finds_its_markers(path: Path):
+    """A settings table a page includes by its markers is still in the generated page (a
+    renamed block would otherwise fail only in `make docs`)."""
+    for number, target, options in includes(path):
+        text = target.read_text()
+        for key in ("start-after", "end-before"):
+            if key in options:
+                where = f"{path.relative_to(ROOT)}:{number}"
+                assert options[key] in text, f"{where}: no {options[key]!r} in {target.name}"
+
+
+def test_link_checker_sees_what_is_broken(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    (tmp_path / "b.md").write_text("# The `b` page\n\n## Run on *Slurm*\n\n## Run on Slurm\n")
+    (tmp_path / "a.md").write_text(
+        "(top)=\n# A\n\n[ok](b.md#the-b-page) [ok](b.md#run-on-slurm-1) [ok](#top)\n"
+        "[gone](c.md) [no anchor](b.md#nope) ![img](x.png) [web](https://example.com/x)\n"
+        "`[code](nowhere.md)`\n\n```yaml\n[fenced](nowhere.md)\n```\n"
+    )
+    assert broken(tmp_path / "a.md") == [
+        "a.md:5: c.md: no file c.md",
+        "a.md:5: b.md#nope: no heading or label 'nope' in b.md",
+        "a.md:5: x.png: no file x.png",
+    ]
+
+
+def test_slugs_agree_with_myst():
+    """The heading rule above is MyST's, on every heading the docs have."""
+    slugs = pytest.importorskip("myst_parser.slugs")
+    markdown_it = pytest.importorskip("markdown_it")
+    parser = markdown_it.MarkdownIt("commonmark")
+    for path in pages():
+        tokens = parser.parse(path.read_text())
+        titles = [
+            "".join(c.content for c in tokens[i + 1].children if c.type in ("text", "code_inline"))
+            for i, token in enumerate(tokens)
+            if token.type == "heading_open"
+        ]
+        ours = [
+            github_slug(heading_text(m.group(2)))
+            for _, line, fenced in prose(path)
+            if not fenced and (m := HEADING.match(line))
+        ]
+        assert ours == [slugs.github_slugify(t) for t in titles], path
