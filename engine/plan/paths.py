@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Mapping
-from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.errors import Diagnostic, did_you_mean, one_of
@@ -238,15 +237,3 @@ def _defaults(
 def _main_output_type(stage: ResolvedStage) -> str | None:
     model = type(stage.config)
     return model.OUTPUT_TYPES.get(model.OUTPUTS[0]) if model.OUTPUTS else None
-
-
-def leaves(data: dict[str, Any], blocks: AbstractSet[str]) -> list[tuple[PathT, Any]]:
-    """Leaf values of a config: the values of its nested blocks one by one, the rest whole
-    (lists and free-form mappings are one value each)."""
-    out: list[tuple[PathT, Any]] = []
-    for key, value in data.items():
-        if isinstance(value, dict) and value and key in blocks:
-            out.extend(((key, k), v) for k, v in value.items())
-        else:
-            out.append(((key,), value))
-    return out
