@@ -283,7 +283,7 @@ def run(
 ) -> None:
     """Run PIPELINE on Dask: skip up-to-date stages, retry failures, record everything."""
     from engine.run.driver import RunRequest, run_pipeline
-    from engine.run.execute import RunOptions
+    from engine.run.select import RunOptions
 
     options = RunOptions(only=only, from_stage=from_stage, force=force, keep_going=keep_going)
     request = RunRequest(pipeline, overrides, scheduler, run_dir, options, dashboard=dashboard)
