@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import Diagnostic, Location, PipeError
 from engine.plan.cluster import ClusterView, Worker
-from engine.spec.schema import validation_diagnostics
 from engine.spec.source import load_document
+from engine.spec.validation import validation_diagnostics
 
 GB = 10**9
 _SHORT = re.compile(r"^(\d+)x(\d+)(?:x(\d+(?:\.\d+)?)GB)?$", re.IGNORECASE)

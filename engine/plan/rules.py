@@ -20,8 +20,8 @@ from engine.errors import Diagnostic, Location
 from engine.plan.paths import stage_outputs
 from engine.plan.resolved import DEFAULT, ResolvedStage, Source
 from engine.spec.load import LoadedPipeline
-from engine.spec.schema import validation_diagnostics
 from engine.spec.source import Document, PathT, set_at
+from engine.spec.validation import validation_diagnostics
 from engine.stage import Derived, ResolveContext, RoleAlloc, StageConfig
 
 C = TypeVar("C", bound=StageConfig)

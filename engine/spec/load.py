@@ -19,9 +19,10 @@ from pydantic import ValidationError
 
 from engine.errors import Diagnostic, PipeError, did_you_mean, found, one_of
 from engine.spec.overrides import apply_overrides
-from engine.spec.schema import PipelineSpec, StageSpec, validation_diagnostics
+from engine.spec.schema import PipelineSpec, StageSpec
 from engine.spec.source import Document, load_document, render_path
 from engine.spec.tracking import check_tracking
+from engine.spec.validation import validation_diagnostics
 from engine.stage import StageKind, kinds
 
 
