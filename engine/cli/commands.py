@@ -21,7 +21,8 @@ cluster_option = click.option(
     "--cluster",
     default=None,
     metavar="C.yaml|NxG[xMEMGB]",
-    help="Plan against a declared cluster: a file (nodes, gpus_per_node, gpu_memory_gb, host_memory_gb) or a shorthand such as 6x8x80GB.",
+    help="Plan against a declared cluster: a file (nodes, gpus_per_node, gpu_memory_gb, "
+    "host_memory_gb) or a shorthand such as 6x8x80GB.",
 )
 
 

@@ -80,7 +80,8 @@ def load_cluster_spec(source: str) -> ClusterView:
                     Diagnostic(
                         doc.value_loc(("nodes", i, "gpus")),
                         f"nodes[{i}].gpus",
-                        f"{node.gpus} GPUs on a node of at most {spec.gpus_per_node} (gpus_per_node)",
+                        f"{node.gpus} GPUs on a node of at most {spec.gpus_per_node} "
+                        "(gpus_per_node)",
                     )
                 )
     if errors:

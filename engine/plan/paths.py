@@ -175,7 +175,10 @@ def _target(
         state.errors.append(Diagnostic(where, dotted, msg))
         return None
     if stage not in ancestors(spec, name):
-        msg = f"'{ref}' refers to stage '{stage}', which stage '{name}' does not need; add it to needs"
+        msg = (
+            f"'{ref}' refers to stage '{stage}', which stage '{name}' does not need; "
+            "add it to needs"
+        )
         state.errors.append(Diagnostic(where, dotted, msg))
         return None
     upstream = done.get(stage)
@@ -184,7 +187,10 @@ def _target(
     outputs = type(upstream.config).OUTPUTS
     field = field or (outputs[0] if outputs else "")
     if field not in outputs:
-        msg = f"stage '{stage}' ({upstream.kind}) has no output '{field}'; its outputs: {one_of(outputs)}"
+        msg = (
+            f"stage '{stage}' ({upstream.kind}) has no output '{field}'; "
+            f"its outputs: {one_of(outputs)}"
+        )
         state.errors.append(Diagnostic(where, dotted, msg))
         return None
     if src is not None:

@@ -194,7 +194,9 @@ def _ready(run: _Run, name: str) -> str:
 def _loop(run: _Run, pending: list[str]) -> None:
     from distributed import as_completed
 
-    run.completed = as_completed([], with_results=True, raise_errors=False)  # type: ignore[no-untyped-call]
+    run.completed = as_completed(  # type: ignore[no-untyped-call]
+        [], with_results=True, raise_errors=False
+    )
     while pending or run.futures or run.retrying:
         for name in list(run.retrying):
             if run.free(name):
@@ -222,9 +224,10 @@ def _loop(run: _Run, pending: list[str]) -> None:
         if run.stopped is not None and not run.futures:
             for name in pending:
                 run.record(name).status = "not-run"
-                run.record(
-                    name
-                ).error = f"not started: stage '{run.stopped}' failed (use --keep-going to run independent stages)"
+                run.record(name).error = (
+                    f"not started: stage '{run.stopped}' failed "
+                    "(use --keep-going to run independent stages)"
+                )
             pending.clear()
             break
         if not run.futures:
@@ -309,4 +312,5 @@ def _abort(run: _Run, attempt: _Attempt, reason: str) -> None:
     from distributed import Variable
 
     with contextlib.suppress(Exception):  # the scheduler may be going away
-        Variable(f"{attempt.link}abort", client=run.cluster.client).set(reason)  # type: ignore[no-untyped-call]
+        flag = f"{attempt.link}abort"
+        Variable(flag, client=run.cluster.client).set(reason)  # type: ignore[no-untyped-call]

@@ -74,7 +74,8 @@ def validate_document(doc: Document, path: Path) -> LoadedPipeline:
 
 @dataclass
 class _Parts:
-    """The sections of an invalid pipeline that are valid on their own, so their checks still run."""
+    """The sections of an invalid pipeline that are valid on their own, so their checks still
+    run."""
 
     stages: dict[str, StageSpec]
     defaults: dict[str, Any]
@@ -118,7 +119,8 @@ def _check_stage_names(doc: Document) -> list[Diagnostic]:
                 Diagnostic(
                     doc.key_loc(("stages", name)),
                     f"stages.{name}",
-                    f"stage names use letters, digits, '_' and '-', starting with a letter, found '{name}'",
+                    "stage names use letters, digits, '_' and '-', starting with a letter, "
+                    f"found '{name}'",
                 )
             )
     return out

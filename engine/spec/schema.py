@@ -74,7 +74,8 @@ class ClusterSpec(Model):
         match = _ADDRESS.match(value)
         if match is None or match["scheme"] not in SCHEMES:
             raise ValueError(
-                f"expected 'local', 'slurm' or a Dask address ({', '.join(s + '://' for s in SCHEMES)}), found '{value}'"
+                "expected 'local', 'slurm' or a Dask address "
+                f"({', '.join(s + '://' for s in SCHEMES)}), found '{value}'"
             )
         return value
 
@@ -107,11 +108,13 @@ class ResourcesSpec(Model):
 
     ratio: dict[Role, Annotated[int, Field(gt=0)]] = Field(
         default_factory=_default_ratio,
-        description="GPU ratio among roles (vllm, actor, critic, ref, reward), e.g. {vllm: 1, actor: 1, critic: 1}.",
+        description="GPU ratio among roles (vllm, actor, critic, ref, reward), "
+        "e.g. {vllm: 1, actor: 1, critic: 1}.",
     )
     colocate: Colocate = Field(
         "none",
-        description="none, all, or groups of roles sharing GPUs, e.g. [[actor, ref], [critic, reward]].",
+        description="none, all, or groups of roles sharing GPUs, "
+        "e.g. [[actor, ref], [critic, reward]].",
     )
 
     @field_validator("colocate")
@@ -177,7 +180,8 @@ class PipelineSpec(Model):
     )
     presets: list[str] = Field(
         default_factory=list,
-        description="Extra preset files or folders, relative to this file (a presets/ folder beside it is read too).",
+        description="Extra preset files or folders, relative to this file "
+        "(a presets/ folder beside it is read too).",
     )
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Where stages run.")
     resources: ResourcesSpec = Field(
@@ -185,12 +189,14 @@ class PipelineSpec(Model):
     )
     defaults: dict[str, Any] = Field(
         default_factory=dict,
-        description="Values every stage's config starts from (applied to the stages that have them).",
+        description="Values every stage's config starts from "
+        "(applied to the stages that have them).",
     )
     stages: dict[str, StageSpec] = Field(min_length=1, description="The stages, by name.")
     tracking: TrackingSpec = Field(
         default_factory=TrackingSpec,
-        description="Experiment trackers (tensorboard, mlflow, wandb; any subset, none by default).",
+        description="Experiment trackers "
+        "(tensorboard, mlflow, wandb; any subset, none by default).",
     )
 
     @field_validator("name")
@@ -198,6 +204,7 @@ class PipelineSpec(Model):
     def _name(cls, value: str) -> str:
         if not _NAME.match(value):
             raise ValueError(
-                f"expected letters, digits, '_', '-' or '.', starting with a letter, found '{value}'"
+                "expected letters, digits, '_', '-' or '.', starting with a letter, "
+                f"found '{value}'"
             )
         return value
