@@ -168,7 +168,7 @@ def _open_remote(fs: Any, name: str) -> Any:
     return lambda: fs.open(name, "rb")
 
 
-def fingerprint(path: str) -> tuple[int, float] | None:
+def file_stamp(path: str) -> tuple[int, float] | None:
     """(size, mtime) of a local file, for the hash cache; None when absent or remote."""
     if not is_local(path):
         return None

@@ -6,7 +6,8 @@ jobs of a `engine.cluster.slurm.SlurmRequest`). The address comes from, in order
 `--scheduler`, `DASK_SCHEDULER_ADDRESS`, then the pipeline's `cluster.scheduler`
 (`local` starts a cluster sized by `cluster.workers`, or smaller when the stages
 to run use fewer and no GPU is visible, one thread and one torch thread per worker
-process, GPUs declared as a worker resource when CUDA is visible). `tls://` addresses use Dask's security settings from its config.
+process, GPUs declared as a worker resource when CUDA is visible). `tls://` addresses
+use Dask's security settings from its config.
 """
 
 from __future__ import annotations

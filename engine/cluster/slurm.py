@@ -83,7 +83,7 @@ class SlurmRequest:
 
     def job_script(self, scheduler: str = "tcp://SCHEDULER:PORT") -> str:
         """The script each job runs (the scheduler's address is known once the run starts)."""
-        job = _jobqueue().SLURMJob(scheduler=scheduler, name="pipe-worker", **self.options())  # type: ignore[no-untyped-call]
+        job = _jobqueue().SLURMJob(scheduler=scheduler, name="pipe-worker", **self.options())
         return str(job.job_script())  # type: ignore[no-untyped-call]
 
     def as_dict(self) -> dict[str, Any]:

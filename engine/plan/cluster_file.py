@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import Diagnostic, Location, PipeError
 from engine.plan.cluster import ClusterView, Worker
-from engine.spec.schema import validation_diagnostics
 from engine.spec.source import load_document
+from engine.spec.validation import validation_diagnostics
 
 GB = 10**9
 _SHORT = re.compile(r"^(\d+)x(\d+)(?:x(\d+(?:\.\d+)?)GB)?$", re.IGNORECASE)
@@ -80,7 +80,8 @@ def load_cluster_spec(source: str) -> ClusterView:
                     Diagnostic(
                         doc.value_loc(("nodes", i, "gpus")),
                         f"nodes[{i}].gpus",
-                        f"{node.gpus} GPUs on a node of at most {spec.gpus_per_node} (gpus_per_node)",
+                        f"{node.gpus} GPUs on a node of at most {spec.gpus_per_node} "
+                        "(gpus_per_node)",
                     )
                 )
     if errors:

@@ -20,9 +20,9 @@ N data-parallel ranks, P parameters):
 `adam_offload` moves the optimizer states (and, from ZeRO-2, the fp32 gradients) to the
 host; DeepSpeed's host figure (pinned buffers included, its `additional_buffer_factor`
 1.5) is used as it is. In fp32 (no bf16) weights and gradients take 4 bytes. Activations
-per micro batch follow Korthikanti et al. (2022): `s*b*h*(34 + 5*a*s/h)` bytes per layer without recomputation, the layer
-inputs `2*s*b*h` per layer plus one layer's worth with full checkpointing, and the
-fp32 logits `4*s*b*V`; twice that in fp32.
+per micro batch follow Korthikanti et al. (2022): `s*b*h*(34 + 5*a*s/h)` bytes per layer
+without recomputation, the layer inputs `2*s*b*h` per layer plus one layer's worth with
+full checkpointing, and the fp32 logits `4*s*b*V`; twice that in fp32.
 
 In fp32 (no bf16) ZeRO 1-3 still keep their own fp32 copy of the partition beside the
 model's weights (`single_partition_of_fp32_groups`, `fp32_partitioned_groups_flat`, cloned
@@ -35,29 +35,30 @@ whichever is larger (they are not alive at the same time). Communication: ZeRO-0
 the gradients into all-reduce buckets of up to 5e8 elements (`MEMORY_OPT_ALLREDUCE_SIZE`),
 ZeRO-1/2 keep one reduce bucket of hidden^2 elements (two with `overlap_comm`; the size is
 ours, `ds_buckets`, Hugging Face's rule), ZeRO-3 its reduce bucket (DeepSpeed's 5e8
-elements) plus the gathered weights it keeps alive (up to `stage3_max_live_parameters`,
-1e9: the whole of a small model). Step: torch's AdamW makes an fp32 copy of
-v for the denominator: of all the tensors it steps at once on a GPU (foreach, then in
-place), of one tensor at a time on the CPU (two: the square root, then the quotient), the
-largest the peak; under ZeRO 1-3 the tensor stepped is the rank's flat partition; with `adam_offload` DeepSpeed's CPU Adam steps in place on the host.
-ZeRO-1/2 with `adam_offload` add, while backward runs, the offload path's own device
-buffers (`offload_buffers`, each beside the line of DeepSpeed 0.19.8 that allocates it): a
-staging buffer of the largest tensor, and for the gradient on its way to the host a copy of
-it (an oversized gradient is cloned) and its fp64 copy for the norm.
+elements) plus the gathered weights it keeps alive (up to `stage3_max_live_parameters`, 1e9:
+the whole of a small model). Step: torch's AdamW makes an fp32 copy of v for the
+denominator: of all the tensors it steps at once on a GPU (foreach, then in place), of one
+tensor at a time on the CPU (two: the square root, then the quotient), the largest the peak;
+under ZeRO 1-3 the tensor stepped is the rank's flat partition; with `adam_offload`
+DeepSpeed's CPU Adam steps in place on the host. ZeRO-1/2 with `adam_offload` add, while
+backward runs, the offload path's own device buffers (`offload_buffers`, each beside the
+line of DeepSpeed 0.19.8 that allocates it): a staging buffer of the largest tensor, and for
+the gradient on its way to the host a copy of it (an oversized gradient is cloned) and its
+fp64 copy for the norm.
 
 A rank that trains on the CPU (`cpu_rank_bytes`) holds all of it in its RSS: the per-GPU
 parts, DeepSpeed's host figure under offload (its 1.5 margin is real there: the offloaded
 optimizer keeps its own gradient and staging copies on the host), and the process's own
 runtime (the interpreter and libraries: the RSS of a rank with no model, which the caller
-measures). A vLLM engine takes
-`vllm_gpu_memory_utilization` x device memory (weights and KV cache inside it).
-A frozen model (a reference policy, the local engine's copy) holds its weights in the
-compute dtype, whole on every rank, or under ZeRO-3 `w*P/N` plus the gather buffer of the
-table; one that loads inside another role's processes (`MemoryNeed.inside`, when its own
-role holds no devices) is counted on that role's devices. Colocated roles are summed; with `vllm_enable_sleep` the engine's share is free while
-the trainer runs, and with `deepspeed_enable_sleep` the trainer's gradients and optimizer
-states are while the engine generates: the peak is the larger of the two phases. Those
-states then sit in the host's memory: a sleeping trainer's host figure counts them.
+measures). A vLLM engine takes `vllm_gpu_memory_utilization` x device memory (weights and KV
+cache inside it). A frozen model (a reference policy, the local engine's copy) holds its
+weights in the compute dtype, whole on every rank, or under ZeRO-3 `w*P/N` plus the gather
+buffer of the table; one that loads inside another role's processes (`MemoryNeed.inside`,
+when its own role holds no devices) is counted on that role's devices. Colocated roles are
+summed; with `vllm_enable_sleep` the engine's share is free while the trainer runs, and with
+`deepspeed_enable_sleep` the trainer's gradients and optimizer states are while the engine
+generates: the peak is the larger of the two phases. Those states then sit in the host's
+memory: a sleeping trainer's host figure counts them.
 
 Host memory per rank (`host_bytes`) is DeepSpeed's host figure, plus what sleep moves
 there; `engine.plan.budget` sums it over the ranks a node holds. Not counted: each process's

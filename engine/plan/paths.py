@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Mapping
-from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.errors import Diagnostic, did_you_mean, one_of
@@ -176,7 +175,10 @@ def _target(
         state.errors.append(Diagnostic(where, dotted, msg))
         return None
     if stage not in ancestors(spec, name):
-        msg = f"'{ref}' refers to stage '{stage}', which stage '{name}' does not need; add it to needs"
+        msg = (
+            f"'{ref}' refers to stage '{stage}', which stage '{name}' does not need; "
+            "add it to needs"
+        )
         state.errors.append(Diagnostic(where, dotted, msg))
         return None
     upstream = done.get(stage)
@@ -185,7 +187,10 @@ def _target(
     outputs = type(upstream.config).OUTPUTS
     field = field or (outputs[0] if outputs else "")
     if field not in outputs:
-        msg = f"stage '{stage}' ({upstream.kind}) has no output '{field}'; its outputs: {one_of(outputs)}"
+        msg = (
+            f"stage '{stage}' ({upstream.kind}) has no output '{field}'; "
+            f"its outputs: {one_of(outputs)}"
+        )
         state.errors.append(Diagnostic(where, dotted, msg))
         return None
     if src is not None:
@@ -238,15 +243,3 @@ def _defaults(
 def _main_output_type(stage: ResolvedStage) -> str | None:
     model = type(stage.config)
     return model.OUTPUT_TYPES.get(model.OUTPUTS[0]) if model.OUTPUTS else None
-
-
-def leaves(data: dict[str, Any], blocks: AbstractSet[str]) -> list[tuple[PathT, Any]]:
-    """Leaf values of a config: the values of its nested blocks one by one, the rest whole
-    (lists and free-form mappings are one value each)."""
-    out: list[tuple[PathT, Any]] = []
-    for key, value in data.items():
-        if isinstance(value, dict) and value and key in blocks:
-            out.extend(((key, k), v) for k, v in value.items())
-        else:
-            out.append(((key,), value))
-    return out

@@ -21,7 +21,7 @@ from engine.fsio import (
     atomic_write_text,
     content_hash,
     exists,
-    fingerprint,
+    file_stamp,
     folder_key,
     is_local,
     isdir,
@@ -64,13 +64,13 @@ class HashCache:
     def get(self, path: str) -> str:
         if isdir(path):
             return folder_key(path)
-        fp = fingerprint(path)
+        stamp = file_stamp(path)
         hit = self.entries.get(path)
-        if fp is not None and hit is not None and hit[:2] == list(fp):
+        if stamp is not None and hit is not None and hit[:2] == list(stamp):
             return str(hit[2])
         digest = content_hash(path)
-        if fp is not None:
-            self.entries[path] = [fp[0], fp[1], digest]
+        if stamp is not None:
+            self.entries[path] = [stamp[0], stamp[1], digest]
             self.dirty = True
         return digest
 

@@ -24,8 +24,9 @@ from engine.fsio import atomic_write_text, makedirs
 from engine.plan.cluster import view_from_workers
 from engine.plan.dag import Plan, plan
 from engine.plan.resolve import resolve
-from engine.run.execute import RunOptions, execute, prepare
+from engine.run.execute import execute
 from engine.run.report import RunReport, new_run_id
+from engine.run.select import RunOptions, prepare
 from engine.run.tracking.recorder import start_tracking, wants_dashboard
 from engine.spec.load import LoadedPipeline, load_pipeline
 

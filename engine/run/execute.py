@@ -5,7 +5,8 @@ stage runs as one task per worker its slots are on (`engine.plan.placement`), ea
 restricted to that worker with `resources={"GPU": devices there}`, and not
 before every device it holds is free: stages whose slots share devices run one
 after the other, whatever the DAG allows. A stage without GPUs is one task on
-any worker. Up-to-date stages (same cache key, outputs present) are skipped. A
+any worker. Up-to-date stages (same cache key, outputs present) are skipped
+(`engine.run.select` chooses the stages to run and records the others). A
 failed stage (any of its tasks) is retried as a whole up to `retries` times
 (each attempt counted in the report): the driver raises the attempt's abort
 flag, so the other tasks stop their processes, and waits for them; its
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pickle
 import time
 from collections.abc import Mapping
@@ -26,50 +26,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.cluster.connect import Cluster
-from engine.fsio import exists, move
 from engine.plan.dag import Plan
-from engine.run.cache import HashCache, stage_keys, up_to_date
 from engine.run.report import RunReport, StageRecord
+from engine.run.select import RunOptions, absolute, descendants
+from engine.run.select import prepare as prepare  # re-exported: bench/ imports it from here
 from engine.run.task import LOG_TOPIC, StageAborted, StagePayload, run_packed_stage
 from engine.stage import Slot, kinds
 
 log = logging.getLogger("pipe.run")
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Which stages to run and how to react to failures."""
-
-    only: tuple[str, ...] = ()
-    from_stage: str | None = None
-    force: bool = False
-    keep_going: bool = False
-
-
-def descendants(plan: Plan, name: str) -> set[str]:
-    out = {name}
-    for other in plan.order:
-        if any(n in out for n in plan.stages[other].resolved.needs):
-            out.add(other)
-    return out
-
-
-def selection(plan: Plan, options: RunOptions) -> tuple[set[str], set[str]]:
-    """(stages considered, stages forced to run)."""
-    if options.only:
-        chosen = set(options.only)
-    elif options.from_stage:
-        chosen = descendants(plan, options.from_stage)
-    else:
-        chosen = set(plan.order)
-    forced = set(chosen) if options.force else set()
-    if options.from_stage:
-        forced |= descendants(plan, options.from_stage)
-    return chosen, forced
-
-
-def _abs(path: str) -> str:
-    return path if "://" in path or os.path.isabs(path) else os.path.abspath(path)
 
 
 @dataclass
@@ -106,7 +70,7 @@ class _Run:
         return self.report.stages[name]
 
     def stage_dir(self, name: str) -> str:
-        return _abs(f"{self.run_dir.rstrip('/')}/{name}")
+        return absolute(f"{self.run_dir.rstrip('/')}/{name}")
 
     def devices(self, name: str) -> set[tuple[str | None, int]]:
         return {(s.worker, d) for s in self.placement.get(name, ()) for d in s.devices}
@@ -127,13 +91,13 @@ class _Run:
             kind=kinds()[st.resolved.kind],
             config=st.resolved.config,
             stage_dir=self.stage_dir(name),
-            run_dir=_abs(self.run_dir),
-            pipeline_dir=_abs(str(self.plan.resolved.loaded.base_dir)),
+            run_dir=absolute(self.run_dir),
+            pipeline_dir=absolute(str(self.plan.resolved.loaded.base_dir)),
             key=self.keys[name],
             attempt=rec.attempts,
             gpus=st.resolved.gpus,
             workers=self.n_workers,
-            outputs={k: _abs(v) for k, v in st.outputs.items()},
+            outputs={k: absolute(v) for k, v in st.outputs.items()},
             slots=slots,
             run_id=self.report.run_id,
         )
@@ -172,43 +136,6 @@ def held_gpus(slots: Any, worker: str | None) -> int:
     colocated on one device (`colocate`) share it: counting each role's slot would ask Dask
     for more GPUs than the worker has, and the task would wait forever."""
     return len({d for s in slots if s.worker == worker for d in s.devices})
-
-
-def prepare(plan: Plan, options: RunOptions, report: RunReport) -> tuple[dict[str, str], list[str]]:
-    """Cache keys, and the stages to run; cached and unselected stages are recorded as such."""
-    run_dir = plan.resolved.run_dir
-    hashes = HashCache(f"{run_dir.rstrip('/')}/.pipe-hashes.json")
-    keys = stage_keys(plan, hashes)
-    hashes.save()
-    chosen, forced = selection(plan, options)
-    pending: list[str] = []
-    for name in plan.order:
-        stage_dir = _abs(f"{run_dir.rstrip('/')}/{name}")
-        rec = report.add(name, plan.stages[name].resolved.kind, keys[name], stage_dir)
-        done = up_to_date(stage_dir, keys[name], plan.stages[name].outputs)
-        if name not in forced and done:
-            rec.status, rec.cache_hit = "cached", True
-            log.info("%s: up to date, skipped (cache hit)", name)
-        elif name not in chosen:
-            rec.status = "not-selected"
-        else:
-            if done:  # forced: run again from scratch, not resumed from its own last checkpoint
-                _set_aside(plan, name, stage_dir, report.history(run_dir))
-            pending.append(name)
-    return keys, pending
-
-
-def _set_aside(plan: Plan, name: str, stage_dir: str, history: str) -> None:
-    """Move a completed stage's folder, and its outputs outside it, into the run's history
-    (`replaced/<stage>/`): a forced stage starts from nothing (a train or rl stage would
-    otherwise resume from its final checkpoint and do nothing), and the completed run is
-    kept, not lost."""
-    kept = f"{history}/replaced/{name}"
-    for i, path in enumerate(sorted(plan.stages[name].outputs.values())):
-        if not path.startswith(stage_dir.rstrip("/") + "/") and exists(path):
-            move(path, f"{kept}/outputs/{i}-{path.rstrip('/').rsplit('/', 1)[-1]}")
-    move(stage_dir, f"{kept}/{name}")
-    log.info("%s: forced; its completed run is kept in %s", name, kept)
 
 
 def execute(
@@ -267,7 +194,9 @@ def _ready(run: _Run, name: str) -> str:
 def _loop(run: _Run, pending: list[str]) -> None:
     from distributed import as_completed
 
-    run.completed = as_completed([], with_results=True, raise_errors=False)  # type: ignore[no-untyped-call]
+    run.completed = as_completed(  # type: ignore[no-untyped-call]
+        [], with_results=True, raise_errors=False
+    )
     while pending or run.futures or run.retrying:
         for name in list(run.retrying):
             if run.free(name):
@@ -295,9 +224,10 @@ def _loop(run: _Run, pending: list[str]) -> None:
         if run.stopped is not None and not run.futures:
             for name in pending:
                 run.record(name).status = "not-run"
-                run.record(
-                    name
-                ).error = f"not started: stage '{run.stopped}' failed (use --keep-going to run independent stages)"
+                run.record(name).error = (
+                    f"not started: stage '{run.stopped}' failed "
+                    "(use --keep-going to run independent stages)"
+                )
             pending.clear()
             break
         if not run.futures:
@@ -382,4 +312,5 @@ def _abort(run: _Run, attempt: _Attempt, reason: str) -> None:
     from distributed import Variable
 
     with contextlib.suppress(Exception):  # the scheduler may be going away
-        Variable(f"{attempt.link}abort", client=run.cluster.client).set(reason)  # type: ignore[no-untyped-call]
+        flag = f"{attempt.link}abort"
+        Variable(flag, client=run.cluster.client).set(reason)  # type: ignore[no-untyped-call]

@@ -1,9 +1,9 @@
 """Run records: `report.json` per run, with one record per stage.
 
-Per stage: status (succeeded, cached, failed, skipped, not-run, not-selected,
-cancelled), the worker it ran on (and its Slurm job id under `scheduler: slurm`), start, end, duration, attempts, cache hit,
-the error, its folder and metrics. Written to `<run-dir>/history/<run-id>/`
-and, for the latest run, `<run-dir>/report.json`.
+Per stage: status (succeeded, cached, failed, skipped, not-run, not-selected, cancelled),
+the worker it ran on (and its Slurm job id under `scheduler: slurm`), start, end, duration,
+attempts, cache hit, the error, its folder and metrics. Written to
+`<run-dir>/history/<run-id>/` and, for the latest run, `<run-dir>/report.json`.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class RunReport:
         return f"{run_dir.rstrip('/')}/history/{self.run_id}"
 
     def write(self, run_dir: str) -> str:
-        """Write the report to the run's history folder and as the latest; return the history path."""
+        """Write the report to the run's history folder and as the latest; return the history
+        path."""
         text = json.dumps(self.as_dict(), indent=2, default=str) + "\n"
         history = self.history(run_dir)
         makedirs(history)

@@ -1,12 +1,12 @@
 """The Dask task that runs one stage on a worker.
 
-Input: a `StagePayload` (the kind, its resolved, frozen config with absolute
-paths, folders, the cache key, and the stage's placement: its slots and which
-of its tasks this is); Dask pickles it, the config stays typed. Output: a `TaskResult` (metrics, worker, start and end). The stage's
-log goes to `<stage_dir>/log.txt` and, as Dask events on the topic `pipe-log`,
-to the driver. A stamp `<stage_dir>/.pipe-stage.json` holding the cache key is
-written only after the stage succeeded and removed before it starts, so a
-killed stage never looks complete.
+Input: a `StagePayload` (the kind, its resolved, frozen config with absolute paths, folders,
+the cache key, and the stage's placement: its slots and which of its tasks this is); Dask
+pickles it, the config stays typed. Output: a `TaskResult` (metrics, worker, start and end).
+The stage's log goes to `<stage_dir>/log.txt` and, as Dask events on the topic `pipe-log`,
+to the driver. A stamp `<stage_dir>/.pipe-stage.json` holding the cache key is written only
+after the stage succeeded and removed before it starts, so a killed stage never looks
+complete.
 
 A stage placed on several workers runs as one task per worker (rank order of
 its slots); they reach each other through a `DaskLink` (Dask variables named

@@ -6,7 +6,8 @@ Input: YAML bytes (a pipeline file, `--set` overrides, preset files). Output: a
 
 - `source`: YAML -> a plain tree with a location for every node (safe loading only).
 - `overrides`: `--set PATH=VALUE` applied to that tree before validation.
-- `schema`: the pydantic models of the file; `slurm` and `tracking` its two blocks.
+- `schema`: the pydantic models of the file; `slurm` and `tracking` its two blocks;
+  `validation`: pydantic's errors located in the file and worded for people.
 - `presets`: profiles and memory presets as data.
 - `load`: the phase's entry point; `graph` renders the stage graph; `jsonschema` writes
   the JSON Schema editors read.

@@ -19,9 +19,10 @@ from pydantic import ValidationError
 
 from engine.errors import Diagnostic, PipeError, did_you_mean, found, one_of
 from engine.spec.overrides import apply_overrides
-from engine.spec.schema import PipelineSpec, StageSpec, validation_diagnostics
+from engine.spec.schema import PipelineSpec, StageSpec
 from engine.spec.source import Document, load_document, render_path
 from engine.spec.tracking import check_tracking
+from engine.spec.validation import validation_diagnostics
 from engine.stage import StageKind, kinds
 
 
@@ -73,7 +74,8 @@ def validate_document(doc: Document, path: Path) -> LoadedPipeline:
 
 @dataclass
 class _Parts:
-    """The sections of an invalid pipeline that are valid on their own, so their checks still run."""
+    """The sections of an invalid pipeline that are valid on their own, so their checks still
+    run."""
 
     stages: dict[str, StageSpec]
     defaults: dict[str, Any]
@@ -117,7 +119,8 @@ def _check_stage_names(doc: Document) -> list[Diagnostic]:
                 Diagnostic(
                     doc.key_loc(("stages", name)),
                     f"stages.{name}",
-                    f"stage names use letters, digits, '_' and '-', starting with a letter, found '{name}'",
+                    "stage names use letters, digits, '_' and '-', starting with a letter, "
+                    f"found '{name}'",
                 )
             )
     return out

@@ -33,7 +33,8 @@ class SlurmSpec(BaseModel):
     memory: str = Field("4GB", description="Memory per job, e.g. 64GB (sbatch --mem).")
     job_extra_directives: list[str] = Field(
         default_factory=list,
-        description="Extra sbatch options, one per entry, e.g. ['--qos=high', '--constraint=a100'].",
+        description="Extra sbatch options, one per entry, "
+        "e.g. ['--qos=high', '--constraint=a100'].",
     )
     job_script_prologue: list[str] = Field(
         default_factory=list,

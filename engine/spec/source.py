@@ -178,7 +178,8 @@ def _fast_resolver() -> type:
         @property
         def versioned_resolver(self) -> Any:
             if self._table is None:
-                self._table = VersionedResolver.versioned_resolver.fget(self)  # type: ignore[attr-defined]
+                table = VersionedResolver.versioned_resolver
+                self._table = table.fget(self)  # type: ignore[attr-defined]
             return self._table
 
         def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:

@@ -66,7 +66,7 @@ def test_plugin_kind_registers_like_a_builtin():
         assert get_kind("echo_test") is not None
         assert get_kind("echo_test").config is EchoConfig
     finally:  # other tests list the registered kinds in their expected messages
-        from engine.stage import _REGISTRY
+        from engine.stage.registry import _REGISTRY
 
         _REGISTRY.pop("echo_test", None)
 

@@ -135,7 +135,8 @@ class _Writer:
             except Exception as exc:
                 self.failed = True
                 log.warning(
-                    "tracking: %s failed (%s); the run goes on without it, the stage folders keep every record",
+                    "tracking: %s failed (%s); the run goes on without it, "
+                    "the stage folders keep every record",
                     self.tracker.name,
                     redact(f"{type(exc).__name__}: {exc}")[:500],
                 )

@@ -111,4 +111,7 @@ class WandbTracker:
     def link(self) -> str:
         if self.spec.mode == "online" and self.parent is not None and self.parent.url:
             return str(self.parent.url)
-        return f"{self.dir}/wandb (offline runs of group {self.group}; upload: wandb sync {self.dir}/wandb/offline-run-*)"
+        return (
+            f"{self.dir}/wandb (offline runs of group {self.group}; "
+            f"upload: wandb sync {self.dir}/wandb/offline-run-*)"
+        )

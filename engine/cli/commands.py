@@ -1,92 +1,29 @@
-"""The `pipe` command: a thin shell over load -> resolve -> plan -> execute.
+"""The built-in commands of `pipe`: each a thin call into the phase it runs.
 
-Exit codes: 0 ok; 1 a stage failed; 2 an invalid pipeline or usage. A user's
-mistake prints compiler-style errors and no traceback; `-v` shows one for a bug.
+Input: each command's arguments and options. Output: what it prints (plans, graphs, lists,
+the schema) and the exit code `engine.cli.shell.guard` gives it. `validate` and `plan` go
+through `engine.cli.build`, `run` through `engine.run.driver`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
-import logging
-import os
 import sys
-from collections.abc import Callable, Iterator
-from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from engine.errors import PipeError, RunFailed
-
-if TYPE_CHECKING:
-    from engine.plan.dag import Plan
-
-F = TypeVar("F", bound=Callable[..., Any])
-EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
-
-
-def _guard(fn: F) -> F:
-    """Turn `PipeError` into its message and exit 2; any other exception is a bug."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        ctx = click.get_current_context()
-        verbose = bool(ctx.find_root().params.get("verbose"))
-        try:
-            return fn(*args, **kwargs)
-        except PipeError as exc:
-            click.echo(exc.render(), err=True)
-            sys.exit(EXIT_INVALID)
-        except RunFailed as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(EXIT_FAILED)
-        except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
-            raise
-        except Exception as exc:
-            if verbose:
-                raise
-            click.echo(
-                f"internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)",
-                err=True,
-            )
-            sys.exit(EXIT_FAILED)
-
-    return wrapper  # type: ignore[return-value]
-
+from engine.cli.build import build_plan
+from engine.cli.shell import EXIT_FAILED, EXIT_OK, guard
+from engine.errors import PipeError
 
 cluster_option = click.option(
     "--cluster",
     default=None,
     metavar="C.yaml|NxG[xMEMGB]",
-    help="Plan against a declared cluster: a file (nodes, gpus_per_node, gpu_memory_gb, host_memory_gb) or a shorthand such as 6x8x80GB.",
+    help="Plan against a declared cluster: a file (nodes, gpus_per_node, gpu_memory_gb, "
+    "host_memory_gb) or a shorthand such as 6x8x80GB.",
 )
-
-
-def view_gpus(declared: Any, view: Any) -> int | None:
-    """`cluster.gpus: auto` planned against a declared cluster takes the cluster's GPUs."""
-    if declared == "auto" and view is not None:
-        return len(view.devices())
-    return None
-
-
-def auto_gpus(loaded: Any, view: Any, cluster: str | None) -> tuple[int | None, str, Any]:
-    """`cluster.gpus: auto` without a live cluster: a declared `--cluster`'s GPUs, else, for
-    the embedded cluster (`scheduler: local`), the GPUs `pipe run` will give its workers
-    (visible on this machine, read without torch) and that machine as the cluster placed on;
-    a remote scheduler's are known once connected. Returns (gpus, where from, view)."""
-    from engine.cluster.connect import local_gpus, scheduler_address
-
-    spec = loaded.spec.cluster
-    if spec.gpus != "auto":
-        return None, "", view
-    if view is not None:
-        return view_gpus(spec.gpus, view), f"from --cluster {cluster}", view
-    if scheduler_address(None, spec.scheduler) != "local":
-        return None, "", None
-    return local_gpus(spec.gpus_per_node)
 
 
 set_option = click.option(
@@ -98,94 +35,11 @@ set_option = click.option(
 )
 
 
-COMMANDS_GROUP = "pipe.commands"
-
-
-class _Commands(click.Group):
-    """The built-in commands, plus those stage kinds contribute through the entry-point group
-    `pipe.commands` (e.g. collect's `pipe tune`), loaded only when asked for."""
-
-    def _plugins(self) -> dict[str, Any]:
-        from importlib import metadata
-
-        return {ep.name: ep for ep in metadata.entry_points(group=COMMANDS_GROUP)}
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *self._plugins()})
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        command = super().get_command(ctx, name)
-        if command is None and name in self._plugins():
-            loaded = self._plugins()[name].load()
-            command = loaded if isinstance(loaded, click.Command) else None
-        return command
-
-
-@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "-v", "--verbose", is_flag=True, help="Debug logging; tracebacks for internal errors."
-)
-def main(verbose: bool) -> None:
-    """pipe: declarative YAML pipelines for LLM post-training, run on Dask."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s" if verbose else "%(message)s",
-        stream=sys.stderr,
-    )
-    if not verbose:
-        # Dask reads these when distributed is first imported, in the driver and in workers;
-        # stage failures are reported by pipe itself, with the stage's log file
-        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
-        for noisy in ("distributed", "tornado", "bokeh", "asyncio"):
-            logging.getLogger(noisy).setLevel(logging.CRITICAL)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Load, resolve and plan make some 10^5 small objects with no cycles among them; the
-    cyclic collector rescanning them took about half of a 1,000-stage `pipe validate`
-    (BENCHMARKS.md). Paused for that bounded work, on again after it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def build_plan(
-    path: str,
-    overrides: tuple[str, ...] = (),
-    run_dir: str | None = None,
-    notes: bool = True,
-    cluster: str | None = None,
-) -> Plan:
-    """load -> resolve -> plan (placed on a declared `cluster` when given); warnings and notes
-    go to stderr (unless `notes` is off)."""
-    from engine.plan.dag import plan
-    from engine.plan.resolve import resolve
-    from engine.spec.load import load_pipeline
-
-    view = None
-    if cluster is not None:
-        from engine.plan.cluster_file import load_cluster_spec
-
-        view = load_cluster_spec(cluster)
-    with _gc_paused():
-        loaded = load_pipeline(path, overrides)
-        gpus, source, view = auto_gpus(loaded, view, cluster)
-        result = plan(resolve(loaded, run_dir=run_dir, gpus=gpus, gpus_from=source), view)
-    for note in result.resolved.notes if notes else ():
-        click.echo(note.render(), err=True)
-    return result
-
-
-@main.command()
+@click.command()
 @click.argument("pipelines", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @set_option
 @cluster_option
-@_guard
+@guard
 def validate(pipelines: tuple[str, ...], overrides: tuple[str, ...], cluster: str | None) -> None:
     """Load, resolve and plan each PIPELINE (placed on a declared --cluster); start nothing."""
     errors = []
@@ -200,7 +54,7 @@ def validate(pipelines: tuple[str, ...], overrides: tuple[str, ...], cluster: st
         raise PipeError(errors)
 
 
-@main.command("plan")
+@click.command("plan")
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--explain", is_flag=True, help="Show every resolved value with where it came from.")
 @click.option(
@@ -213,7 +67,7 @@ def validate(pipelines: tuple[str, ...], overrides: tuple[str, ...], cluster: st
 @click.option("--run-dir", default=None, help="Run directory (default runs/<name>/).")
 @set_option
 @cluster_option
-@_guard
+@guard
 def plan_cmd(
     pipeline: str,
     explain: bool,
@@ -243,7 +97,7 @@ def plan_cmd(
         click.echo(explain_text(result), nl=False)
 
 
-@main.command()
+@click.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @set_option
 @click.option(
@@ -269,7 +123,7 @@ def plan_cmd(
     is_flag=True,
     help="Serve Dask's dashboard from the embedded cluster (needs bokeh); its address is logged.",
 )
-@_guard
+@guard
 def run(
     pipeline: str,
     overrides: tuple[str, ...],
@@ -283,7 +137,7 @@ def run(
 ) -> None:
     """Run PIPELINE on Dask: skip up-to-date stages, retry failures, record everything."""
     from engine.run.driver import RunRequest, run_pipeline
-    from engine.run.execute import RunOptions
+    from engine.run.select import RunOptions
 
     options = RunOptions(only=only, from_stage=from_stage, force=force, keep_going=keep_going)
     request = RunRequest(pipeline, overrides, scheduler, run_dir, options, dashboard=dashboard)
@@ -295,7 +149,7 @@ def run(
     sys.exit(EXIT_OK if report.status == "succeeded" else EXIT_FAILED)
 
 
-@main.command()
+@click.command()
 @click.option(
     "--dir",
     "base",
@@ -303,7 +157,7 @@ def run(
     default=None,
     help="Also list presets of this pipeline folder.",
 )
-@_guard
+@guard
 def presets(base: str | None) -> None:
     """List the profiles and memory presets, each setting with its reason."""
     from engine.spec.presets import all_presets
@@ -321,14 +175,14 @@ def presets(base: str | None) -> None:
             click.echo(f"  {key} = {setting.value!r}: {setting.reason}")
 
 
-@main.command()
+@click.command()
 @click.option(
     "--out", "out_dir", type=click.Path(file_okay=False), default="schemas", show_default=True
 )
 @click.option(
     "--check", is_flag=True, help="Exit 1 when the committed schema differs from the generated one."
 )
-@_guard
+@guard
 def schema(out_dir: str, check: bool) -> None:
     """Write the pipeline file's JSON Schema to OUT/pipeline.schema.json."""
     from engine.spec.jsonschema import SCHEMA_FILE, schema_text
@@ -347,8 +201,8 @@ def schema(out_dir: str, check: bool) -> None:
     click.echo(f"wrote {target}")
 
 
-@main.command()
-@_guard
+@click.command()
+@guard
 def stages() -> None:
     """List the stage kinds and where they come from."""
     from engine.stage import kinds
@@ -358,7 +212,7 @@ def stages() -> None:
         click.echo(f"{name:10s} {kind.module:24s} {doc}")
 
 
-@main.command()
+@click.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option(
     "--format",
@@ -368,14 +222,10 @@ def stages() -> None:
     show_default=True,
 )
 @set_option
-@_guard
+@guard
 def graph(pipeline: str, fmt: str, overrides: tuple[str, ...]) -> None:
     """Print the stage graph of PIPELINE."""
     from engine.spec.graph import render_graph
     from engine.spec.load import load_pipeline
 
     click.echo(render_graph(load_pipeline(pipeline, overrides).spec, fmt), nl=False)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,114 @@
+"""Resolve, part of: a stage's merged config validated, then its kind's rules applied.
+
+Input: one stage's merged config data with the source of every value (`engine.plan.layers`,
+references and paths already resolved by `engine.plan.paths`). Output: the kind's typed
+config with the values it derives (its `derive` hook, applied where neither the user nor a
+preset set one, each with the rule's reason as its source), and the located diagnostics of
+the checks: what every stage shares (its GPUs within the cluster), then the kind's own
+(its `check` hook). Validation errors point where each value was written.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+
+from engine.errors import Diagnostic, Location
+from engine.plan.paths import stage_outputs
+from engine.plan.resolved import DEFAULT, ResolvedStage, Source
+from engine.spec.load import LoadedPipeline
+from engine.spec.source import Document, PathT, set_at
+from engine.spec.validation import validation_diagnostics
+from engine.stage import Derived, ResolveContext, RoleAlloc, StageConfig
+
+C = TypeVar("C", bound=StageConfig)
+
+
+def located(
+    doc: Document, name: str, merged: dict[str, Any], sources: dict[str, Source]
+) -> Document:
+    """The merged config as a document whose values are located where they were written."""
+    locs: dict[PathT, Location] = {(): doc.key_loc(("stages", name))}
+    for dotted, src in sources.items():
+        if src.location is not None:
+            locs[tuple(dotted.split("."))] = src.location
+    return Document(doc.name, merged, locs)
+
+
+def validated(
+    model: type[C], merged: dict[str, Any], view: Document, errors: list[Diagnostic]
+) -> C | None:
+    """`merged` as a `model`, or None with its errors (located in `view`) added to `errors`."""
+    try:
+        return model.model_validate(merged)
+    except ValidationError as exc:
+        errors.extend(validation_diagnostics(exc, view, (), merged, model))
+        return None
+
+
+def context(
+    loaded: LoadedPipeline,
+    name: str,
+    gpus: int,
+    roles: dict[str, RoleAlloc],
+    sources: dict[str, Source],
+    view: Document,
+    done: dict[str, ResolvedStage],
+) -> ResolveContext:
+    """What the kind's `derive` and `check` hooks know of stage `name`."""
+
+    def locate(dotted: str) -> Location:
+        return view.value_loc(tuple(dotted.split(".")) if dotted else ())
+
+    def describe(dotted: str) -> str:
+        return sources[dotted].render() if dotted in sources else DEFAULT.render()
+
+    return ResolveContext(
+        stage=name,
+        gpus=gpus,
+        role=loaded.spec.stages[name].resources.role,
+        roles=roles,
+        gpus_per_node=loaded.spec.cluster.gpus_per_node,
+        explicit=frozenset(sources),
+        pipeline_dir=os.path.abspath(loaded.base_dir),
+        produced=stage_outputs(done),
+        locate=locate,
+        describe=describe,
+    )
+
+
+def derive(
+    config: StageConfig,
+    ctx: ResolveContext,
+    merged: dict[str, Any],
+    sources: dict[str, Source],
+    doc: Document,
+    errors: list[Diagnostic],
+) -> StageConfig | None:
+    """Apply the kind's derived values where neither the user nor a preset set one."""
+    derived: dict[str, Derived] = {k: v for k, v in config.derive(ctx).items() if k not in sources}
+    if not derived:
+        return config
+    for dotted, value in derived.items():
+        set_at(merged, tuple(dotted.split(".")), copy.deepcopy(value.value))
+        sources[dotted] = Source("rule", value.reason)
+    view = located(doc, ctx.stage, merged, sources)
+    return validated(type(config), merged, view, errors)
+
+
+def check(loaded: LoadedPipeline, stage: ResolvedStage, ctx: ResolveContext) -> list[Diagnostic]:
+    """What every stage shares (its GPUs within the cluster), then the kind's own checks."""
+    out: list[Diagnostic] = []
+    cluster = loaded.spec.cluster
+    if isinstance(cluster.gpus, int) and stage.gpus > cluster.gpus:
+        out.append(
+            Diagnostic(
+                loaded.doc.value_loc(("stages", stage.name, "resources")),
+                f"stages.{stage.name}.resources",
+                f"asks for {stage.gpus} GPUs; the cluster has {cluster.gpus} (cluster.gpus)",
+            )
+        )
+    return out + stage.config.check(ctx)

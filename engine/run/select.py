@@ -1,0 +1,95 @@
+"""Select: which stages a run runs, and their cache keys (`pipe run --only/--from/--force`).
+
+Input: the plan, the user's `--only` / `--from` / `--force`, and the run folder's records.
+Output: every stage's cache key (`engine.run.cache`), the stages to run in plan order, and
+the report's record of every other one: up to date (cached) or not selected. A forced stage
+that had completed is set aside into the run's history first, so it starts from nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from engine.fsio import exists, move
+from engine.plan.dag import Plan
+from engine.run.cache import HashCache, stage_keys, up_to_date
+from engine.run.report import RunReport
+
+log = logging.getLogger("pipe.run")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Which stages to run and how to react to failures."""
+
+    only: tuple[str, ...] = ()
+    from_stage: str | None = None
+    force: bool = False
+    keep_going: bool = False
+
+
+def descendants(plan: Plan, name: str) -> set[str]:
+    """`name` and every stage that needs it, directly or not."""
+    out = {name}
+    for other in plan.order:
+        if any(n in out for n in plan.stages[other].resolved.needs):
+            out.add(other)
+    return out
+
+
+def selection(plan: Plan, options: RunOptions) -> tuple[set[str], set[str]]:
+    """(stages considered, stages forced to run)."""
+    if options.only:
+        chosen = set(options.only)
+    elif options.from_stage:
+        chosen = descendants(plan, options.from_stage)
+    else:
+        chosen = set(plan.order)
+    forced = set(chosen) if options.force else set()
+    if options.from_stage:
+        forced |= descendants(plan, options.from_stage)
+    return chosen, forced
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute; a URL as it is."""
+    return path if "://" in path or os.path.isabs(path) else os.path.abspath(path)
+
+
+def prepare(plan: Plan, options: RunOptions, report: RunReport) -> tuple[dict[str, str], list[str]]:
+    """Cache keys, and the stages to run; cached and unselected stages are recorded as such."""
+    run_dir = plan.resolved.run_dir
+    hashes = HashCache(f"{run_dir.rstrip('/')}/.pipe-hashes.json")
+    keys = stage_keys(plan, hashes)
+    hashes.save()
+    chosen, forced = selection(plan, options)
+    pending: list[str] = []
+    for name in plan.order:
+        stage_dir = absolute(f"{run_dir.rstrip('/')}/{name}")
+        rec = report.add(name, plan.stages[name].resolved.kind, keys[name], stage_dir)
+        done = up_to_date(stage_dir, keys[name], plan.stages[name].outputs)
+        if name not in forced and done:
+            rec.status, rec.cache_hit = "cached", True
+            log.info("%s: up to date, skipped (cache hit)", name)
+        elif name not in chosen:
+            rec.status = "not-selected"
+        else:
+            if done:  # forced: run again from scratch, not resumed from its own last checkpoint
+                _set_aside(plan, name, stage_dir, report.history(run_dir))
+            pending.append(name)
+    return keys, pending
+
+
+def _set_aside(plan: Plan, name: str, stage_dir: str, history: str) -> None:
+    """Move a completed stage's folder, and its outputs outside it, into the run's history
+    (`replaced/<stage>/`): a forced stage starts from nothing (a train or rl stage would
+    otherwise resume from its final checkpoint and do nothing), and the completed run is
+    kept, not lost."""
+    kept = f"{history}/replaced/{name}"
+    for i, path in enumerate(sorted(plan.stages[name].outputs.values())):
+        if not path.startswith(stage_dir.rstrip("/") + "/") and exists(path):
+            move(path, f"{kept}/outputs/{i}-{path.rstrip('/').rsplit('/', 1)[-1]}")
+    move(stage_dir, f"{kept}/{name}")
+    log.info("%s: forced; its completed run is kept in %s", name, kept)
