@@ -44,8 +44,9 @@ def main() -> None:
     from engine.cluster.connect import connect
     from engine.plan.dag import plan
     from engine.plan.resolve import resolve
-    from engine.run.execute import RunOptions, execute, prepare
+    from engine.run.execute import execute
     from engine.run.report import RunReport, new_run_id
+    from engine.run.select import RunOptions, prepare
     from engine.spec.load import load_pipeline
     from tests.kinds import register
 

@@ -29,7 +29,6 @@ from engine.cluster.connect import Cluster
 from engine.plan.dag import Plan
 from engine.run.report import RunReport, StageRecord
 from engine.run.select import RunOptions, absolute, descendants
-from engine.run.select import prepare as prepare  # re-exported: bench/ imports it from here
 from engine.run.task import LOG_TOPIC, StageAborted, StagePayload, run_packed_stage
 from engine.stage import Slot, kinds
 
