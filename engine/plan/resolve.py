@@ -27,11 +27,11 @@ import posixpath
 from dataclasses import dataclass, field
 
 from engine.errors import Diagnostic, PipeError
+from engine.plan.checks import check, context, derive, located, validated
 from engine.plan.layers import Layers
 from engine.plan.paths import resolve_paths
 from engine.plan.resolved import GpusAuto, ResolvedPipeline, ResolvedStage
 from engine.plan.roles import Roles
-from engine.plan.rules import check, context, derive, located, validated
 from engine.spec.load import LoadedPipeline
 from engine.spec.source import Document
 from engine.stage import kinds

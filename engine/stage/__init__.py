@@ -29,14 +29,6 @@ running stage knows: `StageContext`, `Slot`, `at_stage_end`) and `registry` (`@s
 `kinds()`). Import the names from here: `from engine.stage import StageConfig, stage`.
 """
 
-from engine.stage.config import (
-    Derived,
-    MemoryNeed,
-    ResolveContext,
-    RoleAlloc,
-    StageConfig,
-    nested_blocks,
-)
 from engine.stage.context import (
     STAGE_END,
     NodeLink,
@@ -44,6 +36,14 @@ from engine.stage.context import (
     StageContext,
     at_stage_end,
     visible_names,
+)
+from engine.stage.hooks import (
+    Derived,
+    MemoryNeed,
+    ResolveContext,
+    RoleAlloc,
+    StageConfig,
+    nested_blocks,
 )
 from engine.stage.registry import (
     ENTRY_POINT_GROUP,

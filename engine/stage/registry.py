@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, TypeVar
 
-from engine.stage.config import StageConfig
 from engine.stage.context import StageContext
+from engine.stage.hooks import StageConfig
 
 ENTRY_POINT_GROUP = "pipe.stages"
 
