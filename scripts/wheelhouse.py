@@ -323,7 +323,9 @@ def header(args: argparse.Namespace, built: list[dict]) -> str:
         "hashes: the index's (pip download checked each file against it)",
     ]
     if built:
-        lines.append("but for these wheels, built here from an sdist: their own hash")
+        lines.append(
+            "but for wheels built here, which have their own: each from an sdist of the index"
+        )
         lines += [
             f"  {f['name']} {f['version']} from {f['file']} sha256:{f['sha256']}" for f in built
         ]
