@@ -41,17 +41,21 @@ test-vllm: install install-vllm
 test-gpu: install
 	$(PY) -m pytest -m gpu -v -rs
 
-# wheelhouse/: every wheel the project needs for an offline machine, one version each, DeepSpeed's
-# sdist beside them, and wheelhouse/requirements.lock. PY=3.12 PLATFORM=manylinux_2_28_x86_64
-# (default: this machine's), PROFILE=gpu|full|base, TARGET_FREEZE=freeze.txt (a `pip freeze` of the
-# target: leave out what it pins) or TARGET_HAS="torch triton nvidia-*" (the default).
-# PY names a Python version here, not an interpreter: scripts/wheelhouse.py runs with .venv's or python3
+# wheelhouse/: what the project needs on an offline machine, one file per package (wheels, and
+# DeepSpeed's sdist), and wheelhouse/requirements.lock (name==version --hash=sha256:...): resolved
+# by `uv pip compile` for the target, fetched by `pip download --require-hashes`.
+# PYTHON_VERSION=3.12 PLATFORM=manylinux_2_28_x86_64 (default: this machine's), PROFILE=gpu|full|base,
+# TARGET_FREEZE=freeze.txt (a `pip freeze` of the target: leave out what it pins) or
+# TARGET_HAS="torch triton nvidia-*" (the default), BUILD_PYTHON=path (a python of the target's
+# version, for sdists with compiled code; default: one uv or pyenv finds)
 PROFILE ?= gpu
 WHEELHOUSE_PYTHON = $(firstword $(wildcard $(VENV)/bin/python) $(PYTHON))
 wheelhouse:
+	$(if $(filter command line,$(origin PY)),$(error PY names the interpreter; the target's Python version is PYTHON_VERSION=3.12))
 	$(WHEELHOUSE_PYTHON) scripts/wheelhouse.py build --profile $(PROFILE) \
-	  $(if $(filter command line,$(origin PY)),--python-version $(PY)) \
+	  $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) \
 	  $(if $(PLATFORM),--platform $(PLATFORM)) \
+	  $(if $(BUILD_PYTHON),--build-python $(BUILD_PYTHON)) \
 	  $(if $(TARGET_FREEZE),--target-freeze $(TARGET_FREEZE)) \
 	  $(if $(TARGET_HAS),--target-has $(foreach h,$(TARGET_HAS),'$(h)'))
 

@@ -1,68 +1,58 @@
-"""Build a wheelhouse for an offline machine, and install from one.
+"""Build a wheelhouse for an offline machine, and install from one with every hash checked.
 
 Input: the project's pyproject.toml, a profile (`gpu`: what `pytest -m gpu` and the GRPO
 quickstart need; `full`: base + train + tasks + dev + tracking; `base`: the project's own
-dependencies), a target Python version and platform (defaults: this machine's), and
-optionally a `pip freeze` of the target (`--target-freeze`). Output: `wheelhouse/` holding
-one wheel per package (one version each), DeepSpeed's sdist beside them, and
-`wheelhouse/requirements.lock` (`name==version` for every file). What the target already
-has is left out: exactly what its freeze pins, or by default torch, triton, the nvidia-*
-CUDA libraries and whatever only they need.
+dependencies), the target's Python version and platform (defaults: this machine's), and what
+the target already has: a `pip freeze` of it (`--target-freeze`), or names and `prefix*`
+patterns (`--target-has`, default torch triton nvidia-*). Output: `wheelhouse/`, one file per
+package (a wheel, or DeepSpeed's sdist: it is built on the target against the target's torch),
+and `wheelhouse/requirements.lock`, one `name==version --hash=sha256:...` line per file.
 
     python scripts/wheelhouse.py build [--python-version 3.12] [--platform manylinux_2_28_x86_64]
     python scripts/wheelhouse.py install --python .venv-gpu/bin/python [--project . --editable]
 
-Only the standard library and pip are needed (pip's vendored `packaging` stands in when
-`packaging` is not installed).
+Every step is a tool's: `uv pip compile --python-platform --python-version --format
+pylock.toml` resolves for the target and names the one file the target installs of each
+package, with its URL and sha256; `pip download --require-hashes` fetches those files and checks
+them; `pip wheel --no-deps` builds a wheel of each sdist the index has no wheel for (but
+DeepSpeed's); `pip install --no-index --require-hashes` installs. Building needs uv (the `dev`
+extra); installing needs only pip and the standard library.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import fnmatch
+import hashlib
+import importlib.util
 import os
 import platform
 import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterable
-from email.parser import HeaderParser
 from pathlib import Path
+from urllib.parse import unquote
 
 try:
     import tomllib
 except ImportError:  # Python 3.10
     from pip._vendor import tomli as tomllib  # type: ignore[no-redef]
 
-try:
-    from packaging.markers import Marker
-    from packaging.requirements import Requirement
-    from packaging.version import Version
-except ImportError:
-    from pip._vendor.packaging.markers import Marker  # type: ignore[no-redef]
-    from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
-    from pip._vendor.packaging.version import Version  # type: ignore[no-redef]
-
-log = logging.getLogger("wheelhouse")
-
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = "requirements.lock"
 CARRY_LIMIT = 64 * 2**20  # what one device call carries of ignored paths
-# left out by default: the target has a CUDA build of torch with its own libraries
-DEFAULT_EXCLUDED = ("torch", "triton", "nvidia-*")
-# always in the wheelhouse: the --no-build-isolation builds (DeepSpeed's sdist, the project)
-BUILD_TOOLS = ("setuptools>=68", "wheel")
-SDIST_ONLY = ("deepspeed",)  # ships no wheel: its sdist goes beside the wheels
-# what `pytest -m gpu` and the GRPO quickstart import beyond base + train + tasks
-GPU_DEV = ("pytest", "pytest-timeout")
+TARGET_HAS = ("torch", "triton", "nvidia-*")  # a CUDA build of torch with its own libraries
+BUILD_TOOLS = ("setuptools>=68", "wheel")  # for the --no-build-isolation builds on the target
+SDIST_KEPT = ("deepspeed",)  # built on the target against its torch: the sdist is carried
+GPU_DEV = ("pytest", "pytest-timeout")  # what `pytest -m gpu` needs of the dev extra
 GPU_SKIP = ("pyarrow",)  # only the `parquet` dataset source reads it
 PROFILES = ("gpu", "full", "base")
+NEVER = "sys_platform == 'never'"  # an override with this marker takes a package out of uv's graph
 
 
 def canonical(name: str) -> str:
@@ -70,143 +60,99 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-# --- what to fetch -----------------------------------------------------------------------------
+def req_name(req: str) -> str:
+    """The canonical name a requirement line starts with: `transformers>=4.57` -> `transformers`."""
+    return canonical(re.split(r"[\s\[<>=!~;@(]", req.strip(), maxsplit=1)[0])
 
 
-def profile_requirements(pyproject: dict, profile: str, only: Iterable[str] = ()) -> list[str]:
-    """The root requirements of a profile, as written in pyproject.toml. With `only`, just the
-    requirements of those names (as pyproject writes them, else the name as given)."""
-    project = pyproject["project"]
-    extras = project.get("optional-dependencies", {})
-    every = list(project["dependencies"])
-    for group in ("train", "tasks", "dev", "tracking"):
-        every += extras.get(group, [])
-    only = [canonical(n) for n in only]
-    if only:
-        written = {canonical(Requirement(r).name): r for r in every}
-        return [written.get(n, n) for n in only]
+# --- what to resolve ---------------------------------------------------------------------------
+
+
+def profile_requirements(pyproject: dict, profile: str) -> list[str]:
+    """A parsed pyproject.toml and a profile -> its root requirements, as pyproject writes them."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; one of {', '.join(PROFILES)}")
+    project = pyproject["project"]
+    extras = project.get("optional-dependencies", {})
     reqs = list(project["dependencies"])
     if profile == "full":
         for group in ("train", "tasks", "dev", "tracking"):
             reqs += extras.get(group, [])
     elif profile == "gpu":
         reqs += extras.get("train", []) + extras.get("tasks", [])
-        reqs += [r for r in extras.get("dev", []) if canonical(Requirement(r).name) in GPU_DEV]
-        reqs = [r for r in reqs if canonical(Requirement(r).name) not in GPU_SKIP]
+        reqs += [r for r in extras.get("dev", []) if req_name(r) in GPU_DEV]
+        reqs = [r for r in reqs if req_name(r) not in GPU_SKIP]
     return reqs
 
 
 def read_freeze(text: str) -> dict[str, str | None]:
-    """Name -> pinned version (None for `name @ url` and editable lines) of a `pip freeze`."""
+    """A `pip freeze` -> name: pinned version (None for `name @ url` and editable lines)."""
     pins: dict[str, str | None] = {}
     for raw in text.splitlines():
         line = raw.strip()
-        if line.startswith("-e"):
-            egg = re.search(r"#egg=([A-Za-z0-9_.\-]+)", line)
-            if egg:
-                pins[canonical(egg.group(1))] = None
-        elif not line or line.startswith(("#", "-")):
+        egg = re.search(r"#egg=([A-Za-z0-9_.\-]+)", line)
+        if line.startswith("-e") and egg:
+            pins[canonical(egg.group(1))] = None
+        elif line.startswith(("#", "-")) or not line:
             continue
         elif " @ " in line:
-            pins[canonical(line.split(" @ ", 1)[0])] = None
+            pins[req_name(line)] = None
         elif "==" in line:
             name, version = line.split("==", 1)
             pins[canonical(name)] = version.split(";")[0].split(" #")[0].strip()
     return pins
 
 
-def exclusion(
-    freeze: dict[str, str | None] | None, has: Iterable[str] = DEFAULT_EXCLUDED
-) -> Callable[[str], bool]:
-    """Whether a package is left out: pinned by the target's freeze, else named by `has`
-    (names, or prefixes ending in `*`; by default torch, triton and nvidia-*)."""
+def has_matcher(patterns: Iterable[str]) -> Callable[[str], bool]:
+    """Names and `prefix*` patterns of what the target has -> whether it has a package."""
+    normal = [canonical(p) for p in patterns]
+    return lambda name: any(fnmatch.fnmatchcase(canonical(name), p) for p in normal)
+
+
+def target_has(args: argparse.Namespace) -> Callable[[str], bool]:
+    """Whether the target has a package: the freeze's names when one was given, else --target-has."""
+    return has_matcher(args.freeze if args.freeze is not None else args.target_has)
+
+
+def public_pins(freeze: dict[str, str | None] | None) -> dict[str, str]:
+    """A freeze's pins an index can hold: not `+cu130` builds, `@ url` or editable lines."""
+    return {n: v for n, v in (freeze or {}).items() if v and "+" not in v}
+
+
+def removals(freeze: dict[str, str | None] | None, has: Iterable[str]) -> set[str]:
+    """What uv must leave out of its graph, with what only it needs: the freeze's packages no
+    index builds (torch+cu130 and so its CUDA libraries), else the exact names in `has`."""
     if freeze is not None:
-        names = set(freeze)
-        return lambda name: canonical(name) in names
-    patterns = [canonical(p[:-1]) + "*" if p.endswith("*") else canonical(p) for p in has]
-
-    def named(name: str) -> bool:
-        n = canonical(name)
-        return any(n == p or (p.endswith("*") and n.startswith(p[:-1])) for p in patterns)
-
-    return named
+        return set(freeze) - set(public_pins(freeze))
+    return {canonical(h) for h in has if "*" not in h}
 
 
-def drop_excluded(reqs: Iterable[str], excluded: Callable[[str], bool]) -> list[str]:
-    """The requirements whose package the target does not already have."""
-    return [r for r in reqs if not excluded(Requirement(r).name)]
+# --- build -------------------------------------------------------------------------------------
 
 
-def marker_env(python_version: str, plat: str) -> dict[str, str]:
-    """PEP 508 marker variables of the target (a Linux CPython by its platform tag)."""
-    machine = plat.split("_", 3)[-1] if plat.startswith("manylinux_") else plat.split("_", 1)[-1]
-    return {
-        "python_version": python_version,
-        "python_full_version": f"{python_version}.0",
-        "implementation_name": "cpython",
-        "platform_python_implementation": "CPython",
-        "sys_platform": "linux",
-        "platform_system": "Linux",
-        "os_name": "posix",
-        "platform_machine": machine,
-        "platform_release": "",
-        "platform_version": "",
-        "implementation_version": f"{python_version}.0",
-        "extra": "",
-    }
+def run(cmd: list[str], env: dict[str, str] | None = None) -> str:
+    """Run a tool -> its stdout; SystemExit with all it printed when it fails."""
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{done.stdout}{done.stderr}")
+    return done.stdout
 
 
-def applies(marker: Marker | None, env: dict[str, str], extras: Iterable[str]) -> bool:
-    """Whether a dependency's marker holds on the target for any of the requested extras.
-    A marker that names an extra counts as holding: one edge too many keeps a package,
-    one too few would leave a needed one out."""
-    if marker is None:
-        return True
-    if "extra" in str(marker):
-        return True
-    return any(marker.evaluate({**env, "extra": e}) for e in ("", *extras))
+def uv() -> list[str]:
+    """The command that runs uv: this interpreter's `python -m uv`, else `uv` on PATH."""
+    if importlib.util.find_spec("uv"):
+        return [sys.executable, "-m", "uv"]
+    if shutil.which("uv"):
+        return ["uv"]
+    raise SystemExit("building a wheelhouse needs uv: pip install uv (it is in the dev extra)")
 
 
-def dependency_graph(
-    report: dict, env: dict[str, str]
-) -> tuple[dict[str, str], dict[str, set[str]]]:
-    """From pip's install report: name -> version, and name -> the resolved names it needs."""
-    versions = {
-        canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]
-    }
-    needs: dict[str, set[str]] = {}
-    for item in report["install"]:
-        name = canonical(item["metadata"]["name"])
-        extras = item.get("requested_extras") or []
-        deps = set()
-        for spec in item["metadata"].get("requires_dist") or []:
-            req = Requirement(spec)
-            dep = canonical(req.name)
-            if dep in versions and dep != name and applies(req.marker, env, extras):
-                deps.add(dep)
-        needs[name] = deps
-    return versions, needs
-
-
-def kept(
-    roots: Iterable[str], needs: dict[str, set[str]], excluded: Callable[[str], bool]
-) -> set[str]:
-    """What the roots need, never walking through a left-out package: what only torch needs
-    (sympy for torch alone, say) is left out with it."""
-    seen: set[str] = set()
-    todo = [canonical(r) for r in roots if not excluded(r)]
-    while todo:
-        name = todo.pop()
-        if name in seen or excluded(name):
-            continue
-        seen.add(name)
-        todo += sorted(needs.get(name, ()))
-    return seen
-
-
-# --- the platform ------------------------------------------------------------------------------
+def uv_platform(plat: str) -> str:
+    """pip's platform tag -> uv's target: `manylinux_2_28_x86_64` -> `x86_64-manylinux_2_28`."""
+    m = re.fullmatch(r"(manylinux_\d+_\d+|manylinux\d+)_(\w+)", plat)
+    if not m:
+        raise SystemExit(f"--platform {plat}: expected a manylinux tag, e.g. manylinux_2_28_x86_64")
+    return f"{m.group(2)}-{m.group(1)}"
 
 
 def this_platform() -> str:
@@ -218,148 +164,90 @@ def this_platform() -> str:
     return f"manylinux_{major}_{minor}_{platform.machine()}"
 
 
-def platform_tags(plat: str) -> list[str]:
-    """Every platform tag a manylinux_2_N machine installs, newest first (pip does not expand
-    `manylinux_2_28` to the older tags by itself): manylinux_2_N ... manylinux_2_5 and the
-    legacy aliases manylinux2014 (2_17), manylinux2010 (2_12), manylinux1 (2_5), and last
-    `linux_ARCH`: PyPI holds none, so it matches only the wheels built here (`build_wheel`)."""
-    m = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", plat)
-    legacy = re.fullmatch(r"manylinux(2014|2010|1)_(\w+)", plat)
-    if legacy:
-        glibc = {"2014": 17, "2010": 12, "1": 5}[legacy.group(1)]
-        m = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", f"manylinux_2_{glibc}_{legacy.group(2)}")
-    if not m or m.group(1) != "2":
-        return [plat]
-    top, arch = int(m.group(2)), m.group(3)
-    tags = []
-    for minor in range(top, 4, -1):
-        tags.append(f"manylinux_2_{minor}_{arch}")
-        alias = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}.get(minor)
-        if alias and (
-            minor != 17 or arch in ("x86_64", "i686", "aarch64", "ppc64le", "s390x", "armv7l")
-        ):
-            tags.append(f"{alias}_{arch}")
-    return [*tags, f"linux_{arch}"]
+def compile_lock(
+    work: Path, roots: list[str], overrides: set[str], args: argparse.Namespace
+) -> list[dict]:
+    """uv pip compile for the target -> pylock.toml's packages, each with the files the target
+    can install. `overrides` are replaced by a never-true marker: gone, and what only they need."""
+    (work / "requirements.in").write_text("".join(r + "\n" for r in roots))
+    (work / "overrides.txt").write_text("".join(f"{n} ; {NEVER}\n" for n in sorted(overrides)))
+    pins = public_pins(args.freeze)
+    (work / "constraints.txt").write_text("".join(f"{n}=={v}\n" for n, v in pins.items()))
+    run([
+        *uv(), "pip", "compile", "--quiet", str(work / "requirements.in"),
+        "--override", str(work / "overrides.txt"), "-c", str(work / "constraints.txt"),
+        "--python-platform", uv_platform(args.platform), "--python-version", args.python_version,
+        "--python", sys.executable, "--format", "pylock.toml", "-o", str(work / "pylock.toml"),
+    ])  # fmt: skip
+    return tomllib.loads((work / "pylock.toml").read_text())["packages"]
 
 
-def target_args(python_version: str, plat: str) -> list[str]:
-    """pip's flags that fetch wheels for another Python and platform."""
-    args = ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp"]
-    for tag in platform_tags(plat):
-        args += ["--platform", tag]
-    return args
+def resolve(work: Path, roots: list[str], args: argparse.Namespace) -> list[dict]:
+    """The roots -> pylock packages the wheelhouse must hold: none the target has. A package
+    matching a `prefix*` of --target-has that turns up is overridden too and uv run again, so
+    what only it needs goes with it. A freeze's public pins stay in the graph as constraints:
+    a root that needs another version of what the target has fails here, not on the target."""
+    has = target_has(args)
+    overrides = removals(args.freeze, args.target_has)
+    for _ in range(5):
+        packages = compile_lock(work, roots, overrides, args)
+        found = {canonical(p["name"]) for p in packages if has(p["name"])}
+        more = found - overrides - set(public_pins(args.freeze))
+        if not more:
+            return [p for p in packages if not has(p["name"])]
+        overrides |= more
+    raise SystemExit(f"still resolving what the target has after 5 tries: {sorted(more)}")
 
 
-# --- the lock ----------------------------------------------------------------------------------
+def chosen(package: dict) -> dict:
+    """A pylock package -> the file the target installs: `name`, `version`, `url`, `sha256`,
+    `file`. A platform wheel before a pure one; the sdist when no wheel fits the target."""
+    wheels = sorted(package.get("wheels", []), key=lambda w: w["url"].endswith("-any.whl"))
+    file = wheels[0] if wheels else package["sdist"]
+    url = file["url"]
+    return {
+        "name": canonical(package["name"]),
+        "version": package["version"],
+        "url": url,
+        "sha256": file["hashes"]["sha256"],
+        "file": unquote(url.rsplit("/", 1)[1]),
+    }
 
 
-def name_version(filename: str) -> tuple[str, str] | None:
-    """(canonical name, version) of a wheel's or sdist's file name; None for other files."""
-    if filename.endswith(".whl"):
-        parts = filename[:-4].split("-")
-        return (canonical(parts[0]), parts[1]) if len(parts) >= 5 else None
-    for ext in (".tar.gz", ".zip"):
-        if filename.endswith(ext):
-            name, _, version = filename[: -len(ext)].rpartition("-")
-            return (canonical(name), version) if name else None
-    return None
-
-
-def lock_text(filenames: Iterable[str], header: str = "") -> str:
-    """`name==version` for every package file, sorted; raises when a package has two versions."""
-    found: dict[str, set[str]] = {}
-    for f in filenames:
-        nv = name_version(f)
-        if nv:
-            found.setdefault(nv[0], set()).add(nv[1])
-    twice = {n: sorted(v) for n, v in found.items() if len(v) > 1}
-    if twice:
-        raise ValueError(f"more than one version in the wheelhouse: {twice}")
-    lines = [f"{n}=={next(iter(v))}" for n, v in sorted(found.items())]
-    return header + "\n".join(lines) + "\n"
-
-
-def write_lock(wheelhouse: Path, header: str = "") -> Path:
-    """Write `requirements.lock` from the files in the wheelhouse."""
-    path = wheelhouse / LOCK
-    path.write_text(lock_text(sorted(p.name for p in wheelhouse.iterdir()), header))
-    return path
-
-
-def stale(filename: str, expected: dict[str, str]) -> bool:
-    """Whether a package file is not the expected version of an expected package."""
-    nv = name_version(filename)
-    if nv is None:
-        return False
-    return nv[0] not in expected or Version(nv[1]) != Version(expected[nv[0]])
-
-
-def prune(wheelhouse: Path, expected: dict[str, str]) -> None:
-    """Remove what an earlier build left that this one does not want: one version each."""
-    for path in wheelhouse.iterdir():
-        if stale(path.name, expected):
-            log.info("removed %s (not in this build)", path.name)
-            path.unlink()
-
-
-def size_of(wheelhouse: Path) -> int:
-    return sum(p.stat().st_size for p in wheelhouse.iterdir() if p.is_file())
-
-
-# --- pip ---------------------------------------------------------------------------------------
-
-
-def pip(*args: str, env: dict[str, str] | None = None, python: str = sys.executable) -> str:
-    """Run pip; its output on failure, raised."""
-    cmd = [python, "-m", "pip", *args]
-    log.debug("%s", " ".join(cmd))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise PipError(done.stdout + done.stderr)
-    return done.stdout
-
-
-class PipError(RuntimeError):
-    pass
-
-
-def fetch_sdist(spec: str, dest: Path, constraints: list[str]) -> Path:
-    """Download one package's sdist (no dependencies) into dest; its path."""
-    before = set(dest.iterdir())
-    pip("download", "-q", "--no-binary", ":all:", "--no-deps", "-d", str(dest), *constraints, spec)
-    new = [p for p in dest.iterdir() if p not in before] or sorted(
-        dest.glob(f"{canonical(Requirement(spec).name).replace('-', '?')}-*.tar.gz")
+def fetch(files: list[dict], dest: Path, python_version: str, work: Path) -> None:
+    """Download the chosen files into dest, each checked against its sha256 (pip download
+    --require-hashes; a file already there is checked, not fetched again). pip checks a wheel
+    named by URL against the target's tags too: those are the tags of the wheels uv chose."""
+    reqs = work / "files.txt"
+    reqs.write_text(
+        "".join(f"{f['name']} @ {f['url']} --hash=sha256:{f['sha256']}\n" for f in files)
     )
-    return new[-1]
+    wheels = [f["file"][:-4] for f in files if f["file"].endswith(".whl")]
+    tags = sorted({t for w in wheels for t in w.rsplit("-", 1)[1].split(".")} - {"any"})
+    run([
+        sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--require-hashes",
+        "-d", str(dest), "--python-version", python_version, "--implementation", "cp",
+        *[arg for t in tags for arg in ("--platform", t)], "-r", str(reqs),
+    ])  # fmt: skip
 
 
-def sdist_requirements(sdist: Path) -> list[str]:
-    """The Requires-Dist of an sdist's PKG-INFO, those without an extra."""
-    with tarfile.open(sdist) as tar:
-        member = next(
-            m for m in tar.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO")
-        )
-        text = tar.extractfile(member).read().decode()  # type: ignore[union-attr]
-    reqs = HeaderParser().parsestr(text).get_all("Requires-Dist") or []
-    return [r for r in reqs if "extra ==" not in r.replace("extra==", "extra ==")]
-
-
-def interpreter_for(python_version: str) -> str | None:
-    """A local interpreter of the target's Python version (on PATH, or pyenv's), or None."""
-    if f"{sys.version_info[0]}.{sys.version_info[1]}" == python_version:
+def build_python(version: str, given: str | None) -> str:
+    """The interpreter that builds sdists into wheels: --build-python, else this one when it is
+    the target's version, else a python{version} that uv finds or pyenv holds, else this one
+    (then only pure sdists build: `check_built` refuses a compiled wheel for another Python)."""
+    if given:
+        return given
+    if f"{sys.version_info[0]}.{sys.version_info[1]}" == version:
         return sys.executable
-    pyenv = sorted(
-        Path.home().glob(f".pyenv/versions/{python_version}.*/bin/python{python_version}")
-    )
-    for candidate in [*map(str, reversed(pyenv)), shutil.which(f"python{python_version}")]:
-        runs = candidate and subprocess.run([candidate, "-c", ""], capture_output=True)
-        if runs and runs.returncode == 0:
-            return candidate
-    return None
+    found = subprocess.run([*uv(), "python", "find", version], capture_output=True, text=True)
+    if found.returncode == 0:
+        return found.stdout.strip()
+    pyenv = sorted(Path.home().glob(f".pyenv/versions/{version}.*/bin/python{version}"))
+    return str(pyenv[-1]) if pyenv else sys.executable
 
 
 def glibc_needed(wheel: Path) -> int:
-    """The newest glibc 2.N its shared libraries ask for (0 when none)."""
+    """A wheel -> the newest glibc 2.N its shared libraries ask for (0 when none)."""
     newest = 0
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():
@@ -369,179 +257,107 @@ def glibc_needed(wheel: Path) -> int:
     return newest
 
 
-def build_wheel(spec: str, dest: Path, python_version: str, plat: str) -> Path:
-    """Build a wheel of a package that ships only an sdist: a pure one (tag none-any) with
-    this Python, a compiled one with a local interpreter of the target's version, checked to
-    ask for no newer glibc than the target's platform tag allows."""
-    for python in dict.fromkeys([sys.executable, interpreter_for(python_version)]):
-        if python is None:
-            break
-        before = set(dest.iterdir())
-        pip(
-            "wheel", "-q", "--no-deps", "--no-binary", ":all:", "-w", str(dest), spec, python=python
-        )
-        wheel = next(p for p in dest.iterdir() if p not in before)
-        tag = f"cp{python_version.replace('.', '')}-"
-        if wheel.name.endswith("-none-any.whl") or tag in wheel.name:
-            break
-        wheel.unlink()
-    else:
-        python = None
-    if python is None:
+def check_built(wheel: Path, python_version: str, plat: str) -> None:
+    """SystemExit unless a wheel built here installs and loads on the target: pure, or built
+    for the target's Python and asking for no newer glibc than its platform tag allows."""
+    py, _, tag = wheel.name[:-4].split("-")[-3:]
+    if tag == "any":
+        return
+    if py != "cp" + python_version.replace(".", ""):
         raise SystemExit(
-            f"{spec} ships only an sdist with compiled code and no python{python_version} is "
-            "here to build it: install one (pyenv) or build the wheel on the target"
+            f"{wheel.name}: compiled for another Python than {python_version}; pass "
+            f"--build-python (make: BUILD_PYTHON=) a python{python_version}"
         )
-    allowed = re.match(r"manylinux_2_(\d+)_", platform_tags(plat)[0])
+    allowed = re.match(r"manylinux_2_(\d+)_", plat)
     if allowed and glibc_needed(wheel) > int(allowed.group(1)):
         raise SystemExit(f"{wheel.name} needs glibc 2.{glibc_needed(wheel)}, newer than {plat}")
-    log.info("built %s from its sdist (no wheel on the index)", wheel.name)
+
+
+def build_wheel(sdist: Path, python: str, args: argparse.Namespace) -> Path:
+    """An sdist in the wheelhouse -> a wheel of it beside it (pip wheel --no-deps), checked to
+    suit the target; the sdist removed."""
+    with tempfile.TemporaryDirectory(prefix="wheel-") as tmp:
+        run([python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp, str(sdist)])
+        built = next(Path(tmp).glob("*.whl"))
+        check_built(built, args.python_version, args.platform)
+        wheel = Path(shutil.move(built, sdist.parent / built.name))
+    sdist.unlink()
+    print(f"built {wheel.name} from {sdist.name} (the index has no wheel for the target)")
     return wheel
 
 
-def missing_wheels(pip_output: str) -> list[str]:
-    """The requirements pip found no wheel for, from its error: `No matching distribution
-    found for X==1`, or a conflict's `no matching distributions available for your
-    environment:` list, each with the pin a dependent asked for (`A depends on X==1`)."""
-    found = re.findall(r"No matching distribution found for (\S+)", pip_output)
-    block = re.search(
-        r"no matching distributions available for your environment:\n((?:[ \t]+\S+\n?)+)",
-        pip_output,
-    )
-    asked = re.findall(r"depends on (\S+)", pip_output)
-    for name in block.group(1).split() if block else []:
-        specs = [a for a in asked if canonical(Requirement(a).name) == canonical(name)]
-        found.append(specs[0] if specs else name)
-    return list(dict.fromkeys(found))
+def sha256(path: Path) -> str:
+    """A file -> its sha256, in hex."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def conflicting(pip_output: str) -> list[str]:
-    """The pins a conflict names (`A depends on X==1`), once each."""
-    return list(dict.fromkeys(re.findall(r"depends on (\S+)", pip_output)))
+def lock_text(entries: list[tuple[str, str, Path]], header: str = "") -> str:
+    """(name, version, file) of every file in the wheelhouse -> requirements.lock's text: one
+    `name==version --hash=sha256:<the file's>` line each, sorted. A downloaded file's hash is
+    the index's (pip download checked it against uv's lock). A wheel built here from an sdist
+    cannot have one (the index holds no such file), so its own hash is recorded: the header
+    names each such build and the index hash of the sdist it came from."""
+    names = [n for n, _, _ in entries]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"more than one file of {', '.join(twice)}")
+    lines = [f"{n}=={v} --hash=sha256:{sha256(p)}" for n, v, p in sorted(entries)]
+    return header + "".join(line + "\n" for line in lines)
 
 
-def no_wheel(specs: list[str], args: argparse.Namespace, built: Path) -> list[str]:
-    """Those of the specs with no wheel for the target (older pips do not name them)."""
-    missing = []
-    with tempfile.TemporaryDirectory() as probe:
-        for spec in specs:
-            try:
-                pip(
-                    "download",
-                    "-q",
-                    "--no-deps",
-                    "-d",
-                    probe,
-                    "--find-links",
-                    str(built),
-                    *target_args(args.python_version, args.platform),
-                    spec,
-                )
-            except PipError as e:
-                if "No matching distribution" in str(e):
-                    missing.append(spec)
-    return missing
+def prune(wheelhouse: Path, keep: set[str]) -> None:
+    """Remove the files an earlier build left that this one does not hold."""
+    for path in wheelhouse.iterdir():
+        if path.is_file() and path.name not in keep:
+            print(f"removed {path.name} (not in this build)")
+            path.unlink()
 
 
-def resolve(
-    reqs: list[str], args: argparse.Namespace, constraints: list[str], built: Path, report: Path
-) -> dict:
-    """pip's resolution for the target, without installing. A dependency that ships only an
-    sdist (pip cannot build one for another platform) is built here (`build_wheel`) and the
-    resolution tried again."""
-    for _ in range(20):
-        try:
-            pip(
-                "install",
-                "--dry-run",
-                "--ignore-installed",
-                "--target",  # older pips take --platform with --dry-run only so
-                str(report.parent / "target"),
-                "--report",
-                str(report),
-                *target_args(args.python_version, args.platform),
-                "--find-links",
-                str(built),
-                *constraints,
-                *reqs,
-            )
-            return json.loads(report.read_text())
-        except PipError as e:
-            have = {name_version(p.name)[0] for p in built.iterdir()}  # type: ignore[index]
-            todo = missing_wheels(str(e)) or no_wheel(conflicting(str(e)), args, built)
-            todo = [m for m in todo if canonical(Requirement(m).name) not in have]
-            if not todo:
-                raise
-            for spec in todo:
-                build_wheel(spec, built, args.python_version, args.platform)
-    raise SystemExit("gave up: too many sdist-only dependencies")
-
-
-# --- build -------------------------------------------------------------------------------------
-
-
-def left_out(args: argparse.Namespace) -> str:
-    if args.target_freeze:
-        return f"what {args.target_freeze} pins"
-    return f"{', '.join(args.target_has)} and what only they need"
+def header(args: argparse.Namespace, built: list[dict]) -> str:
+    """The lock's comment lines: the target, what was left out, the builds done here."""
+    left_out = args.target_freeze or " ".join(args.target_has) + " and what only they need"
+    lines = [
+        f"pipe wheelhouse: profile {args.profile}, Python {args.python_version}, {args.platform}",
+        f"left out (the target has them): {left_out}",
+        f"install: python scripts/wheelhouse.py install --python PYTHON --wheelhouse {args.out}",
+        "hashes: the index's (pip download checked each file against it)",
+    ]
+    if built:
+        lines.append(
+            "but for wheels built here, which have their own: each from an sdist of the index"
+        )
+        lines += [
+            f"  {f['name']} {f['version']} from {f['file']} sha256:{f['sha256']}" for f in built
+        ]
+    return "".join(f"# {line}\n" for line in lines)
 
 
 def build(args: argparse.Namespace) -> int:
-    """Resolve, download and lock the wheelhouse; print its size."""
+    """Resolve, fetch, build and lock the wheelhouse; print its file count, size and time."""
     start = time.monotonic()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    freeze = read_freeze(Path(args.target_freeze).read_text()) if args.target_freeze else None
-    excluded = exclusion(freeze, args.target_has)
+    args.freeze = read_freeze(Path(args.target_freeze).read_text()) if args.target_freeze else None
+    roots = [*profile_requirements(pyproject, args.profile), *BUILD_TOOLS]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    reqs = drop_excluded(profile_requirements(pyproject, args.profile, args.only), excluded)
-    reqs += list(BUILD_TOOLS)
-    constraints: list[str] = []
-    work = Path(tempfile.mkdtemp(prefix="wheelhouse-"))
-    built = work / "built"
-    built.mkdir()
-    if freeze:
-        pinned = work / "constraints.txt"
-        pinned.write_text("".join(f"{n}=={v}\n" for n, v in freeze.items() if v and "+" not in v))
-        constraints = ["-c", str(pinned)]
-    sdists = []
-    for name in SDIST_ONLY:
-        wanted = [r for r in reqs if canonical(Requirement(r).name) == name]
-        if not wanted:
-            continue
-        reqs.remove(wanted[0])
-        sdists.append(fetch_sdist(wanted[0], work, constraints))
-        reqs += drop_excluded(sdist_requirements(sdists[-1]), excluded)
-        log.info("%s: its dependencies resolved as wheels", sdists[-1].name)
-    target = target_args(args.python_version, args.platform)
-    report = resolve(reqs, args, constraints, built, work / "report.json")
-    versions, needs = dependency_graph(report, marker_env(args.python_version, args.platform))
-    names = kept([Requirement(r).name for r in reqs], needs, excluded)
-    pins = sorted(f"{n}=={versions[n]}" for n in names)
-    pip("download", "-q", "--no-deps", "-d", str(out), *target, "--find-links", str(built), *pins)
-    for sdist in sdists:
-        shutil.copy2(sdist, out / sdist.name)
-    expected = {n: versions[n] for n in names}
-    expected.update(name_version(s.name) for s in sdists)  # type: ignore[misc]
-    prune(out, expected)
-    header = (
-        f"# pipe wheelhouse: profile {args.profile}, Python {args.python_version}, {args.platform}\n"
-        f"# left out: {left_out(args)}\n"
-        f"# install: python scripts/wheelhouse.py install --python PYTHON --wheelhouse {out}\n"
-    )
-    lock = write_lock(out, header)
-    shutil.rmtree(work, ignore_errors=True)
-    size = size_of(out)
-    count = len(lock.read_text().splitlines()) - header.count("\n")
-    print(
-        f"wheelhouse: {out}/ {count} packages, {size / 2**20:.1f} MiB, {time.monotonic() - start:.0f} s"
-    )
-    print(f"lock: {lock}")
+    with tempfile.TemporaryDirectory(prefix="wheelhouse-") as tmp:
+        files = [chosen(p) for p in resolve(Path(tmp), roots, args)]
+        fetch(files, out, args.python_version, Path(tmp))
+    sdists = [f for f in files if not f["file"].endswith(".whl") and f["name"] not in SDIST_KEPT]
+    python = build_python(args.python_version, args.build_python) if sdists else sys.executable
+    wheels = {f["name"]: build_wheel(out / f["file"], python, args) for f in sdists}
+    entries = [(f["name"], f["version"], wheels.get(f["name"], out / f["file"])) for f in files]
+    lock = out / LOCK
+    lock.write_text(lock_text(entries, header(args, sdists)))
+    prune(out, {p.name for _, _, p in entries} | {LOCK})
+    size = sum(p.stat().st_size for _, _, p in entries)
+    print(f"wheelhouse: {out}/ {len(entries)} files, {size / 2**20:.1f} MiB, "
+          f"{time.monotonic() - start:.0f} s; lock: {lock}")  # fmt: skip
     if size > CARRY_LIMIT:
         print(
             f"note: over the {CARRY_LIMIT // 2**20} MiB a device call carries: carry it in parts "
-            "or leave out what the GPU machine has (TARGET_FREEZE, or TARGET_HAS="
-            "'torch triton nvidia-* transformers numpy tokenizers huggingface-hub safetensors')"
+            "or leave out what the GPU machine has (TARGET_FREEZE, or TARGET_HAS='torch triton "
+            "nvidia-* transformers numpy tokenizers huggingface-hub safetensors')"
         )
     return 0
 
@@ -550,8 +366,8 @@ def build(args: argparse.Namespace) -> int:
 
 
 def offline_env() -> dict[str, str]:
-    """The environment for pip with no source but the wheelhouse: no config file's
-    find-links or extra index."""
+    """The environment for pip with no source but the wheelhouse: no config file's find-links
+    or extra index."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL")
     }
@@ -559,52 +375,58 @@ def offline_env() -> dict[str, str]:
     return env
 
 
+def install_steps(
+    python: str, house: Path, tools: Path, project: list[str]
+) -> list[tuple[str, list[str]]]:
+    """The pip commands of an offline install -> (name, command) each: the build tools alone
+    (--no-deps: what they need comes with the rest), then every locked package, each file
+    checked against the lock's sha256 (--require-hashes); then the project, with no source at
+    all: what it needs must be installed by then."""
+    pip = [python, "-m", "pip", "install", "-q", "--no-index", "--no-build-isolation"]
+    hashed = [*pip, "--find-links", str(house), "--require-hashes"]
+    steps = [
+        ("build tools", [*hashed, "--no-deps", "-r", str(tools)]),
+        ("locked packages", [*hashed, "-r", str(house / LOCK)]),
+    ]
+    return steps + ([("the project", [*pip, *project])] if project else [])
+
+
 def install(args: argparse.Namespace) -> int:
-    """Install offline from a wheelhouse: the build tools, then every locked package (the
-    sdists built against what is installed), then the project."""
+    """Install offline from a wheelhouse into `--python`'s environment, then `--project`;
+    DeepSpeed's sdist is built there against what is installed. Each step's time printed."""
     house = Path(args.wheelhouse).resolve()
-    lock = house / LOCK
-    pins = [ln for ln in lock.read_text().splitlines() if ln and not ln.startswith("#")]
-    tools = [p for p in pins if p.split("==")[0] in ("setuptools", "wheel")]
-    offline = ["install", "-q", "--no-index", "--find-links", str(house)]
-    env = offline_env()
-    for step, extra in (("build tools", tools), ("locked packages", ["-r", str(lock)])):
-        start = time.monotonic()
-        pip(*offline, "--no-build-isolation", *extra, env=env, python=args.python)
-        print(f"installed {step} in {time.monotonic() - start:.0f} s")
+    pins = (house / LOCK).read_text().splitlines()
+    project = []
     if args.project:
-        start = time.monotonic()
         project = ["-e", args.project] if args.editable else [args.project]
-        pip(*offline, "--no-build-isolation", *project, env=env, python=args.python)
-        print(f"installed the project in {time.monotonic() - start:.0f} s")
+    with tempfile.TemporaryDirectory(prefix="wheelhouse-") as tmp:
+        tools = Path(tmp) / "build-tools.lock"
+        tools.write_text("".join(p + "\n" for p in pins if req_name(p) in ("setuptools", "wheel")))
+        for name, cmd in install_steps(args.python, house, tools, project):
+            start = time.monotonic()
+            run(cmd, env=offline_env())
+            print(f"installed {name} in {time.monotonic() - start:.0f} s")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build", help="resolve, download and lock the wheelhouse")
+    b = sub.add_parser("build", help="resolve, fetch, build and lock the wheelhouse")
     b.add_argument("--profile", default="gpu", choices=PROFILES)
     b.add_argument("--python-version", default=f"{sys.version_info[0]}.{sys.version_info[1]}")
+    b.add_argument("--platform", help="e.g. manylinux_2_28_x86_64 (default: this machine's)")
+    b.add_argument("--target-freeze", help="`pip freeze` of the target: leave out what it pins")
     b.add_argument(
-        "--platform", default=None, help="e.g. manylinux_2_28_x86_64 (default: this machine's)"
-    )
-    b.add_argument(
-        "--target-freeze", default=None, help="`pip freeze` of the target: leave out what it pins"
-    )
-    b.add_argument(
-        "--target-has",
-        nargs="*",
-        default=list(DEFAULT_EXCLUDED),
+        "--target-has", nargs="*", default=list(TARGET_HAS),
         help="without a freeze: what the target has (names, `prefix*`); default torch triton nvidia-*",
-    )
-    b.add_argument("--only", nargs="*", default=(), help="just these packages (and what they need)")
+    )  # fmt: skip
+    b.add_argument("--build-python", help="a python of the target's version for compiled sdists")
     b.add_argument("--out", default=str(ROOT / "wheelhouse"))
-    i = sub.add_parser("install", help="install offline from a wheelhouse")
+    i = sub.add_parser("install", help="install offline from a wheelhouse, hashes checked")
     i.add_argument("--python", required=True, help="the interpreter whose environment receives it")
     i.add_argument("--wheelhouse", default=str(ROOT / "wheelhouse"))
-    i.add_argument("--project", default=None, help="the checkout to install after the packages")
+    i.add_argument("--project", help="the checkout to install after the packages")
     i.add_argument("--editable", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "build":
@@ -614,7 +436,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except PipError as e:
-        sys.exit(f"pip failed:\n{e}")
+    sys.exit(main())

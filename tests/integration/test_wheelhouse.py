@@ -1,12 +1,13 @@
 """`make wheelhouse` and the offline install from it, on this machine's Python.
 
 Input: the registries (for the build only) and this checkout. Output: a wheelhouse of the
-`base` profile (the project's own dependencies) built into tmp, installed into a fresh venv
-with every network route refused, the project installed from a copy of the checkout, and
-`pipe validate` run there."""
+`base` profile (the project's own dependencies) built into tmp, each file locked by its hash,
+installed into a fresh venv with every network route refused and every hash checked, the
+project installed from a copy of the checkout, and `pipe validate` run there."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -47,6 +48,9 @@ def test_a_wheelhouse_installs_the_project_offline(tmp_path):
     assert not {"torch", "triton", "deepspeed"} & set(names)
     files = [p for p in house.iterdir() if p.name != "requirements.lock"]
     assert len(files) == len(pins)
+    # each line locks one file by its sha256, which the offline install checks
+    hashes = {hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    assert {p.split(" --hash=sha256:")[1] for p in pins} == hashes
 
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
