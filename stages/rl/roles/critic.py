@@ -176,7 +176,7 @@ class CriticRank:
 
 
 if __name__ == "__main__":
-    from stages.rl.roles.actor import run_role
+    from stages.rl.roles.rank_process import run_role
 
     exit_now(
         run_role(
