@@ -22,23 +22,17 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from stages.lib.chat.tokens import pad_id
-from stages.lib.dist.rank import exit_now, load_model, make_trainer
+from stages.lib.dist.rank import exit_now, load_model
+from stages.rl.roles.trained import TrainedRank
 
 log = logging.getLogger("pipe.rl")
 
 
-class Actor:
+class Actor(TrainedRank):
     """The model, its trainer and reference, and what each request does."""
 
     def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
-        self.spec, self.cfg = spec, spec.config
-        self.rank, self.world, self.device = rank, world, device
-        model = load_model(spec.model_dir, spec.ds_config)
-        self.pad_id = pad_id(None, model.config)
-        self.trainer = make_trainer(
-            spec.trainer, spec.ds_config, self.cfg, model, spec.total_updates, device
-        )
+        super().__init__(spec, rank, world, device, load_model(spec.model_dir, spec.ds_config))
         self.reference: Any = None  # here when the ref role has no devices of its own
         if self.cfg.kl_coef > 0 and spec.ref_in_actor:
             from stages.rl.roles.frozen import load_reference
@@ -48,8 +42,7 @@ class Actor:
             )
             dtype = next(self.reference.parameters()).dtype
             log.info("frozen reference in the actor's ranks, %s", dtype)
-        if spec.resume_tag:
-            self.trainer.load(f"{spec.stage_dir}/checkpoints", spec.resume_tag)
+        if self.resume("checkpoints"):
             log.info("resumed the actor from %s", spec.resume_tag)
         self.publisher: Any = None
         self.pi_old: dict[int, Any] | None = None  # tis_cap: per sample, at the step's start
@@ -157,15 +150,6 @@ class Actor:
                 self.trainer.module, state, self.spec.model_dir, output, self.spec.save_dtype
             )
         return str(output)
-
-    def offload(self, payload: Any) -> str:
-        """The optimizer side off the GPU while the engine generates (hybrid engine; how:
-        `stages.lib.dist.sleep`); what moved."""
-        return str(self.trainer.offload())
-
-    def reload(self, payload: Any) -> str:
-        """The optimizer side back on the GPU before the next update."""
-        return str(self.trainer.reload())
 
 
 def handlers_of(actor: Actor) -> dict[str, Any]:
