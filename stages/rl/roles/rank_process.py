@@ -16,7 +16,7 @@ import random
 import sys
 from typing import Any
 
-from stages.lib.dist.rank import die_with_parent, init_distributed, setup
+from stages.lib.dist.rank import die_with_parent, leave_group, start_rank
 
 
 def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:
@@ -57,13 +57,7 @@ def run_role(
     args = sys.argv[1:] if argv is None else argv
     die_with_parent()
     spec = ActorSpec.read(args[0])
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    setup(rank, spec.threads)
-    device = f"cuda:{local}" if spec.device == "cuda" else "cpu"
-    if device != "cpu":
-        torch.cuda.set_device(local)
-    init_distributed(spec.trainer, device, world)
+    rank, world, device = start_rank(spec)
     from stages.rl.roles.launch import record_rank
 
     record_rank(spec.stage_dir, os.environ.get("PIPE_ROLE", "actor"), rank, world, device)
@@ -74,8 +68,5 @@ def run_role(
     what = role.trainer.name if hasattr(role, "trainer") else role.kind
     logger.info("ready: %d rank(s), %s, %s", world, what, device)
     serve_with(handlers(role), world, conn)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_group()
     return 0
