@@ -105,7 +105,9 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
             return []
 
         def arrow(a: Any, b: Any, fmt: str) -> str:
-            return f"{format(a, fmt) if a is not None else '-'} -> {format(b, fmt) if b is not None else '-'}"
+            first = format(a, fmt) if a is not None else "-"
+            last = format(b, fmt) if b is not None else "-"
+            return f"{first} -> {last}"
 
         line = f"reward {arrow(result.get('reward_first'), result.get('reward_last'), '.3f')}"
         start, end = result.get("eval_accuracy_start"), result.get("eval_accuracy_end")

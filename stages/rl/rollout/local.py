@@ -1,13 +1,13 @@
 """The rollout engine in the stage's process: the local generator on its own copy of the
 policy, whose weights arrive from the actor after every update.
 
-Input: the model directory (architecture and tokenizer), the actor's compute dtype, prompts. Output: samples with
-their token ids and the behaviour policy's per-token log-probabilities (the shared
-batched generator, prompt KV cache shared by a group's samples, rows leaving the batch
-as they finish), greedy answers for held-out scoring, and the probe's log-probabilities
-after a sync. `sleep` frees the weights (the hybrid engine, while the actor trains);
-`wake_weights` allocates them again, to be filled by the next sync; the KV cache is
-allocated per generation call, so `wake_cache` has nothing to reserve here.
+Input: the model directory (architecture and tokenizer), the actor's compute dtype,
+prompts. Output: samples with their token ids and the behaviour policy's per-token
+log-probabilities (the shared batched generator, prompt KV cache shared by a group's
+samples, rows leaving the batch as they finish), greedy answers for held-out scoring, and
+the probe's log-probabilities after a sync. `sleep` frees the weights (the hybrid engine,
+while the actor trains); `wake_weights` allocates them again, to be filled by the next sync;
+the KV cache is allocated per generation call, so `wake_cache` has nothing to reserve here.
 
 One name, two sides of one concept (the `local` engine, generation in the stage's own process:
 collect's backend; this file: rl's rollout engine; `stages/collect/local.py` the other side).

@@ -287,7 +287,8 @@ def verify(
     `SyncFailed` naming the engine when it is over the tolerance of `precision`."""
     if len(engine_lp) != len(actor_lp):
         raise SyncFailed(
-            f"step {step}: engine '{engine}' scored {len(engine_lp)} probe tokens, the actor {len(actor_lp)}"
+            f"step {step}: engine '{engine}' scored {len(engine_lp)} probe tokens, "
+            f"the actor {len(actor_lp)}"
         )
     worst = max((abs(a - b) for a, b in zip(engine_lp, actor_lp, strict=True)), default=0.0)
     if worst > PROBE_TOLERANCE[precision]:
