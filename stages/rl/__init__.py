@@ -8,18 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, MemoryNeed, ResolveContext, stage
-from stages.lib.block import CountOrAuto
 from stages.lib.build.recipe import TinyModel
 from stages.lib.config import (
-    Backend,
     LocalBackend,
-    Verifier,
     VLLMBackend,
     backend_gpu_unit,
     backend_memory,
@@ -29,14 +26,20 @@ from stages.lib.config import (
     derive_backend,
 )
 from stages.lib.dist.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
-from stages.lib.env.field import EnvironmentConfig, check_environment
+from stages.lib.env.field import check_environment
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.model.path import check_model_ref
-from stages.rl.algo.options import AlgorithmOptions, check_algorithm
+from stages.rl.algo.checks import check_algorithm
+from stages.rl.algo.options import AlgorithmOptions
+from stages.rl.settings.distributed import DistributedSettings
+from stages.rl.settings.optim import OptimSettings
+from stages.rl.settings.rollout import RolloutSettings
 
 
-class RLConfig(AlgorithmOptions):
+# pydantic lists a model's fields from its last base to its first, then its own: `pipe plan
+# --explain` and the schema show rollout, algorithm, optimisation, distributed, then these
+class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSettings):
     """Online RL: sample groups from the engine, score them, update the actor, sync weights."""
 
     SPANS_NODES = True  # the controller on the engine's worker; other roles where placed
@@ -49,6 +52,7 @@ class RLConfig(AlgorithmOptions):
         "exact_match, regex, math, or your own 'module:function'): leave 'reward' out",
     }
 
+    # what the stage reads and writes, how long it runs, when it saves and evaluates
     input: str | None = Field(
         None,
         description="Prompt JSONL (rows with messages or prompt); empty: the upstream's output.",
@@ -59,53 +63,15 @@ class RLConfig(AlgorithmOptions):
     output: str = Field("checkpoint", description="The final checkpoint directory written.")
     model: ModelRef = Field(
         default_factory=TinyModel,
-        description="The policy to start from: a checkpoint directory, '@stage', a hub id, or a tiny model spec.",
+        description="The policy to start from: a checkpoint directory, '@stage', a hub id, or a "
+        "tiny model spec.",
     )
-    verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
-    environment: EnvironmentConfig | None = Field(
-        None,
-        description="A multi-turn environment each episode talks to (README, Environments); none: one turn scored by the verifier.",
-    )
-    backend: Backend = Field(
-        default_factory=lambda: LocalBackend(kind="local", batch_size=256),
-        description="The rollout engine: local (in the stage's process) or vllm (servers on the vllm role's devices); weights synced from the actor.",
-    )
-    num_repeats: int = Field(8, ge=2, description="Samples per prompt: the group size.")
-    rollout_batch_size: int = Field(32, gt=0, description="Prompts per step.")
-    num_samples_in_parallel: CountOrAuto = Field(
-        "auto",
-        description="vLLM engines: sample requests in flight at once (all of a step's submitted together), or auto to find and track the engines' knee, as collect does; the local engine generates a step in one batched call.",
-    )
-    train_batch_size: int = Field(
-        256,
-        gt=0,
-        description="Samples per optimizer step (a step's kept samples, cut in pieces of this).",
-    )
-    micro_train_batch_size: int = Field(64, gt=0, description="Samples per rank per forward pass.")
-    learning_rate: float = Field(1e-4, gt=0, description="Actor learning rate.")
-    lr_scheduler: Literal["constant", "cosine", "linear"] = Field(
-        "constant", description="Learning-rate schedule over the run's optimizer steps."
-    )
-    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Fraction of updates warming up.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_steps: int | None = Field(
         100,
         gt=0,
         description="RL steps (rollout, update, sync); empty: max_epochs over the prompts.",
     )
     max_epochs: int = Field(1, gt=0, description="Passes over the prompts when max_steps is empty.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
-    max_output_tokens: int = Field(256, gt=0, description="Most tokens per answer.")
-    max_length: int = Field(512, gt=0, description="Longest prompt + answer trained on, in tokens.")
-    gamma: float = Field(1.0, ge=0, le=1, description="ppo: discount.")
-    lambd: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda.")
-    async_train: bool = Field(
-        False,
-        description="Generate batch k+1 with the previous weights while the actor trains on batch k.",
-    )
-    async_queue_size: int = Field(
-        1, ge=0, description="async: rollout batches in flight at most (0: synchronous)."
-    )
     save_steps: int = Field(
         50, gt=0, description="Save a resumable checkpoint every this many steps."
     )
@@ -114,55 +80,7 @@ class RLConfig(AlgorithmOptions):
     )
     eval_limit: int | None = Field(500, gt=0, description="Held-out prompts scored at most.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
-    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage of the actor.")
-    adam_offload: bool = Field(False, description="Offload Adam states to CPU memory (ZeRO).")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
-    packing_samples: bool = Field(
-        False, description="Pack samples into rows (no padding); rl records it as not applied yet."
-    )
-    use_dynamic_batch: bool = Field(
-        False, description="Form micro batches by a token budget instead of a sample count."
-    )
-    overlap_comm: bool = Field(
-        False, description="Overlap gradient communication with backward (ZeRO)."
-    )
-    deepspeed_enable_sleep: bool = Field(
-        False,
-        description="Move the actor's and critic's optimizer states off the GPU while the engine generates (synchronous steps on GPU).",
-    )
-    bf16: bool = Field(False, description="Train in bfloat16 (fp32 otherwise).")
     save_dtype: Dtype = Field("auto", description=SAVE_DTYPE_HELP)
-    vllm_sync_backend: Literal["nccl", "gloo", "disk"] = Field(
-        "gloo",
-        description="How weights reach the engine: nccl (GPUs), gloo (a process group, CPU too) or disk (safetensors).",
-    )
-    sync_timeout_s: float = Field(
-        120.0, gt=0, description="A weight sync taking longer fails the step."
-    )
-    sync_bucket_mb: int = Field(
-        256,
-        gt=0,
-        description="Weights travel to the engines (nccl, gloo) in buckets of this many MiB: the sending rank holds one bucket beyond its own shard.",
-    )
-    num_processes: int = Field(
-        1, gt=0, description="Actor ranks on CPU (on GPU: one per actor GPU)."
-    )
-    num_threads: int = Field(
-        1, gt=0, description="Torch threads of each actor rank and of the engine."
-    )
-    trainer: Literal["auto", "deepspeed", "torch"] = Field(
-        "auto", description="auto: DeepSpeed when installed, plain torch otherwise."
-    )
-    logprob_diff_warn: float = Field(
-        0.5,
-        gt=0,
-        description="Warn when the engine's log-probability of a sampled token differs from the actor's (before the step's first update) by more than this many nats: the rollouts are then not the policy the loss trains (metrics: logprob_diff_mean, logprob_diff_max).",
-    )
-    tis_cap: float | None = Field(
-        None,
-        gt=0,
-        description="Truncated importance sampling, for engines that differ from the actor by design (bf16, other kernels): the ratio taken against the actor's own log-probabilities at the step's start, each token's loss weighted by min(exp(actor - engine), tis_cap), as verl's tis_imp_ratio_cap; empty: off.",
-    )
 
     @classmethod
     def roles_used(cls, data: Mapping[str, Any]) -> tuple[str, ...]:
@@ -187,7 +105,9 @@ class RLConfig(AlgorithmOptions):
             return []
 
         def arrow(a: Any, b: Any, fmt: str) -> str:
-            return f"{format(a, fmt) if a is not None else '-'} -> {format(b, fmt) if b is not None else '-'}"
+            first = format(a, fmt) if a is not None else "-"
+            last = format(b, fmt) if b is not None else "-"
+            return f"{first} -> {last}"
 
         line = f"reward {arrow(result.get('reward_first'), result.get('reward_last'), '.3f')}"
         start, end = result.get("eval_accuracy_start"), result.get("eval_accuracy_end")

@@ -19,7 +19,6 @@ worker spec and launches `stages.train.worker` once per rank: on CPU
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -29,6 +28,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from stages.lib.dist import resume
 from stages.lib.dist.ds_config import build_ds_config
 from stages.lib.dist.spawn import Ranks, launch, rank_table
 from stages.lib.io.jsonl import write_json
@@ -74,14 +74,7 @@ def _texts(rows: list[dict[str, Any]], cfg: TrainConfig) -> list[str]:
 
 def _resume_key(cfg: TrainConfig, world: int, trainer: str, device: str) -> str:
     """What a checkpoint must match to be resumed: config, inputs' versions, world size."""
-    config = cfg.model_dump(mode="json", exclude=set(UNHASHED))
-    stamps = {}
-    for path in (cfg.input, cfg.model if isinstance(cfg.model, str) else None):
-        if path and os.path.exists(path):
-            st = os.stat(path)
-            stamps[path] = (st.st_size, st.st_mtime_ns)
-    blob = json.dumps([config, stamps, world, trainer, device], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return resume.resume_key(cfg, UNHASHED, world, trainer, device)
 
 
 def _resume_point(stage_dir: str, resume_key: str, ctx: StageContext) -> int | None:

@@ -35,10 +35,10 @@ from stages.lib.chat.tokens import pad_id
 from stages.lib.dist.rank import (
     die_with_parent,
     exit_now,
-    init_distributed,
+    leave_group,
     load_model,
     make_trainer,
-    setup,
+    start_rank,
 )
 
 log = logging.getLogger("pipe.train")
@@ -166,13 +166,7 @@ def run(spec: WorkerSpec) -> None:
 
     started = time.perf_counter()
     cfg = spec.config
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    setup(rank, spec.threads)
-    device = f"cuda:{local}" if spec.device == "cuda" else "cpu"
-    if device != "cpu":
-        torch.cuda.set_device(local)
-    init_distributed(spec.trainer, device, world)
+    rank, world, device = start_rank(spec)
     _record_rank(spec.stage_dir, rank, world, device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -226,10 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     from stages.train.spec import WorkerSpec
 
     run(WorkerSpec.read(args[0]))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_group()
     return 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from stages.lib.config import VLLMBackend
 from stages.lib.vllm.server import server_command
 from stages.rl import RLConfig
-from stages.rl.rollout.vllm import context_len, server_args
+from stages.rl.rollout.vllm_servers import context_len, server_args
 
 
 def test_gpu_vllm_servers_get_max_model_len_from_the_stage_lengths():
@@ -61,7 +61,7 @@ def test_rl_engines_get_the_workers_device_names_not_raw_ids(monkeypatch):
     import logging
 
     from engine.stage import Slot, StageContext
-    from stages.rl.rollout.vllm import engine_devices
+    from stages.rl.rollout.vllm_servers import engine_devices
 
     w = "tcp://127.0.0.1:1"
     ctx = StageContext(
@@ -87,7 +87,7 @@ def test_fp32_gpu_engines_compute_in_fp32_not_tf32(monkeypatch, tmp_path):
     import torch
 
     from stages.lib.vllm import server as vllm_server
-    from stages.rl.rollout.vllm import start_servers
+    from stages.rl.rollout.vllm_servers import start_servers
 
     started: list[dict[str, str]] = []
 

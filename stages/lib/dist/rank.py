@@ -1,6 +1,7 @@
 """What every rank process (a train or rl rank) does first, and how it ends.
 
-Input: the rank's environment (set by `stages.lib.dist.spawn`). Output: logging whose marked
+Input: the rank's environment (set by `stages.lib.dist.spawn`) and its spec
+(`stages.lib.dist.spec.RankSpec`: device kind, trainer, threads). Output: logging whose marked
 lines (`@pipe LEVEL ...`) the launcher passes on to the stage's log, the process group
 (gloo on CPU, NCCL on GPU; DeepSpeed's when it trains), the trainer around the model,
 and an exit that skips the interpreter's teardown once everything is written.
@@ -13,7 +14,10 @@ import logging
 import os
 import sys
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stages.lib.dist.spec import RankSpec
 
 PARENT_ENV = "PIPE_TRAIN_PARENT_PID"
 MARK = "@pipe "  # lines the launcher passes on to the stage's log; the rest go to the log file only
@@ -158,6 +162,30 @@ def make_trainer(
     if trainer == "deepspeed" and ds_config is not None:
         return DeepSpeedTrainer(model, cfg, total, device, ds_config)
     return TorchTrainer(model, cfg, total, device)
+
+
+def start_rank(spec: RankSpec) -> tuple[int, int, str]:
+    """This rank's place from its environment (RANK, WORLD_SIZE, LOCAL_RANK), set up
+    (`setup`) on its device (`cuda:<local rank>` where the spec says cuda, else cpu) and in
+    its process group (`init_distributed`): its rank, the world size and the device."""
+    import torch
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    setup(rank, spec.threads)
+    device = f"cuda:{local}" if spec.device == "cuda" else "cpu"
+    if device != "cpu":
+        torch.cuda.set_device(local)
+    init_distributed(spec.trainer, device, world)
+    return rank, world, device
+
+
+def leave_group() -> None:
+    """Destroy the process group, where one was made (a single torch rank makes none)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def die_with_parent() -> None:

@@ -3,8 +3,9 @@
 Input: samples (token ids, where the completion starts, behaviour log-probabilities,
 rewards) and a model's logits. Output: log-probabilities, advantages and losses.
 
-- `options`: the algorithm settings (estimator, loss aggregation, clips, DAPO, GSPO) and
-  the rules `pipe validate` applies to them.
+- `options`: the loss and algorithm settings (estimator, loss aggregation, clips, DAPO,
+  GSPO, PPO's discount and GAE lambda, the KL, truncated importance sampling); `checks`: the
+  rules `pipe validate` applies to them.
 - `loss`: GRPO's group advantages, the clipped policy loss (per token or per sequence), k3
   KL, how per-token losses add up (`loss_agg`).
 - `advantage`: the estimators (grpo, dr_grpo, rloo, reinforce_pp), DAPO's overlong shaping.

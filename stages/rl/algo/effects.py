@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.rl.algo.options import one_update, refills
+from stages.rl.algo.checks import one_update, refills
 
 A, S = "applied", "skipped"
 
@@ -63,7 +63,8 @@ def algorithm_settings(cfg: Any) -> dict[str, tuple[str, str]]:
         "dynamic_sampling_max_rounds": (
             A,
             f"at most {cfg.dynamic_sampling_max_rounds} generation rounds a step: "
-            f"{(cfg.dynamic_sampling_max_rounds - 1) * cfg.rollout_batch_size} extra prompts at most",
+            f"{(cfg.dynamic_sampling_max_rounds - 1) * cfg.rollout_batch_size} extra prompts "
+            "at most",
         )
         if refills(cfg)
         else (S, "dynamic_sampling is off" if cfg.algorithm == "grpo" else "algorithm ppo"),

@@ -154,10 +154,11 @@ def token_scale(
     """How a step's per-token losses add up to its objective, verl's `agg_loss`: the
     per-token weights of one micro batch (`lengths`: each of its sequences' completion
     tokens and loss tokens; None: one weight for all) and what the micro batch's sum is
-    divided by, from the step's `sequences` and loss `tokens` (all ranks). token_mean: sum / tokens (every token
-    weighs the same: DAPO, Dr. GRPO, TRL's default); seq_mean_token_sum: each sequence's
-    sum, averaged over sequences; seq_mean_token_mean: each sequence's mean, averaged over
-    sequences (GRPO's paper: a short answer's tokens weigh more)."""
+    divided by, from the step's `sequences` and loss `tokens` (all ranks). token_mean:
+    sum / tokens (every token weighs the same: DAPO, Dr. GRPO, TRL's default);
+    seq_mean_token_sum: each sequence's sum, averaged over sequences; seq_mean_token_mean:
+    each sequence's mean, averaged over sequences (GRPO's paper: a short answer's tokens
+    weigh more)."""
     if agg == "token_mean":
         return None, max(tokens, 1)
     if agg == "seq_mean_token_sum":

@@ -9,12 +9,10 @@ its value and whether it was applied (and how) or skipped (and why) in this run.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import shutil
-from collections.abc import Sequence
 from typing import Any
 
 from stages.lib.io.jsonl import atomic_path, atomic_write, write_json
@@ -86,19 +84,6 @@ def settings_record(config: Any, how: dict[str, tuple[str, str]]) -> dict[str, A
 
 def write_settings(path: str, config: Any, how: dict[str, tuple[str, str]]) -> None:
     write_json(path, settings_record(config, how))
-
-
-def resume_key(cfg: Any, world: int, trainer: str, unhashed: Sequence[str]) -> str:
-    """What a checkpoint must match to be resumed: the config (less `unhashed`), the
-    inputs' versions, the actor's world size and trainer."""
-    config = cfg.model_dump(mode="json", exclude=set(unhashed))
-    stamps = {}
-    for path in (cfg.input, cfg.model if isinstance(cfg.model, str) else None):
-        if path and os.path.exists(path):
-            st = os.stat(path)
-            stamps[path] = (st.st_size, st.st_mtime_ns)
-    blob = json.dumps([config, stamps, world, trainer], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def resume_point(

@@ -43,7 +43,7 @@ def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
         roles.append(role)
     if ctx.node_slots("vllm"):
         if isinstance(cfg.backend, VLLMBackend):
-            from stages.rl.rollout.vllm import host_servers
+            from stages.rl.rollout.vllm_servers import host_servers
 
             threads.append(spawn(lambda: host_servers(cfg, ctx), "rl-vllm", errors))
         else:

@@ -15,7 +15,8 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.config import VLLMBackend
-from stages.rl.controller.records import resume_key, resume_point
+from stages.lib.dist import resume
+from stages.rl.controller.records import resume_point
 from stages.rl.controller.settings import account
 from stages.rl.roles.launch import host_of
 from stages.rl.roles.layout import role_workers
@@ -44,7 +45,9 @@ def init_model_dir(c: Controller) -> str:
 
 
 def _resume_key(c: Controller, world: int, trainer: str) -> str:
-    return resume_key(c.cfg, world, trainer, UNHASHED)
+    """What a checkpoint must match to be resumed: the config (less `UNHASHED`), the
+    inputs' versions, the actor's world size and trainer."""
+    return resume.resume_key(c.cfg, UNHASHED, world, trainer)
 
 
 def _resume(c: Controller, resume_key: str) -> tuple[str | None, int]:

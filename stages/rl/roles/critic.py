@@ -16,8 +16,8 @@ import logging
 import random
 from typing import Any
 
-from stages.lib.chat.tokens import pad_id
-from stages.lib.dist.rank import exit_now, load_model, make_trainer
+from stages.lib.dist.rank import exit_now, load_model
+from stages.rl.roles.trained import TrainedRank
 
 log = logging.getLogger("pipe.rl.critic")
 
@@ -64,19 +64,12 @@ def build_critic(model_dir: str, ds_config: dict[str, Any] | None) -> Any:
     return Critic(load_model(model_dir, ds_config))
 
 
-class CriticRank:
+class CriticRank(TrainedRank):
     """The critic, its trainer, and what each request does."""
 
     def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
-        self.spec, self.cfg = spec, spec.config
-        self.rank, self.world, self.device = rank, world, device
-        model = build_critic(spec.model_dir, spec.ds_config)
-        self.pad_id = pad_id(None, model.config)
-        self.trainer = make_trainer(
-            spec.trainer, spec.ds_config, self.cfg, model, spec.total_updates, device
-        )
-        if spec.resume_tag:
-            self.trainer.load(f"{spec.stage_dir}/critic_checkpoints", spec.resume_tag)
+        super().__init__(spec, rank, world, device, build_critic(spec.model_dir, spec.ds_config))
+        self.resume("critic_checkpoints")
 
     def values(self, payload: dict[str, Any]) -> list[list[float]]:
         import torch
@@ -161,14 +154,6 @@ class CriticRank:
         dist.all_reduce(reduced)
         return float(reduced.item())
 
-    def offload(self, payload: Any) -> str:
-        """The optimizer side off the GPU while the engine generates (as the actor's)."""
-        return str(self.trainer.offload())
-
-    def reload(self, payload: Any) -> str:
-        """The optimizer side back on the GPU before the next update."""
-        return str(self.trainer.reload())
-
     def save(self, payload: dict[str, Any]) -> str:
         root = f"{self.spec.stage_dir}/critic_checkpoints"
         self.trainer.save(root, payload["tag"])
@@ -176,7 +161,7 @@ class CriticRank:
 
 
 if __name__ == "__main__":
-    from stages.rl.roles.actor import run_role
+    from stages.rl.roles.rank_process import run_role
 
     exit_now(
         run_role(

@@ -73,6 +73,6 @@ class RefRank:
 
 
 if __name__ == "__main__":
-    from stages.rl.roles.actor import run_role
+    from stages.rl.roles.rank_process import run_role
 
     exit_now(run_role(None, log, RefRank, lambda r: {"ref_logprobs": r.ref_logprobs}))

@@ -8,26 +8,17 @@ listens, and how weights reach the engine.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
-from stages.lib.io.jsonl import atomic_write
+from stages.lib.dist.spec import RankSpec
 from stages.rl import RLConfig
 
 
-class ActorSpec(BaseModel):
-    """The resolved config and what the stage decided before launching the actor."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class ActorSpec(RankSpec):
+    """The resolved config and what the stage decided before launching the actor (where
+    the model, the folder, the device, the trainer: `RankSpec`'s fields)."""
 
     config: RLConfig
-    model_dir: str
-    stage_dir: str
-    device: Literal["cpu", "cuda"]
-    trainer: Literal["deepspeed", "torch"]
-    ds_config: dict[str, Any] | None
-    threads: int
     channel: str  # host:port of the stage's listener
     authkey: str  # hex
     sync_backend: Literal["nccl", "gloo", "disk"]
@@ -39,11 +30,3 @@ class ActorSpec(BaseModel):
     save_dtype: str = (
         "float32"  # the final checkpoint's (`stages.lib.model.dtypes.resolve_save_dtype`)
     )
-
-    def write(self, path: str) -> None:
-        atomic_write(path, self.model_dump_json(indent=1) + "\n")
-
-    @classmethod
-    def read(cls, path: str) -> ActorSpec:
-        with open(path, encoding="utf-8") as f:
-            return cls.model_validate_json(f.read())

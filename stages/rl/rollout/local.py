@@ -1,13 +1,13 @@
 """The rollout engine in the stage's process: the local generator on its own copy of the
 policy, whose weights arrive from the actor after every update.
 
-Input: the model directory (architecture and tokenizer), the actor's compute dtype, prompts. Output: samples with
-their token ids and the behaviour policy's per-token log-probabilities (the shared
-batched generator, prompt KV cache shared by a group's samples, rows leaving the batch
-as they finish), greedy answers for held-out scoring, and the probe's log-probabilities
-after a sync. `sleep` frees the weights (the hybrid engine, while the actor trains);
-`wake_weights` allocates them again, to be filled by the next sync; the KV cache is
-allocated per generation call, so `wake_cache` has nothing to reserve here.
+Input: the model directory (architecture and tokenizer), the actor's compute dtype,
+prompts. Output: samples with their token ids and the behaviour policy's per-token
+log-probabilities (the shared batched generator, prompt KV cache shared by a group's
+samples, rows leaving the batch as they finish), greedy answers for held-out scoring, and
+the probe's log-probabilities after a sync. `sleep` frees the weights (the hybrid engine,
+while the actor trains); `wake_weights` allocates them again, to be filled by the next sync;
+the KV cache is allocated per generation call, so `wake_cache` has nothing to reserve here.
 
 One name, two sides of one concept (the `local` engine, generation in the stage's own process:
 collect's backend; this file: rl's rollout engine; `stages/collect/local.py` the other side).
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,11 @@ from stages.lib.chat.prompt import Prompt
 from stages.lib.chat.tokens import pad_id
 from stages.lib.model.generate import Generation, generate_with
 from stages.rl.algo.logprobs import Sample, completion_logprobs
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from stages.rl.rollout.engine import Sampling
 
 log = logging.getLogger("pipe.rl")
 
@@ -61,27 +66,20 @@ class LocalEngine:
         return pad_id(self.tokenizer, self.model.config)
 
     def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        num_samples: int,
-        temperature: float,
-        max_new_tokens: int,
-        seed: int,
-        batch_size: int,
+        self, prompts: Sequence[Prompt], *, batch_size: int, **sampling: Unpack[Sampling]
     ) -> list[list[Generation]]:
         """`num_samples` answers per prompt with token ids and behaviour log-probabilities."""
         return generate_with(
             self.model,
             self.tokenizer,
             prompts,
-            num_samples=num_samples,
-            temperature=temperature,
+            num_samples=sampling["num_samples"],
+            temperature=sampling["temperature"],
             top_p=1.0,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
+            max_new_tokens=sampling["max_new_tokens"],
+            seed=sampling["seed"],
             batch_size=batch_size,
-            logprobs=temperature > 0,
+            logprobs=sampling["temperature"] > 0,
         )
 
     def score(self, sample: Sample, temperature: float) -> list[float]:

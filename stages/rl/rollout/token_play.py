@@ -90,30 +90,25 @@ def play(
     s: PlaySettings,
 ) -> list[list[Trace]]:
     """Every row's group of episodes played to its end (module docstring)."""
-    return asyncio.run(_play(engine, tokenizer, make_env, rows, s))
 
+    async def episodes() -> list[list[Trace]]:
+        opened = await open_all(make_env, rows, s.num_samples, s.timeout_s, s.concurrency)
+        traces = [Trace(e) for e in opened]
+        groups = [traces[i : i + s.num_samples] for i in range(0, len(traces), s.num_samples)]
+        await _first_turn(engine, groups, s)
+        for turn in range(1, s.max_turns + 1):
+            if turn > 1:
+                going = [t for t in traces if not t.episode.done]
+                if not going:
+                    break
+                asked = [TokenPrompt(tuple(t.ids)) for t in going]
+                gens = await _generate(engine, asked, 1, s, turn)
+                for t, g in zip(going, gens, strict=True):
+                    _answered(t, g[0], s)
+            await _steps(tokenizer, [t for t in traces if not t.episode.done], s)
+        return groups
 
-async def _play(
-    engine: Any,
-    tokenizer: Any,
-    make_env: Callable[[], Environment],
-    rows: Sequence[dict[str, Any]],
-    s: PlaySettings,
-) -> list[list[Trace]]:
-    episodes = await open_all(make_env, rows, s.num_samples, s.timeout_s, s.concurrency)
-    traces = [Trace(e) for e in episodes]
-    groups = [traces[i : i + s.num_samples] for i in range(0, len(traces), s.num_samples)]
-    await _first_turn(engine, groups, s)
-    for turn in range(1, s.max_turns + 1):
-        if turn > 1:
-            going = [t for t in traces if not t.episode.done]
-            if not going:
-                break
-            gens = await _generate(engine, [TokenPrompt(tuple(t.ids)) for t in going], 1, s, turn)
-            for t, g in zip(going, gens, strict=True):
-                _answered(t, g[0], s)
-        await _steps(tokenizer, [t for t in traces if not t.episode.done], s)
-    return groups
+    return asyncio.run(episodes())
 
 
 async def _generate(

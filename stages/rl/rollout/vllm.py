@@ -6,10 +6,10 @@ block, the devices the plan gives the `vllm` role. Output: what `LocalEngine` gi
 answers, the probe's log-probabilities), from `vllm_num_engines` OpenAI-compatible
 servers (`stages.lib.vllm.server`, one per tensor-parallel slice of the devices), each
 prompt's group sent to one server, prompts spread over the servers in turn, one request
-per sample with `num_samples_in_parallel` in flight (`stages.rl.rollout.vllm_requests`). The role's
-other workers start the servers on their own devices (`host_servers`, in the stage's task
-there), bound to the worker's reachable address, and publish their URLs through the
-link; the controller reaches, syncs and probes every server alike.
+per sample with `num_samples_in_parallel` in flight (`stages.rl.rollout.vllm_requests`).
+Where the servers run and how each starts, on this worker and on the role's other workers
+(which publish their URLs through the link): `stages.rl.rollout.vllm_servers`; the
+controller reaches, syncs and probes every server alike.
 
 Weights (`stages.rl.sync.vllm`): a gloo or NCCL group from actor rank 0 into every
 server's workers, through our worker extension (`--worker-extension-cls`,
@@ -37,14 +37,12 @@ One name, two sides of one concept (the rl stage's vLLM engines: the rollouts th
 from __future__ import annotations
 
 import json
-import logging
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-from engine.stage import visible_names
 from stages.lib.api.sampling import request_sampling
 from stages.lib.chat.prompt import Prompt
 from stages.lib.chat.tokens import checkpoint_eos_ids, pad_id
@@ -52,88 +50,18 @@ from stages.lib.config import VLLMBackend
 from stages.lib.model.generate import Generation
 from stages.rl.algo.logprobs import Sample
 from stages.rl.rollout.vllm_requests import HTTPRollouts
+from stages.rl.rollout.vllm_servers import (
+    SPEC_TIMEOUT_S,
+    context_len,
+    engine_devices,
+    start_servers,
+)
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.rl import RLConfig
 
-log = logging.getLogger("pipe.rl")
-SPEC_TIMEOUT_S = 900.0
 MEMORY_CALL_S = 600.0  # a server's sleep or wake: host <-> GPU copies of its weights
-HOLD_S = 7 * 24 * 3600.0  # a worker's servers run until the controller says stop
-
-
-def engine_devices(ctx: StageContext) -> list[str]:
-    """The `vllm` role's devices on this worker as its CUDA_VISIBLE_DEVICES names them (GPU
-    or MIG UUIDs where it lists those: a raw id would name another device, or none)."""
-    return visible_names(ctx.devices("vllm"))
-
-
-def context_len(cfg: RLConfig) -> int:
-    """The servers' context: the longest prompt + answer trained on (`max_length`) plus an
-    answer's tokens, so a prompt of up to `max_length` tokens is still served."""
-    return cfg.max_length + cfg.max_output_tokens
-
-
-def server_args(bf16: bool, gpu: bool, max_model_len: int | None) -> list[str]:
-    """What the rl stage adds to each server's command line: the training precision,
-    sampled log-probabilities under the temperature, the weight-sync worker extension, and
-    on GPUs the context length."""
-    from stages.lib.vllm.worker_ext import EXTENSION
-
-    args = ["--dtype", "bfloat16" if bf16 else "float32"]
-    args += ["--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION]
-    if gpu and max_model_len:
-        args += ["--max-model-len", str(max_model_len)]
-    return args
-
-
-@contextmanager
-def start_servers(
-    backend: VLLMBackend,
-    model_dir: str,
-    devices: Sequence[str],
-    *,
-    bf16: bool,
-    log_file: str,
-    secret: str,
-    host: str | None = None,
-    max_model_len: int | None = None,
-) -> Iterator[list[str]]:
-    """This worker's servers of the `vllm` role: one per tensor-parallel slice of `devices`
-    (the backend's `vllm_num_engines` on a CPU run); yields their base URLs. Devices a
-    worker declares on a machine without CUDA (a loopback cluster standing in for nodes)
-    get as many CPU servers, the device ids recorded but not handed to vLLM. On GPUs the
-    context is `max_model_len` (the stage's prompt + answer lengths: `context_len`), not the
-    checkpoint's own maximum, whose KV cache may not fit the servers' share of the GPU (vLLM
-    refuses to start then); on the CPU `--max-model-len auto` fits it to the cache. An fp32
-    engine on GPUs computes in fp32, not TF32 (`FP32_EXACT_ENV`): the probe's 1e-4 holds."""
-    import torch
-
-    from stages.lib.vllm.server import FP32_EXACT_ENV, vllm_servers
-
-    tp = backend.vllm_tensor_parallel_size
-    update: dict[str, Any] = {"model": model_dir}
-    if devices:
-        update["vllm_num_engines"] = max(1, len(devices) // tp)
-        if not torch.cuda.is_available():
-            update["vllm_tensor_parallel_size"] = 1
-            devices = []
-    args = server_args(bf16, bool(devices), max_model_len)
-    fp32_gpu = bool(devices) and not bf16
-    with vllm_servers(
-        backend.model_copy(update=update),
-        gpus=len(devices),
-        log=log,
-        log_file=log_file,
-        extra_args=args,
-        devices=list(devices) or None,
-        dev_mode=True,
-        secret=secret,
-        host=host or "127.0.0.1",
-        extra_env=FP32_EXACT_ENV if fp32_gpu else None,
-    ) as urls:
-        yield urls
 
 
 def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) -> VLLMEngine:
@@ -175,33 +103,6 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
         max_model_len=context_len(cfg),
         parallel=cfg.num_samples_in_parallel,
     )
-
-
-def host_servers(cfg: RLConfig, ctx: StageContext) -> None:
-    """A task of another worker of the `vllm` role: start the servers on this worker's
-    devices, bound to its reachable address, publish their URLs, and keep them until the
-    controller says stop (or the stage aborts)."""
-    import json
-
-    from stages.rl.roles.layout import worker_host
-
-    assert ctx.link is not None and isinstance(cfg.backend, VLLMBackend)
-    node, worker = ctx.tasks[ctx.node_rank]
-    spec = json.loads(ctx.link.lookup("vllm-spec", timeout_s=SPEC_TIMEOUT_S))
-    devices = engine_devices(ctx)
-    with start_servers(
-        cfg.backend,
-        spec["model_dir"],
-        devices,
-        bf16=cfg.bf16,
-        log_file=f"{ctx.stage_dir.rstrip('/')}/vllm.{ctx.node_rank}.log",
-        secret=spec["secret"],
-        host=worker_host(worker),
-        max_model_len=context_len(cfg),
-    ) as urls:
-        place = {"node": node, "worker": worker, "devices": devices, "urls": urls}
-        ctx.link.publish(f"vllm-{node}-{worker}", json.dumps(place))
-        ctx.link.lookup("vllm-stop", timeout_s=HOLD_S)
 
 
 class EngineFailed(RuntimeError):

@@ -28,7 +28,7 @@ import json
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.lib.api.adaptive import AdaptiveLimit
 from stages.lib.api.client import backoff_delay, classify, sample_seed, status_error
@@ -36,6 +36,11 @@ from stages.lib.api.sampling import request_sampling
 from stages.lib.chat.prompt import Prompt, prompt_ids
 from stages.lib.chat.tokens import eos_ids
 from stages.lib.model.generate import Generation
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from stages.rl.rollout.engine import Sampling
 
 MAX_RETRIES, BACKOFF_S = 4, 0.5
 _QUEUE = re.compile(r"^vllm:request_queue_time_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$", re.M)
@@ -109,18 +114,14 @@ class HTTPRollouts:
         self.stats: dict[str, Any] = {}
 
     def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        num_samples: int,
-        temperature: float,
-        max_new_tokens: int,
-        seed: int,
-        batch_size: int = 0,
+        self, prompts: Sequence[Prompt], *, batch_size: int = 0, **sampling: Unpack[Sampling]
     ) -> list[list[Generation]]:
         """`num_samples` answers per prompt (`batch_size` is the servers' business)."""
         encoded = [prompt_ids(self.tokenizer, p) for p in prompts]
-        return asyncio.run(self._all(encoded, num_samples, temperature, max_new_tokens, seed))
+        n, temperature = sampling["num_samples"], sampling["temperature"]
+        return asyncio.run(
+            self._all(encoded, n, temperature, sampling["max_new_tokens"], sampling["seed"])
+        )
 
     async def _all(
         self, encoded: list[list[int]], n: int, temperature: float, max_tokens: int, seed: int

@@ -31,11 +31,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 
 from stages.lib.dist import weight_group
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 PROBE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
@@ -231,18 +234,24 @@ def sync_file(stage_dir: str) -> str:
     return f"{stage_dir.rstrip('/')}/sync/model.safetensors"
 
 
+class GroupPlace(TypedDict, total=False):
+    """An engine's place in the gloo/nccl group and the dtype its weights arrive in: the
+    keywords of `GroupReceiver`, which `make_receiver` passes on (defaults there)."""
+
+    host: str
+    world: int
+    rank: int
+    store_address: str | None
+    wire: torch.dtype
+
+
 def make_receiver(
     kind: str,
     name: str,
     path: str,
     timeout_s: float,
     device: str = "cpu",
-    *,
-    host: str = "127.0.0.1",
-    world: int = 2,
-    rank: int = 1,
-    store_address: str | None = None,
-    wire: torch.dtype = torch.float32,
+    **place: Unpack[GroupPlace],
 ) -> Receiver:
     """The engine's side of `kind` (gloo, nccl or disk) for an engine on `device`: group
     rank `rank` of `world` (1 + engines); rank 1 hosts the store on `host` (its `address`
@@ -250,17 +259,7 @@ def make_receiver(
     `store_address`. Weights arrive in `wire` (`wire_dtype`)."""
     if kind == "disk":
         return DiskReceiver(name, path)
-    return GroupReceiver(
-        name,
-        timeout_s,
-        nccl=kind == "nccl",
-        host=host,
-        device=device,
-        world=world,
-        rank=rank,
-        store_address=store_address,
-        wire=wire,
-    )
+    return GroupReceiver(name, timeout_s, nccl=kind == "nccl", device=device, **place)
 
 
 def make_publisher(
@@ -288,7 +287,8 @@ def verify(
     `SyncFailed` naming the engine when it is over the tolerance of `precision`."""
     if len(engine_lp) != len(actor_lp):
         raise SyncFailed(
-            f"step {step}: engine '{engine}' scored {len(engine_lp)} probe tokens, the actor {len(actor_lp)}"
+            f"step {step}: engine '{engine}' scored {len(engine_lp)} probe tokens, "
+            f"the actor {len(actor_lp)}"
         )
     worst = max((abs(a - b) for a, b in zip(engine_lp, actor_lp, strict=True)), default=0.0)
     if worst > PROBE_TOLERANCE[precision]:

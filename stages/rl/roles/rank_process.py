@@ -1,0 +1,72 @@
+"""The body of an rl rank process (actor, critic, ref): `python -m stages.rl.roles.ROLE SPEC`.
+
+Input: the `ActorSpec` path on the command line and the rank in the environment (set by
+`stages.lib.dist.spawn`). Output: the rank set up (logging, threads, device, process group),
+its record in `<stage>/ranks/` (`stages.rl.roles.launch.record_rank`), the role built, and
+the stage's requests answered in order until `stop`: rank 0 receives each and passes it on
+to the other ranks (through the rendezvous store, not a collective: they may wait for hours,
+`stages.lib.dist.serve`), every rank runs it, rank 0 replies on the role's channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+from typing import Any
+
+from stages.lib.dist.rank import die_with_parent, leave_group, start_rank
+
+
+def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:
+    """Answer requests with `handlers` until `stop`: rank 0 receives each and passes it on
+    to the other ranks (through the store, not a collective: `stages.lib.dist.serve`), every rank
+    runs it, rank 0 replies."""
+    from stages.lib.dist.serve import Requests
+
+    requests = Requests(world, conn)
+    while True:
+        kind, payload = requests.next()
+        if kind == "stop":
+            requests.read_by_all()
+            if conn is not None:
+                conn.send(("ok", None))
+            return
+        try:
+            reply = handlers[kind](payload)
+        except Exception as exc:
+            if conn is not None:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            raise
+        if conn is not None:
+            conn.send(("ok", reply))
+
+
+def run_role(
+    argv: list[str] | None, logger: logging.Logger, build: Any, handlers: Any, seed_offset: int = 0
+) -> int:
+    """The body of an rl rank process (actor or critic): read the spec, set up the rank and
+    its process group, `build(spec, rank, world, device)` the role, answer requests with
+    `handlers(role)` until `stop`."""
+    import torch
+
+    from stages.rl.roles.channel import connect
+    from stages.rl.roles.spec import ActorSpec
+
+    args = sys.argv[1:] if argv is None else argv
+    die_with_parent()
+    spec = ActorSpec.read(args[0])
+    rank, world, device = start_rank(spec)
+    from stages.rl.roles.launch import record_rank
+
+    record_rank(spec.stage_dir, os.environ.get("PIPE_ROLE", "actor"), rank, world, device)
+    random.seed(spec.config.seed + seed_offset)
+    torch.manual_seed(spec.config.seed + seed_offset)
+    role = build(spec, rank, world, device)
+    conn = connect(spec.channel, spec.authkey) if rank == 0 else None
+    what = role.trainer.name if hasattr(role, "trainer") else role.kind
+    logger.info("ready: %d rank(s), %s, %s", world, what, device)
+    serve_with(handlers(role), world, conn)
+    leave_group()
+    return 0

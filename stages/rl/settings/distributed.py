@@ -1,0 +1,61 @@
+"""The rl stage's placement and sync settings: where and how the trained roles' ranks run,
+and how their weights reach the rollout engines.
+
+Input: a stage's config values. Output: the fields of `DistributedSettings`, a base of
+`stages.rl.RLConfig`; which weight-sync backend runs is decided from them and the placement
+in one place (`stages.rl.sync.choice`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from engine.stage import StageConfig
+
+
+class DistributedSettings(StageConfig):
+    """The trainer and its ranks, ZeRO and offload, sleep and async steps, the weight sync."""
+
+    async_train: bool = Field(
+        False,
+        description="Generate batch k+1 with the previous weights while the actor trains on "
+        "batch k.",
+    )
+    async_queue_size: int = Field(
+        1, ge=0, description="async: rollout batches in flight at most (0: synchronous)."
+    )
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage of the actor.")
+    adam_offload: bool = Field(False, description="Offload Adam states to CPU memory (ZeRO).")
+    overlap_comm: bool = Field(
+        False, description="Overlap gradient communication with backward (ZeRO)."
+    )
+    deepspeed_enable_sleep: bool = Field(
+        False,
+        description="Move the actor's and critic's optimizer states off the GPU while the "
+        "engine generates (synchronous steps on GPU).",
+    )
+    vllm_sync_backend: Literal["nccl", "gloo", "disk"] = Field(
+        "gloo",
+        description="How weights reach the engine: nccl (GPUs), gloo (a process group, CPU too) "
+        "or disk (safetensors).",
+    )
+    sync_timeout_s: float = Field(
+        120.0, gt=0, description="A weight sync taking longer fails the step."
+    )
+    sync_bucket_mb: int = Field(
+        256,
+        gt=0,
+        description="Weights travel to the engines (nccl, gloo) in buckets of this many MiB: the "
+        "sending rank holds one bucket beyond its own shard.",
+    )
+    num_processes: int = Field(
+        1, gt=0, description="Actor ranks on CPU (on GPU: one per actor GPU)."
+    )
+    num_threads: int = Field(
+        1, gt=0, description="Torch threads of each actor rank and of the engine."
+    )
+    trainer: Literal["auto", "deepspeed", "torch"] = Field(
+        "auto", description="auto: DeepSpeed when installed, plain torch otherwise."
+    )
