@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
 from engine.cli.build import build_plan
 from engine.cli.shell import EXIT_FAILED, EXIT_OK, guard
 from engine.errors import PipeError
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 cluster_option = click.option(
     "--cluster",
@@ -33,6 +37,13 @@ set_option = click.option(
     metavar="PATH=VALUE",
     help="Override a value, dotted from the document root, e.g. stages.collect.config.limit=100.",
 )
+
+
+def format_option(*choices: str) -> Callable[[F], F]:
+    """`--format`, one of `choices`, text by default."""
+    return click.option(
+        "--format", "fmt", type=click.Choice(choices), default="text", show_default=True
+    )
 
 
 @click.command()
@@ -57,13 +68,7 @@ def validate(pipelines: tuple[str, ...], overrides: tuple[str, ...], cluster: st
 @click.command("plan")
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--explain", is_flag=True, help="Show every resolved value with where it came from.")
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["text", "yaml", "json"]),
-    default="text",
-    show_default=True,
-)
+@format_option("text", "yaml", "json")
 @click.option("--run-dir", default=None, help="Run directory (default runs/<name>/).")
 @set_option
 @cluster_option
@@ -214,13 +219,7 @@ def stages() -> None:
 
 @click.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["mermaid", "dot", "text"]),
-    default="text",
-    show_default=True,
-)
+@format_option("mermaid", "dot", "text")
 @set_option
 @guard
 def graph(pipeline: str, fmt: str, overrides: tuple[str, ...]) -> None:

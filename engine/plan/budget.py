@@ -181,7 +181,8 @@ def check_memory(
             if not load.over:
                 warnings.append(Diagnostic(where, path, _headroom(load, host, uniform), "warning"))
                 continue
-            fixes = _fixes(resolved, st, slots, cluster, host)
+            fixes = _kind_fixes(st, slots, cluster, host)
+            fixes += _preset_fixes(resolved, st, slots, cluster, host)
             if host and grow is not None:
                 fixes += _grow_fix(name, grow, resolved.loaded.spec.cluster.gpus)
             hint = "; ".join(f"{change} -> {fmt(n)}" for change, n in fixes) or "none found"
@@ -257,15 +258,11 @@ def _figure(sm: StageMemory, host: bool) -> int:
     return max((load.need for load in (sm.host if host else sm.gpu)), default=0)
 
 
-def _fixes(
-    resolved: ResolvedPipeline,
-    st: ResolvedStage,
-    slots: Sequence[Any],
-    cluster: ClusterView,
-    host: bool,
+def _kind_fixes(
+    st: ResolvedStage, slots: Sequence[Any], cluster: ClusterView, host: bool
 ) -> list[tuple[str, int]]:
-    """Changes after which the stage fits (every GPU and host), in the kind's order of cost,
-    then other presets; each with its new GPU peak, or host need per node when `host`."""
+    """The kind's changes after which the stage fits (every GPU and host), in its order of
+    cost; each with its new GPU peak, or host need per node when `host`."""
     out: list[tuple[str, int]] = []
     data = st.config.model_dump()
     for dotted, value in st.config.memory_changes():
@@ -277,7 +274,6 @@ def _fixes(
         sm = stage_memory(st, config, slots, cluster)
         if sm.fits():
             out.append((f"`{dotted}: {found(value)}`", _figure(sm, host)))
-    out += _preset_fixes(resolved, st, slots, cluster, host)
     return out
 
 
@@ -288,6 +284,7 @@ def _preset_fixes(
     cluster: ClusterView,
     host: bool,
 ) -> list[tuple[str, int]]:
+    """The pipeline's other memory presets after which the stage fits, as `_kind_fixes`."""
     import copy
 
     from engine.plan.resolve import resolve

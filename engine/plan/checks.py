@@ -1,11 +1,11 @@
 """Resolve, part of: a stage's merged config validated, then its kind's rules applied.
 
-Input: one stage's merged config data with the source of every value (`engine.plan.layers`,
-references and paths already resolved by `engine.plan.paths`). Output: the kind's typed
-config with the values it derives (its `derive` hook, applied where neither the user nor a
-preset set one, each with the rule's reason as its source), and the located diagnostics of
-the checks: what every stage shares (its GPUs within the cluster), then the kind's own
-(its `check` hook). Validation errors point where each value was written.
+Input: a `Draft`, one stage's merged config data with the source of every value (merged by
+`engine.plan.layers`, references and paths resolved by `engine.plan.paths`). Output: the
+typed config of its kind, with the values it derives (its `derive` hook, applied where
+neither the user nor a preset set one, each with the rule's reason as its source), and the
+located diagnostics of the checks: what every stage shares (its GPUs within the cluster),
+then the kind's own (its `check` hook). Validation errors point where each value was written.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from engine.errors import Diagnostic, Location
 from engine.plan.paths import stage_outputs
-from engine.plan.resolved import DEFAULT, ResolvedStage, Source
+from engine.plan.resolved import DEFAULT, Draft, ResolvedStage, Source
 from engine.spec.load import LoadedPipeline
 from engine.spec.source import Document, PathT, set_at
 from engine.spec.validation import validation_diagnostics
@@ -27,15 +27,13 @@ from engine.stage import Derived, ResolveContext, RoleAlloc, StageConfig
 C = TypeVar("C", bound=StageConfig)
 
 
-def located(
-    doc: Document, name: str, merged: dict[str, Any], sources: dict[str, Source]
-) -> Document:
-    """The merged config as a document whose values are located where they were written."""
-    locs: dict[PathT, Location] = {(): doc.key_loc(("stages", name))}
-    for dotted, src in sources.items():
+def located(doc: Document, draft: Draft) -> Document:
+    """The draft's config as a document whose values are located where they were written."""
+    locs: dict[PathT, Location] = {(): doc.key_loc(("stages", draft.name))}
+    for dotted, src in draft.sources.items():
         if src.location is not None:
             locs[tuple(dotted.split("."))] = src.location
-    return Document(doc.name, merged, locs)
+    return Document(doc.name, draft.merged, locs)
 
 
 def validated(
@@ -51,14 +49,15 @@ def validated(
 
 def context(
     loaded: LoadedPipeline,
-    name: str,
+    draft: Draft,
     gpus: int,
     roles: dict[str, RoleAlloc],
-    sources: dict[str, Source],
     view: Document,
     done: dict[str, ResolvedStage],
 ) -> ResolveContext:
-    """What the kind's `derive` and `check` hooks know of stage `name`."""
+    """What the kind's `derive` and `check` hooks know of the stage (`view`: its config,
+    located), with the stages resolved before it (`done`)."""
+    name, sources = draft.name, draft.sources
 
     def locate(dotted: str) -> Location:
         return view.value_loc(tuple(dotted.split(".")) if dotted else ())
@@ -81,22 +80,18 @@ def context(
 
 
 def derive(
-    config: StageConfig,
-    ctx: ResolveContext,
-    merged: dict[str, Any],
-    sources: dict[str, Source],
-    doc: Document,
-    errors: list[Diagnostic],
+    config: StageConfig, ctx: ResolveContext, draft: Draft, doc: Document, errors: list[Diagnostic]
 ) -> StageConfig | None:
     """Apply the kind's derived values where neither the user nor a preset set one."""
-    derived: dict[str, Derived] = {k: v for k, v in config.derive(ctx).items() if k not in sources}
+    derived: dict[str, Derived] = {
+        k: v for k, v in config.derive(ctx).items() if k not in draft.sources
+    }
     if not derived:
         return config
     for dotted, value in derived.items():
-        set_at(merged, tuple(dotted.split(".")), copy.deepcopy(value.value))
-        sources[dotted] = Source("rule", value.reason)
-    view = located(doc, ctx.stage, merged, sources)
-    return validated(type(config), merged, view, errors)
+        set_at(draft.merged, tuple(dotted.split(".")), copy.deepcopy(value.value))
+        draft.sources[dotted] = Source("rule", value.reason)
+    return validated(type(config), draft.merged, located(doc, draft), errors)
 
 
 def check(loaded: LoadedPipeline, stage: ResolvedStage, ctx: ResolveContext) -> list[Diagnostic]:

@@ -1,10 +1,10 @@
 """Resolve, part of: the merge of a stage's layers, each value with its provenance.
 
-Input: the loaded pipeline, its profile and memory preset, and a stage's kind. Output: the
-stage's merged config data (lowest first: kind defaults, left out here, < profile < memory
-preset < pipeline `defaults:` < stage `config:`, `--set` already in the document) with the
-`Source` of every value set, and the pipeline's colocation with its source; conflicts
-become notes:
+Input: the loaded pipeline, its profile and memory preset, and a stage's kind. Output: a
+`Draft`, the stage's merged config data (lowest first: kind defaults, left out here, <
+profile < memory preset < pipeline `defaults:` < stage `config:`, `--set` already in the
+document) with the `Source` of every value set, and the pipeline's colocation with its
+source; conflicts become notes:
 
 - the memory preset wins over the profile: a warning names both;
 - an explicit user value wins over any preset: a note where it contradicts the memory preset.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import Diagnostic, found
-from engine.plan.resolved import DEFAULT, ResolvedStage, Source
+from engine.plan.resolved import DEFAULT, Draft, ResolvedStage, Source
 from engine.spec.load import LoadedPipeline, stage_config_data
 from engine.spec.presets import PresetSource, load_preset
 from engine.spec.source import PathT, get_at, render_path, set_at
@@ -65,14 +65,13 @@ class Layers:
             value, source = user, self._user_source(("resources", "colocate"))
         return value, source
 
-    def stage(self, name: str, kind: StageKind) -> tuple[dict[str, Any], dict[str, Source]]:
-        """The stage's merged config data and the source of every value in it."""
+    def stage(self, name: str, kind: StageKind) -> Draft:
+        """The stage's merged config data and the source of every value in it, as a draft."""
         user = copy.deepcopy(stage_config_data(self.loaded.spec, name, kind))
-        merged: dict[str, Any] = {}
-        sources: dict[str, Source] = {}
-        self._presets(name, kind, user, merged, sources)
-        self._user(name, kind, user, merged, sources)
-        return merged, sources
+        draft = Draft(name, kind)
+        self._presets(draft, user)
+        self._user(draft, user)
+        return draft
 
     def cautions(self, stages: dict[str, ResolvedStage]) -> None:
         """A warning for each preset with a caution that set a value of some stage."""
@@ -85,18 +84,13 @@ class Layers:
                 where = self.loaded.doc.value_loc((key,))
                 self.notes.append(Diagnostic(where, key, preset.preset.caution, "warning"))
 
-    def _presets(
-        self,
-        name: str,
-        kind: StageKind,
-        user: dict[str, Any],
-        merged: dict[str, Any],
-        sources: dict[str, Source],
-    ) -> None:
-        """The profile's settings, then the memory preset's over them."""
+    def _presets(self, draft: Draft, user: dict[str, Any]) -> None:
+        """The profile's settings, then the memory preset's over them (`user`: the stage's
+        own config data, where a kind's `preset_path` hook looks)."""
+        merged, sources = draft.merged, draft.sources
         for preset in (self.profile, self.memory):
             for key, setting in preset.preset.settings.items():
-                target = kind.config.preset_path(key, user)
+                target = draft.kind.config.preset_path(key, user)
                 if target is None:
                     continue
                 dotted = ".".join(map(str, target))
@@ -106,23 +100,17 @@ class Layers:
                     and before is not None
                     and before.label == self.profile.label
                 ):
-                    path = f"stages.{name}.config.{dotted}"
+                    path = f"stages.{draft.name}.config.{dotted}"
                     earlier = get_at(merged, target)
                     self._memory_wins(path, earlier, setting.value, setting.reason)
                 set_at(merged, target, copy.deepcopy(setting.value))
                 sources[dotted] = self._preset_source(preset, key)
 
-    def _user(
-        self,
-        name: str,
-        kind: StageKind,
-        user: dict[str, Any],
-        merged: dict[str, Any],
-        sources: dict[str, Source],
-    ) -> None:
-        """The pipeline's `defaults:` and the stage's `config:` over the presets."""
+    def _user(self, draft: Draft, user: dict[str, Any]) -> None:
+        """The pipeline's `defaults:` and the stage's `config:` (`user`) over the presets."""
+        name, merged, sources = draft.name, draft.merged, draft.sources
         own = self.loaded.spec.stages[name].config
-        for path, value in leaves(user, nested_blocks(kind.config)):
+        for path, value in leaves(user, nested_blocks(draft.kind.config)):
             dotted = ".".join(map(str, path))
             top = str(path[0])
             origin: PathT = ("stages", name, "config", *path) if top in own else ("defaults", *path)

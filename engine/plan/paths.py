@@ -1,5 +1,9 @@
 """Resolve, part of: `@stage` references, default inputs, and relative paths of one stage.
 
+Input: a `Draft` (its layers merged by `engine.plan.layers`) and the stages resolved before
+it. Output: the draft's config data rewritten in place, the source of each value set, and
+located errors (a reference that does not hold, an input that nothing gives).
+
 - `"@data"` names stage data's main output, `"@data.test_output"` a named one; the
   stage referred to must be among this stage's (transitive) `needs`.
 - An empty `input` takes the main output of the first stage in `needs`; an empty
@@ -21,13 +25,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.errors import Diagnostic, did_you_mean, one_of
-from engine.plan.resolved import ResolvedStage, Source
+from engine.plan.resolved import Draft, ResolvedStage, Source
 from engine.spec.source import PathT, get_at, set_at
 
 if TYPE_CHECKING:
     from engine.spec.load import LoadedPipeline
     from engine.spec.source import Document
-    from engine.stage import StageKind
 
 
 class _State(Protocol):
@@ -37,6 +40,7 @@ class _State(Protocol):
     doc: Document
     run_dir: str
     errors: list[Diagnostic]
+    done: dict[str, ResolvedStage]  # the stages resolved so far
 
 
 def is_remote(value: str) -> bool:
@@ -55,20 +59,22 @@ def ancestors(spec: Any, name: str) -> set[str]:
     return seen
 
 
-def resolve_paths(
-    state: _State,
-    name: str,
-    kind: StageKind,
-    merged: dict[str, Any],
-    sources: dict[str, Source],
-    done: dict[str, ResolvedStage],
-) -> None:
-    """Rewrite references and relative paths in `merged` in place, recording sources."""
+def resolve_paths(state: _State, draft: Draft) -> None:
+    """Rewrite the draft's paths in place, recording sources: inputs against the pipeline's
+    folder, `@stage` references, empty inputs from `needs`, outputs inside the stage's folder."""
+    _inputs(state, draft)
+    _references(state, draft, draft.merged, ())
+    _defaults(state, draft)
+    _outputs(state, draft)
+
+
+def _inputs(state: _State, draft: Draft) -> None:
     base = os.path.abspath(state.loaded.base_dir)
-    for field in kind.config.INPUTS:
+    config, merged = draft.kind.config, draft.merged
+    for field in config.INPUTS:
         path = tuple(field.split("."))
         value = get_at(merged, path)
-        model = field in kind.config.MODEL_INPUTS
+        model = field in config.MODEL_INPUTS
         if isinstance(value, str):
             set_at(merged, path, _input_path(base, value, model))
         elif isinstance(value, list):
@@ -77,16 +83,18 @@ def resolve_paths(
                 path,
                 [_input_path(base, v, model) if isinstance(v, str) else v for v in value],
             )
-    _references(state, name, merged, sources, done, ())
-    _defaults(state, name, kind, merged, sources, done)
-    for field in kind.config.OUTPUTS:
-        value = merged.get(field, kind.config.model_fields[field].default)
+
+
+def _outputs(state: _State, draft: Draft) -> None:
+    config, merged = draft.kind.config, draft.merged
+    for field in config.OUTPUTS:
+        value = merged.get(field, config.model_fields[field].default)
         if isinstance(value, str) and not (value.startswith("/") or is_remote(value)):
             run_dir = os.path.abspath(state.run_dir)
-            merged[field] = posixpath.normpath(posixpath.join(run_dir, name, value))
-            src = sources.get(field)
+            merged[field] = posixpath.normpath(posixpath.join(run_dir, draft.name, value))
+            src = draft.sources.get(field)
             if src is None:
-                sources[field] = Source("kind default", "inside the stage's folder")
+                draft.sources[field] = Source("kind default", "inside the stage's folder")
 
 
 def _input_path(base: str, value: str, model: bool) -> str:
@@ -132,14 +140,7 @@ def shown_config(config: Any) -> dict[str, Any]:
     return data
 
 
-def _references(
-    state: _State,
-    name: str,
-    node: Any,
-    sources: dict[str, Source],
-    done: dict[str, ResolvedStage],
-    path: PathT,
-) -> None:
+def _references(state: _State, draft: Draft, node: Any, path: PathT) -> None:
     items = (
         node.items()
         if isinstance(node, dict)
@@ -150,26 +151,20 @@ def _references(
     for key, value in list(items):
         sub = (*path, key)
         if isinstance(value, dict | list):
-            _references(state, name, value, sources, done, sub)
+            _references(state, draft, value, sub)
         elif isinstance(value, str) and value.startswith("@"):
-            target = _target(state, name, value, sources, done, sub)
+            target = _target(state, draft, value, sub)
             if target is not None:
                 node[key] = target
 
 
-def _target(
-    state: _State,
-    name: str,
-    ref: str,
-    sources: dict[str, Source],
-    done: dict[str, ResolvedStage],
-    path: PathT,
-) -> str | None:
-    spec = state.loaded.spec
+def _target(state: _State, draft: Draft, ref: str, path: PathT) -> str | None:
+    spec, name, sources = state.loaded.spec, draft.name, draft.sources
     stage, _, field = ref[1:].partition(".")
-    src = sources.get(".".join(str(p) for p in path if isinstance(p, str)))
+    key = ".".join(str(p) for p in path if isinstance(p, str))
+    src = sources.get(key)
     where = src.location if src is not None else state.doc.key_loc(("stages", name))
-    dotted = f"stages.{name}.config." + ".".join(str(p) for p in path if isinstance(p, str))
+    dotted = f"stages.{name}.config.{key}"
     if stage not in spec.stages:
         msg = f"'{ref}' refers to no stage named '{stage}'{did_you_mean(stage, list(spec.stages))}"
         state.errors.append(Diagnostic(where, dotted, msg))
@@ -181,7 +176,7 @@ def _target(
         )
         state.errors.append(Diagnostic(where, dotted, msg))
         return None
-    upstream = done.get(stage)
+    upstream = state.done.get(stage)
     if upstream is None:
         return None
     outputs = type(upstream.config).OUTPUTS
@@ -194,35 +189,28 @@ def _target(
         state.errors.append(Diagnostic(where, dotted, msg))
         return None
     if src is not None:
-        key = ".".join(str(p) for p in path if isinstance(p, str))
         sources[key] = Source(src.label, ref if src.reason == "" else src.reason, src.location)
     return str(getattr(upstream.config, field))
 
 
-def _defaults(
-    state: _State,
-    name: str,
-    kind: StageKind,
-    merged: dict[str, Any],
-    sources: dict[str, Source],
-    done: dict[str, ResolvedStage],
-) -> None:
+def _defaults(state: _State, draft: Draft) -> None:
+    name, config, merged, done = draft.name, draft.kind.config, draft.merged, state.done
     needs = state.loaded.spec.stages[name].needs
-    for field in kind.config.INPUTS:
+    for field in config.INPUTS:
         if "." in field or merged.get(field) not in (None, []):
             continue
-        wanted = kind.config.INPUT_TYPES.get(field)
+        wanted = config.INPUT_TYPES.get(field)
         if wanted is not None:
             ups = [n for n in needs if n in done and _main_output_type(done[n]) == wanted]
             if ups:
                 merged[field] = [
                     str(getattr(done[n].config, type(done[n].config).OUTPUTS[0])) for n in ups
                 ]
-                sources[field] = Source(
+                draft.sources[field] = Source(
                     "upstream", f"{wanted} outputs of the stages in needs: {', '.join(ups)}"
                 )
         elif field == "input":
-            if not needs and kind.config.INPUT_OPTIONAL:
+            if not needs and config.INPUT_OPTIONAL:
                 continue
             if not needs:
                 where = state.doc.key_loc(("stages", name))
@@ -237,7 +225,7 @@ def _defaults(
             up = done.get(needs[0])
             if up is not None and type(up.config).OUTPUTS:
                 merged[field] = str(getattr(up.config, type(up.config).OUTPUTS[0]))
-                sources[field] = Source("upstream", f"main output of stage '{needs[0]}'")
+                draft.sources[field] = Source("upstream", f"main output of stage '{needs[0]}'")
 
 
 def _main_output_type(stage: ResolvedStage) -> str | None:

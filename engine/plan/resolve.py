@@ -18,7 +18,8 @@ rules (engines x tensor-parallel size, batch sizes that divide, ...) through its
 
 This module runs those steps, stage after stage in the order of `needs`; each is a module:
 `layers` (the merge and its conflicts, with provenance), `roles` (the GPUs of roles and
-stages), `paths` (references and paths), `rules` (validation, derived values and checks).
+stages), `paths` (references and paths), `checks` (validation, derived values and checks);
+the stage under way is a `Draft` (`resolved`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class _State:
     run_dir: str
     errors: list[Diagnostic] = field(default_factory=list)
     notes: list[Diagnostic] = field(default_factory=list)
+    done: dict[str, ResolvedStage] = field(default_factory=dict)  # the stages resolved so far
 
 
 def resolve(
@@ -66,17 +68,16 @@ def resolve(
     roles = Roles(loaded, state.errors, state.notes)
     roles.cpu_only = spec.cluster.gpus == "auto" and total == 0 and bool(gpus_from)
     roles.allocate(total, colocate)
-    stages: dict[str, ResolvedStage] = {}
     from engine.spec.graph import topological
 
     for name in topological(spec):
-        resolved = _stage(state, layers, roles, name, stages)
+        resolved = _stage(state, layers, roles, name)
         if resolved is not None:
-            stages[name] = resolved
+            state.done[name] = resolved
     if state.errors:
         raise PipeError(state.errors)
-    layers.cautions(stages)
-    ordered = {n: stages[n] for n in spec.stages if n in stages}
+    layers.cautions(state.done)
+    ordered = {n: state.done[n] for n in spec.stages if n in state.done}
     auto = None
     if spec.cluster.gpus == "auto" and isinstance(total, int) and gpus_from:
         wanting = tuple(n for n in ordered if n in roles.wanting or ordered[n].gpus)
@@ -86,26 +87,25 @@ def resolve(
     )
 
 
-def _stage(
-    state: _State, layers: Layers, roles: Roles, name: str, done: dict[str, ResolvedStage]
-) -> ResolvedStage | None:
-    """One stage resolved after the stages it needs (`done`), or None after an error."""
+def _stage(state: _State, layers: Layers, roles: Roles, name: str) -> ResolvedStage | None:
+    """One stage resolved after the stages it needs (`state.done`), or None after an error."""
     st = state.loaded.spec.stages[name]
     kind = kinds()[st.kind]
     gpus = roles.stage_gpus(name)
-    merged, sources = layers.stage(name, kind)
-    resolve_paths(state, name, kind, merged, sources, done)
-    view = located(state.doc, name, merged, sources)
-    config = validated(kind.config, merged, view, state.errors)
+    draft = layers.stage(name, kind)
+    resolve_paths(state, draft)
+    view = located(state.doc, draft)
+    config = validated(kind.config, draft.merged, view, state.errors)
     if config is None:
         return None
-    ctx = context(state.loaded, name, gpus, roles.alloc, sources, view, done)
-    final = derive(config, ctx, merged, sources, state.doc, state.errors)
+    ctx = context(state.loaded, draft, gpus, roles.alloc, view, state.done)
+    final = derive(config, ctx, draft, state.doc, state.errors)
     if final is None:
         return None
-    held = () if st.resources.role or st.resources.gpus is not None else roles.kind_roles(name)
+    res = st.resources
+    held = () if res.role or res.gpus is not None else roles.kind_roles(name)
     resolved = ResolvedStage(
-        name, st.kind, tuple(st.needs), st.resources.role, gpus, st.retries, final, sources, held
+        name, st.kind, tuple(st.needs), res.role, gpus, st.retries, final, draft.sources, held
     )
     for diag in check(state.loaded, resolved, ctx):
         (state.errors if diag.severity == "error" else state.notes).append(diag)

@@ -1,5 +1,6 @@
-"""Resolve, part of: its output types. A `ResolvedPipeline` holds `ResolvedStage`s, each a
-typed, frozen config whose every value remembers its `Source` (provenance)."""
+"""Resolve, part of: its types. Under way, a `Draft`: one stage's config data as it is merged
+and rewritten. Out, a `ResolvedPipeline` of `ResolvedStage`s, each a typed, frozen config
+whose every value remembers its `Source` (provenance)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from engine.errors import Diagnostic, Location
 from engine.spec.load import LoadedPipeline
-from engine.stage import RoleAlloc, StageConfig
+from engine.stage import RoleAlloc, StageConfig, StageKind
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,17 @@ class Source:
 
 
 DEFAULT = Source("kind default")
+
+
+@dataclass(frozen=True)
+class Draft:
+    """The stage being resolved: its name and kind, its config data as merged so far and the
+    source of every value set in it (both filled in place, step after step)."""
+
+    name: str
+    kind: StageKind
+    merged: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, Source] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
