@@ -30,7 +30,7 @@ from stages.lib.env.field import check_environment
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.model.path import check_model_ref
-from stages.rl.algo.checks import check_algorithm
+from stages.rl.algo.combinations import check_algorithm
 from stages.rl.algo.options import AlgorithmOptions
 from stages.rl.settings.distributed import DistributedSettings
 from stages.rl.settings.optim import OptimSettings

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.rl.algo.checks import one_update, refills
+from stages.rl.algo.combinations import one_update, refills
 
 A, S = "applied", "skipped"
 

@@ -2,7 +2,7 @@
 how per-token losses add up, DAPO's and GSPO's changes, PPO's and the KL's terms.
 
 Input: a stage's config values. Output: the fields of `AlgorithmOptions`, a base of
-`stages.rl.RLConfig` (the rules that tie them together: `stages.rl.algo.checks`).
+`stages.rl.RLConfig` (the rules that tie them together: `stages.rl.algo.combinations`).
 
 The names follow the frameworks users compare us with (README, "RL algorithms"):
 `advantage` is verl's `adv_estimator` / OpenRLHF's `advantage_estimator`, `loss_agg` is

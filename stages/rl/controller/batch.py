@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from stages.rl.algo.checks import refills
+from stages.rl.algo.combinations import refills
 from stages.rl.controller.loop import Batch
 
 
