@@ -12,16 +12,14 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator
 
 from engine.errors import Diagnostic
-from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig, stage
+from engine.stage import Derived, ResolveContext, stage
 from stages.lib.block import CountOrAuto
 from stages.lib.config import (
     Backend,
+    BackendStageConfig,
     LocalBackend,
     OpenAIBackend,
     Verifier,
-    backend_gpu_unit,
-    backend_memory,
-    backend_preset_path,
     check_backend,
     check_model,
     check_verifier,
@@ -30,7 +28,7 @@ from stages.lib.config import (
 from stages.lib.env.field import EnvironmentConfig, check_environment
 
 
-class CollectConfig(StageConfig):
+class CollectConfig(BackendStageConfig):
     """Generate `num_repeats` answers per prompt, score each, append them as rollouts."""
 
     SPANS_NODES = True  # one shard of the prompts per worker, merged by the first
@@ -101,18 +99,6 @@ class CollectConfig(StageConfig):
     def workers_used(self, workers: int) -> int:
         """`shards` > 1 (or auto: one per worker) are Dask tasks over the workers."""
         return workers if self.shards == "auto" else max(1, min(workers, self.shards))
-
-    def memory_needs(self) -> list[MemoryNeed]:
-        return backend_memory(self.backend)
-
-    def gpu_unit(self, role: str | None = None) -> int:
-        """A vLLM engine's tensor-parallel group stays on one node."""
-        return backend_gpu_unit(self.backend)
-
-    @classmethod
-    def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
-        """vLLM settings go to a `backend: {kind: vllm}` block; the rest to top-level fields."""
-        return super().preset_path(key, data) or backend_preset_path(key, data)
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """Engines from the stage's GPUs; prefix caching when num_repeats > 1; half of each GPU

@@ -8,15 +8,13 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from engine.errors import Diagnostic
-from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig, stage
+from engine.stage import Derived, ResolveContext, stage
 from stages.lib.config import (
     Backend,
+    BackendStageConfig,
     LocalBackend,
     OpenAIBackend,
     Verifier,
-    backend_gpu_unit,
-    backend_memory,
-    backend_preset_path,
     check_backend,
     check_model,
     check_verifier,
@@ -26,7 +24,7 @@ from stages.lib.env.field import EnvironmentConfig, check_environment
 from stages.lib.model.path import check_checkpoint
 
 
-class EvaluateConfig(StageConfig):
+class EvaluateConfig(BackendStageConfig):
     """Accuracy, pass@k and mean reward of each checkpoint, against a baseline."""
 
     INPUTS = ("input", "checkpoints")
@@ -69,17 +67,6 @@ class EvaluateConfig(StageConfig):
     def top_p(self) -> float:
         """Evaluation samples from the whole distribution (or greedily at temperature 0)."""
         return 1.0
-
-    def memory_needs(self) -> list[MemoryNeed]:
-        return backend_memory(self.backend)
-
-    def gpu_unit(self, role: str | None = None) -> int:
-        """A vLLM engine's tensor-parallel group stays on one node."""
-        return backend_gpu_unit(self.backend)
-
-    @classmethod
-    def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
-        return super().preset_path(key, data) or backend_preset_path(key, data)
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         return derive_backend(self.backend, ctx, self.num_samples)

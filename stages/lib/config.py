@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BeforeValidator,
@@ -14,7 +14,7 @@ from pydantic import (
 )
 
 from engine.errors import Diagnostic
-from engine.stage import Derived, MemoryNeed, ResolveContext
+from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig
 from stages.lib.block import Block, check_callable, named_or_callable
 from stages.lib.model.dtypes import PRECISION_HELP, Dtype
 from stages.lib.model.path import check_model_ref
@@ -238,6 +238,27 @@ def backend_memory(backend: Any) -> list[MemoryNeed]:
             sleep=backend.vllm_enable_sleep,
         )
     ]
+
+
+class BackendStageConfig(StageConfig):
+    """A kind's config with a `backend` block (collect, evaluate): the engine's placement,
+    preset and memory hooks answered by the backend's rules above. The kind declares the
+    `backend` field itself (its own default and description)."""
+
+    if TYPE_CHECKING:
+        backend: Backend
+
+    def memory_needs(self) -> list[MemoryNeed]:
+        return backend_memory(self.backend)
+
+    def gpu_unit(self, role: str | None = None) -> int:
+        """A vLLM engine's tensor-parallel group stays on one node."""
+        return backend_gpu_unit(self.backend)
+
+    @classmethod
+    def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
+        """vLLM settings go to a `backend: {kind: vllm}` block; the rest to top-level fields."""
+        return super().preset_path(key, data) or backend_preset_path(key, data)
 
 
 def check_verifier(
