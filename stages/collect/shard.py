@@ -36,17 +36,6 @@ _SUMMED = ("written", "failed", "skipped_resumed", "skipped_failed", "retries", 
 SHARD_TIMEOUT_S = 24 * 3600.0  # the first task waits this long for another's shard
 
 
-def in_dask_worker() -> bool:
-    """Whether this code runs inside a Dask worker task."""
-    try:
-        from distributed import get_worker
-
-        get_worker()
-    except (ImportError, ValueError):
-        return False
-    return True
-
-
 def split_range(start: int, end: int, shards: int) -> list[tuple[int, int]]:
     """[start, end) cut into at most `shards` contiguous, non-empty, near-equal pieces."""
     total = max(0, end - start)
