@@ -20,9 +20,10 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from stages.collect import CollectConfig
 
 log = logging.getLogger("pipe.tune")
+F = TypeVar("F", bound=Callable[..., Any])
 SAMPLE_ROWS = 512
 KEY = "num_samples_in_parallel"
 MIN_LEVEL_S = 2.0
@@ -282,27 +284,25 @@ def _report_diagnosis(levels: list[Level], verdict: Diagnosis, fmt: str) -> None
     click.echo(f"next step: {verdict.next_step}")
 
 
+def _count_option(*decls: str, default: int | None, help: str) -> Callable[[F], F]:
+    """A whole-number option of at least 1; a default it has is shown in `--help`."""
+    return click.option(
+        *decls,
+        type=click.IntRange(min=1),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
+
+
 @click.command("tune")
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--stage", required=True, help="The collect stage to measure.")
-@click.option(
-    "--start",
-    default=8,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="First parallelism level.",
-)
-@click.option(
-    "--max-levels",
-    default=8,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Most levels measured (each doubles the last).",
-)
-@click.option(
+@_count_option("--start", default=8, help="First parallelism level.")
+@_count_option("--max-levels", default=8, help="Most levels measured (each doubles the last).")
+@_count_option(
     "--requests-per-level",
     "requests",
-    type=click.IntRange(min=1),
     default=None,
     help="Requests sent at each level [default: 4 x parallelism, at least 100, and at least 2 s of the last level's rate].",
 )
