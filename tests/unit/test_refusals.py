@@ -206,7 +206,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/evaluate/run.py", "need 0 < k <= n"): internal("k_values(n) gives 0 < k <= n"),
+    ("stages/evaluate/scores.py", "need 0 < k <= n"): internal("k_values(n) gives 0 < k <= n"),
     # --- filter ----------------------------------------------------------------------------
     ("stages/filter/parallel.py", "OutOfOrder(start"): data(
         "the input's rows of a prompt are not contiguous: caught, the file is sorted and filtered again"
