@@ -1,5 +1,6 @@
 """Distributed training processes: rank launch and start-up, DeepSpeed's config, the optimizer
-side of a rank, requests served by a role's ranks, weight groups, sleep, and the LR schedule.
+side of a rank, requests served by a role's ranks, weight groups, sleep (where the optimizer
+states go, and moving them to host memory), and the LR schedule.
 
 Input: a rank spec (model, world size, devices, resolved DeepSpeed settings).
 Output: rank processes that train or serve (their exit codes and logs followed by the stage),
