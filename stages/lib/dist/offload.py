@@ -1,7 +1,7 @@
 """Optimizer states parked in host memory while the rollout engine has the GPU, and back.
 
 Input: the tensors an optimizer owns beyond the model (`optimizer_tensors`: Adam's moments,
-fp32 master copies; `zero_state_tensors` for a DeepSpeed ZeRO optimizer's inner state).
+fp32 master copies; `state_tensors` for the state alone, e.g. a ZeRO optimizer's inner one).
 Output: the same tensor objects, their storage swapped to (pinned) host buffers by
 `HostStates.offload` and to fresh device memory by `HostStates.reload`, each returning the
 bytes moved. The trainers (`stages.lib.dist.trainer`) call it where DeepSpeed's own
@@ -60,11 +60,10 @@ def optimizer_tensors(optimizer: Any, module: torch.nn.Module) -> list[torch.Ten
     inner = getattr(optimizer, "optimizer", optimizer)  # a DeepSpeed wrapper's torch optimizer
     own = {id(p) for p in module.parameters()}
     out = [p for g in inner.param_groups for p in g["params"] if id(p) not in own]
-    out += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
-    return out
+    return out + state_tensors(inner)
 
 
-def zero_state_tensors(optimizer: Any) -> list[torch.Tensor]:
-    """The tensors of a DeepSpeed ZeRO optimizer's inner torch optimizer's state."""
-    inner = optimizer.optimizer
-    return [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
+def state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors of a torch optimizer's state (Adam's moments); for a DeepSpeed ZeRO
+    optimizer, give its inner torch optimizer (`.optimizer`)."""
+    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]

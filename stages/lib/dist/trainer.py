@@ -31,7 +31,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from stages.lib.dist.offload import HostStates, optimizer_tensors, zero_state_tensors
+from stages.lib.dist.offload import HostStates, optimizer_tensors, state_tensors
 from stages.lib.dist.schedule import lr_factor, warmup_steps
 from stages.lib.dist.sleep import Sleep, sleep_method
 
@@ -319,7 +319,9 @@ class DeepSpeedTrainer(Sleeper):
             return 0
         # ZeRO-3: stage3.py asserts FusedAdam only for hp_params and optim_states; those two
         # are moved here as it moves them (their storage swapped), the rest by DeepSpeed
-        moved = self.host.offload([*opt.fp32_partitioned_groups_flat, *zero_state_tensors(opt)])
+        moved = self.host.offload(
+            [*opt.fp32_partitioned_groups_flat, *state_tensors(opt.optimizer)]
+        )
         states = [State.lp_grads, State.contiguous_grad_buffer]
         self.engine.offload_states(include=states, device=Device.cpu, pin_memory=True)
         return moved
