@@ -26,7 +26,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-from stages.filter.rules import Counts, Row, Rules, parse_row
+from stages.filter.rows import Row, parse_row
+from stages.filter.rules import Counts, Rules
 
 log = logging.getLogger(__name__)
 BUFFER = 1 << 20
