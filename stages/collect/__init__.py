@@ -38,7 +38,8 @@ class CollectConfig(BackendStageConfig):
 
     input: str | None = Field(
         None,
-        description="Prompt JSONL (rows with messages or prompt); empty: the upstream stage's output.",
+        description="Prompt JSONL (rows with messages or prompt); empty: the upstream stage's "
+        "output.",
     )
     output: str = Field(
         "rollouts.jsonl", description="Rollout JSONL written (appended, resumable)."
@@ -64,16 +65,19 @@ class CollectConfig(BackendStageConfig):
     backoff_s: float = Field(
         0.5,
         gt=0,
-        description="First retry delay in seconds; it doubles with each retry (with jitter, capped at 30 s).",
+        description="First retry delay in seconds; it doubles with each retry (with jitter, capped "
+        "at 30 s).",
     )
     max_failed_runs: int = Field(
         3,
         gt=0,
-        description="A restarted run retries rows in the failures sidecar until they have failed in this many runs.",
+        description="A restarted run retries rows in the failures sidecar until they have failed "
+        "in this many runs.",
     )
     shards: CountOrAuto = Field(
         1,
-        description="Split the prompts into this many Dask tasks (each with its own concurrency), or auto from the workers.",
+        description="Split the prompts into this many Dask tasks (each with its own concurrency), "
+        "or auto from the workers.",
     )
     seed: int = Field(0, description="Seed for sampling.")
     backend: Backend = Field(
@@ -85,7 +89,8 @@ class CollectConfig(BackendStageConfig):
     )
     environment: EnvironmentConfig | None = Field(
         None,
-        description="A multi-turn environment each episode talks to (README, Environments); none: one turn scored by the verifier.",
+        description="A multi-turn environment each episode talks to (README, Environments); none: "
+        "one turn scored by the verifier.",
     )
 
     @field_validator("end_idx")

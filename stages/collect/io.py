@@ -49,7 +49,8 @@ def meta_path(output: str) -> str:
 
 
 class DoneSet:
-    """A bitmap of pairs with start <= prompt_idx < end (None: no end), 0 <= sample_idx < repeats."""
+    """A bitmap of pairs with start <= prompt_idx < end (None: no end),
+    0 <= sample_idx < repeats."""
 
     def __init__(self, start: int, repeats: int, end: int | None = None) -> None:
         self.start = start

@@ -54,12 +54,15 @@ class EvaluateConfig(BackendStageConfig):
     )
     backend: Backend = Field(
         default_factory=lambda: LocalBackend(kind="local", batch_size=128),
-        description="How answers are generated: local (each checkpoint loaded in the stage's process, on its GPUs when it holds some), vllm (each checkpoint served in turn on the stage's GPUs), or openai (the served model, named by backend.model; no checkpoints then).",
+        description="How answers are generated: local (each checkpoint loaded in the stage's "
+        "process, on its GPUs when it holds some), vllm (each checkpoint served in turn on the "
+        "stage's GPUs), or openai (the served model, named by backend.model; no checkpoints then).",
     )
     verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
     environment: EnvironmentConfig | None = Field(
         None,
-        description="A multi-turn environment each episode talks to (README, Environments); none: one turn scored by the verifier.",
+        description="A multi-turn environment each episode talks to (README, Environments); none: "
+        "one turn scored by the verifier.",
     )
     seed: int = Field(0, description="Seed for sampling.")
 
@@ -80,7 +83,8 @@ class EvaluateConfig(BackendStageConfig):
                 ctx.error(
                     "checkpoints",
                     f"an openai backend evaluates the model it serves ('{self.backend.model}'); "
-                    "checkpoints cannot be sent to it: leave checkpoints empty, or use a local or vllm backend",
+                    "checkpoints cannot be sent to it: leave checkpoints empty, "
+                    "or use a local or vllm backend",
                 )
             )
         if not self.checkpoints and not isinstance(self.backend, OpenAIBackend):

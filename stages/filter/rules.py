@@ -159,7 +159,8 @@ class Rules:
     def second_half(
         self, rows: Iterable[Row], is_dup: Callable[[Row], bool], counts: Counts
     ) -> list[Row]:
-        """Duplicates (`is_dup` gives the global view), the predicate, then top-k; file order kept."""
+        """Duplicates (`is_dup` gives the global view), the predicate, then top-k; file order
+        kept."""
         kept = []
         for row in rows:
             if self.dedup != "none" and is_dup(row):

@@ -31,7 +31,8 @@ class Verifier(Block):
 
     kind: Annotated[str, BeforeValidator(_verifier_kind)] = Field(
         "reasoning_gym",
-        description="reasoning_gym (the task's own scorer), exact_match, regex, math, or a callable 'module:function'.",
+        description="reasoning_gym (the task's own scorer), exact_match, regex, math, or a "
+        "callable 'module:function'.",
     )
     pattern: str | None = Field(
         None, description="For kind regex: the answer is correct when this regex matches."
@@ -57,11 +58,13 @@ class OpenAIBackend(Block):
     model: str = Field(description="The model name the server expects in each request.")
     api_key_env: str | None = Field(
         None,
-        description="Name of the environment variable holding the API key; the key is never written anywhere.",
+        description="Name of the environment variable holding the API key; the key is never "
+        "written anywhere.",
     )
     endpoint: Literal["chat", "completions"] = Field(
         "chat",
-        description="chat: /v1/chat/completions with messages; completions: /v1/completions with a prompt.",
+        description="chat: /v1/chat/completions with messages; completions: /v1/completions with a "
+        "prompt.",
     )
 
 
@@ -73,7 +76,8 @@ class VLLMBackend(Block):
     )
     model: str | None = Field(
         None,
-        description="Checkpoint directory or model id to serve (evaluate: empty, it serves each checkpoint in turn).",
+        description="Checkpoint directory or model id to serve (evaluate: empty, it serves each "
+        "checkpoint in turn).",
     )
     vllm_num_engines: int = Field(1, gt=0, description="Number of vLLM engines (servers).")
     vllm_tensor_parallel_size: int = Field(
@@ -105,7 +109,8 @@ class LocalBackend(Block):
     )
     model: str | None = Field(
         None,
-        description="Checkpoint directory (or a reference '@stage' to a train stage's output); evaluate: empty, it loads each checkpoint in turn.",
+        description="Checkpoint directory (or a reference '@stage' to a train stage's output); "
+        "evaluate: empty, it loads each checkpoint in turn.",
     )
     batch_size: int = Field(64, gt=0, description="Prompts generated together in one batch.")
     precision: Dtype = Field(
@@ -160,7 +165,8 @@ def derive_backend(backend: Any, ctx: ResolveContext, num_repeats: int) -> dict[
     if shared is not None and shared.colocated_with:
         out["backend.vllm_gpu_memory_utilization"] = Derived(
             0.5,
-            f"vllm shares its GPUs with {', '.join(shared.colocated_with)}: leave half for training",
+            f"vllm shares its GPUs with {', '.join(shared.colocated_with)}: "
+            "leave half for training",
         )
     return out
 
@@ -183,7 +189,8 @@ def check_model(backend: Any, ctx: ResolveContext, wanted: bool) -> list[Diagnos
         return [
             ctx.error(
                 "backend.model",
-                "this stage generates with each of its checkpoints in turn; leave backend.model empty",
+                "this stage generates with each of its checkpoints in turn; "
+                "leave backend.model empty",
             )
         ]
     return check_model_ref(ctx, "backend.model", backend.model)
@@ -200,8 +207,9 @@ def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:
         return [
             ctx.error(
                 "backend.vllm_tensor_parallel_size",
-                f"tensor-parallel size {tp} does not fit on a node of {per_node} GPUs (cluster.gpus_per_node); "
-                f"a tensor-parallel group never spans nodes: use {fits}",
+                f"tensor-parallel size {tp} does not fit on a node of {per_node} GPUs "
+                "(cluster.gpus_per_node); a tensor-parallel group never spans nodes: "
+                f"use {fits}",
             )
         ]
     out = []
@@ -212,7 +220,8 @@ def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:
         out.append(
             ctx.error(
                 "backend.vllm_num_engines",
-                f"{engines} engines x tensor-parallel size {tp} = {engines * tp} GPUs, but {what} has {ctx.gpus}{hint}",
+                f"{engines} engines x tensor-parallel size {tp} = {engines * tp} GPUs, but {what} "
+                f"has {ctx.gpus}{hint}",
             )
         )
     shared = ctx.roles.get("vllm")
@@ -221,7 +230,8 @@ def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:
         out.append(
             ctx.warning(
                 "backend.vllm_gpu_memory_utilization",
-                f"{util} leaves little room for {', '.join(shared.colocated_with)} on the shared GPUs; the hybrid engine uses 0.5",
+                f"{util} leaves little room for {', '.join(shared.colocated_with)} "
+                "on the shared GPUs; the hybrid engine uses 0.5",
             )
         )
     return out

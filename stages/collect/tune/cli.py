@@ -68,7 +68,8 @@ def render_table(levels: tuple[Level, ...] | list[Level]) -> str:
     lines = [f"{'parallelism':>11}  {'rollouts/s':>10}  {'p50 s':>7}  {'p95 s':>7}  {'errors':>6}"]
     for lv in levels:
         lines.append(
-            f"{lv.parallelism:>11}  {lv.rollouts_per_s:>10.1f}  {lv.p50_s:>7.3f}  {lv.p95_s:>7.3f}  {lv.errors:>6}"
+            f"{lv.parallelism:>11}  {lv.rollouts_per_s:>10.1f}  "
+            f"{lv.p50_s:>7.3f}  {lv.p95_s:>7.3f}  {lv.errors:>6}"
         )
     return "\n".join(lines)
 
@@ -80,7 +81,8 @@ def render_sweep(result: Sweep) -> str:
         return "\n".join(out)
     peak = max(lv.rollouts_per_s for lv in result.levels if not lv.errors)
     out.append(
-        f"knee: {result.knee} (the lowest parallelism within 10% of the best, {peak:.1f} rollouts/s)"
+        f"knee: {result.knee} (the lowest parallelism within 10% of the best, "
+        f"{peak:.1f} rollouts/s)"
     )
     out.append(f"recommended: {KEY}: {result.recommended} (80% of the knee, for headroom)")
     return "\n".join(out)
@@ -191,7 +193,8 @@ def _count_option(*decls: str, default: int | None, help: str) -> Callable[[F], 
     "--requests-per-level",
     "requests",
     default=None,
-    help="Requests sent at each level [default: 4 x parallelism, at least 100, and at least 2 s of the last level's rate].",
+    help="Requests sent at each level [default: 4 x parallelism, at least 100, "
+    "and at least 2 s of the last level's rate].",
 )
 @click.option(
     "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True

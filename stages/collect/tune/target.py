@@ -84,7 +84,10 @@ def _sample_rows(loaded: LoadedPipeline, stage: str, cfg: CollectConfig) -> list
     written = stage_config_data(loaded.spec, stage, kind).get("input")
     if not cfg.input or not written or written.startswith("@") or "://" in cfg.input:
         found = f"'{written}'" if written else "none (it comes from an upstream stage)"
-        msg = f"pipe tune needs a local prompts file, found {found}; give one with --set {dotted}=PATH"
+        msg = (
+            f"pipe tune needs a local prompts file, found {found}; "
+            f"give one with --set {dotted}=PATH"
+        )
         raise PipeError.single(where, dotted, msg)
     file = cfg.input
     rel = os.path.relpath(file)
@@ -103,7 +106,8 @@ def _sample_rows(loaded: LoadedPipeline, stage: str, cfg: CollectConfig) -> list
 
 
 def load_target(pipeline: str, stage: str, overrides: tuple[str, ...] = ()) -> Target:
-    """Load the pipeline and the collect stage's config and prompt sample; `PipeError` if unusable."""
+    """Load the pipeline and the collect stage's config and prompt sample; `PipeError` if
+    unusable."""
     from engine.spec.load import load_pipeline
 
     loaded = load_pipeline(pipeline, overrides)
