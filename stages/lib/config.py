@@ -1,4 +1,13 @@
-"""Config pieces shared by several stage kinds: backends, verifiers, models, `auto` counts."""
+"""The config blocks several stage kinds share, and their plan-time rules: `backend`, `verifier`.
+
+Input: the YAML blocks. Output: validated `Backend` (openai, vllm or local) and `Verifier`
+models; for a kind with a backend (`BackendStageConfig`), the engine's placement, preset and
+memory hooks answered by the backend's rules; the derived vLLM settings (`derive_backend`)
+and the located diagnostics of `check_model`, `check_backend` and `check_verifier`. What
+runs them: `stages.lib.endpoints` (a backend's endpoint), `stages.lib.verify` (a verifier's
+score). The `model:` and `environment:` fields are `stages.lib.model.declared`'s and
+`stages.lib.env.field`'s; `auto` counts and callables, `stages.lib.block`'s.
+"""
 
 from __future__ import annotations
 
