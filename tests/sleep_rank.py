@@ -62,8 +62,9 @@ def main(zero: int, bf16: bool, device: str) -> dict[str, Any]:
     import deepspeed
 
     from stages.lib.dist.ds_config import build_ds_config
+    from stages.lib.dist.offload import HostStates, optimizer_tensors
     from stages.lib.dist.sleep import sleep_method
-    from stages.lib.dist.trainer import DeepSpeedTrainer, HostStates, optimizer_tensors
+    from stages.lib.dist.trainer import DeepSpeedTrainer
 
     if device.startswith("cuda"):
         torch.cuda.set_device(0)

@@ -12,16 +12,14 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator
 
 from engine.errors import Diagnostic
-from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig, stage
+from engine.stage import Derived, ResolveContext, stage
 from stages.lib.block import CountOrAuto
 from stages.lib.config import (
     Backend,
+    BackendStageConfig,
     LocalBackend,
     OpenAIBackend,
     Verifier,
-    backend_gpu_unit,
-    backend_memory,
-    backend_preset_path,
     check_backend,
     check_model,
     check_verifier,
@@ -30,7 +28,7 @@ from stages.lib.config import (
 from stages.lib.env.field import EnvironmentConfig, check_environment
 
 
-class CollectConfig(StageConfig):
+class CollectConfig(BackendStageConfig):
     """Generate `num_repeats` answers per prompt, score each, append them as rollouts."""
 
     SPANS_NODES = True  # one shard of the prompts per worker, merged by the first
@@ -40,7 +38,8 @@ class CollectConfig(StageConfig):
 
     input: str | None = Field(
         None,
-        description="Prompt JSONL (rows with messages or prompt); empty: the upstream stage's output.",
+        description="Prompt JSONL (rows with messages or prompt); empty: the upstream stage's "
+        "output.",
     )
     output: str = Field(
         "rollouts.jsonl", description="Rollout JSONL written (appended, resumable)."
@@ -66,16 +65,19 @@ class CollectConfig(StageConfig):
     backoff_s: float = Field(
         0.5,
         gt=0,
-        description="First retry delay in seconds; it doubles with each retry (with jitter, capped at 30 s).",
+        description="First retry delay in seconds; it doubles with each retry (with jitter, capped "
+        "at 30 s).",
     )
     max_failed_runs: int = Field(
         3,
         gt=0,
-        description="A restarted run retries rows in the failures sidecar until they have failed in this many runs.",
+        description="A restarted run retries rows in the failures sidecar until they have failed "
+        "in this many runs.",
     )
     shards: CountOrAuto = Field(
         1,
-        description="Split the prompts into this many Dask tasks (each with its own concurrency), or auto from the workers.",
+        description="Split the prompts into this many Dask tasks (each with its own concurrency), "
+        "or auto from the workers.",
     )
     seed: int = Field(0, description="Seed for sampling.")
     backend: Backend = Field(
@@ -87,7 +89,8 @@ class CollectConfig(StageConfig):
     )
     environment: EnvironmentConfig | None = Field(
         None,
-        description="A multi-turn environment each episode talks to (README, Environments); none: one turn scored by the verifier.",
+        description="A multi-turn environment each episode talks to (README, Environments); none: "
+        "one turn scored by the verifier.",
     )
 
     @field_validator("end_idx")
@@ -101,18 +104,6 @@ class CollectConfig(StageConfig):
     def workers_used(self, workers: int) -> int:
         """`shards` > 1 (or auto: one per worker) are Dask tasks over the workers."""
         return workers if self.shards == "auto" else max(1, min(workers, self.shards))
-
-    def memory_needs(self) -> list[MemoryNeed]:
-        return backend_memory(self.backend)
-
-    def gpu_unit(self, role: str | None = None) -> int:
-        """A vLLM engine's tensor-parallel group stays on one node."""
-        return backend_gpu_unit(self.backend)
-
-    @classmethod
-    def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
-        """vLLM settings go to a `backend: {kind: vllm}` block; the rest to top-level fields."""
-        return super().preset_path(key, data) or backend_preset_path(key, data)
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """Engines from the stage's GPUs; prefix caching when num_repeats > 1; half of each GPU

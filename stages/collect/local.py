@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from stages.collect.inputs import Prompt
 from stages.collect.stats import Progress
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from stages.collect import CollectConfig
     from stages.collect.collector import Recorder
 
+T = TypeVar("T")
+
 
 def collect_local(
     cfg: CollectConfig,
@@ -47,23 +49,44 @@ def collect_local(
 ) -> None:
     """Generate every pending sample in batches (on `device`) and record the rollouts."""
     assert isinstance(cfg.backend, LocalBackend)
-    progress = Progress(recorder.log, track=recorder.track)
-    recorder.stats.set_limit(cfg.backend.batch_size)
     dtype = precision(cfg)[0]  # read once: the checkpoint's config.json
-    batch: list[tuple[Prompt, list[int]]] = []
+    _in_batches(
+        work,
+        recorder,
+        cfg.backend.batch_size,
+        usable=lambda prompt: prompt.error is None,
+        items=lambda prompt, samples: [(prompt, samples)],  # a prompt's samples together
+        run=lambda batch: _generate_batch(cfg, batch, recorder, device, dtype),
+    )
+
+
+def _in_batches(
+    work: Iterator[tuple[Prompt, list[int]]],
+    recorder: Recorder,
+    size: int,
+    usable: Callable[[Prompt], bool],
+    items: Callable[[Prompt, list[int]], list[T]],
+    run: Callable[[list[T]], None],
+) -> None:
+    """Feed `run` batches of at least `size` items (the last one smaller), `items` of each
+    usable prompt's pending samples; record a prompt that is not usable as a bad row for
+    each sample. The rollouts are flushed and progress shown after every batch."""
+    progress = Progress(recorder.log, track=recorder.track)
+    recorder.stats.set_limit(size)
+    batch: list[T] = []
     for prompt, samples in work:
-        if prompt.error is not None:
+        if not usable(prompt):
             for sample_idx in samples:
                 recorder.bad_row(prompt, sample_idx)
             continue
-        batch.append((prompt, samples))
-        if len(batch) >= cfg.backend.batch_size:
-            _generate_batch(cfg, batch, recorder, device, dtype)
+        batch += items(prompt, samples)
+        if len(batch) >= size:
+            run(batch)
             batch = []
             recorder.sink.flush()
             progress.maybe_report(recorder.stats)
     if batch:
-        _generate_batch(cfg, batch, recorder, device, dtype)
+        run(batch)
     recorder.sink.flush()
     progress.close(recorder.stats)
 
@@ -126,26 +149,21 @@ def collect_local_episodes(
     assert cfg.backend.model is not None  # the kind's check requires it
     # an environment that cannot be loaded fails the stage before the model loads
     make_env = environment_factory(cfg.environment, cfg.verifier)
-    model, tokenizer = load(cfg.backend.model, device, precision(cfg)[0])
-    progress = Progress(recorder.log, track=recorder.track)
-    recorder.stats.set_limit(cfg.backend.batch_size)
+    loaded = load(cfg.backend.model, device, precision(cfg)[0])
     failed = 0
-    batch: list[tuple[Prompt, int]] = []
-    for prompt, samples in work:
-        if not prompt.parsed:  # not a JSON object: no row to reset with
-            for sample_idx in samples:
-                recorder.bad_row(prompt, sample_idx)
-            continue
-        batch += [(prompt, s) for s in samples]
-        if len(batch) >= cfg.backend.batch_size:
-            failed += _play_batch(cfg, batch, recorder, make_env, (model, tokenizer), failed)
-            batch = []
-            recorder.sink.flush()
-            progress.maybe_report(recorder.stats)
-    if batch:
-        failed += _play_batch(cfg, batch, recorder, make_env, (model, tokenizer), failed)
-    recorder.sink.flush()
-    progress.close(recorder.stats)
+
+    def play(batch: list[tuple[Prompt, int]]) -> None:
+        nonlocal failed
+        failed += _play_batch(cfg, batch, recorder, make_env, loaded, failed)
+
+    _in_batches(
+        work,
+        recorder,
+        cfg.backend.batch_size,
+        usable=lambda prompt: prompt.parsed,  # not a JSON object: no row to reset with
+        items=lambda prompt, samples: [(prompt, s) for s in samples],  # an episode each
+        run=play,
+    )
 
 
 def _play_batch(

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from stages.collect import io
+from stages.collect import io, publish
 from stages.collect.inputs import Prompt, iter_lines, parse_row, row_range
 from stages.collect.stats import Stats
 from stages.lib.config import LocalBackend
@@ -83,7 +83,7 @@ def collect_range(
         sink.close()
     # a partial file from an earlier run may hold pairs outside this run's range
     keep = _keep(start, end, cfg.num_repeats) if resumed else None
-    rows, failures = io.finalize(cfg.output, keep)
+    rows, failures = publish.finalize(cfg.output, keep)
     metrics = stats.metrics()
     metrics.update(rows=rows, failures=failures)
     if with_histogram:

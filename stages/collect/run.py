@@ -64,7 +64,8 @@ def _collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
         return collect_range(cfg, ctx)
     shards = ctx.workers if cfg.shards == "auto" else cfg.shards
     if shards > 1:
-        from stages.collect.shard import in_dask_worker, run_sharded
+        from stages.collect.shard import run_sharded
+        from stages.lib.devices import in_dask_worker
 
         if in_dask_worker():
             return run_sharded(cfg, ctx, shards)

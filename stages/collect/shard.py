@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from stages.collect import io
+from stages.collect import io, publish
 from stages.collect.inputs import row_range
 from stages.collect.stats import LatencyHistogram
 from stages.lib.io.jsonl import count_lines
@@ -34,17 +34,6 @@ _SUMMED = ("written", "failed", "skipped_resumed", "skipped_failed", "retries", 
 
 
 SHARD_TIMEOUT_S = 24 * 3600.0  # the first task waits this long for another's shard
-
-
-def in_dask_worker() -> bool:
-    """Whether this code runs inside a Dask worker task."""
-    try:
-        from distributed import get_worker
-
-        get_worker()
-    except (ImportError, ValueError):
-        return False
-    return True
 
 
 def split_range(start: int, end: int, shards: int) -> list[tuple[int, int]]:
@@ -139,8 +128,8 @@ def merge_shards(output: str, parts: list[str]) -> None:
     """Failures, then rollouts, of every shard concatenated in order; shard files removed."""
     failure_parts = [io.failures_path(p) for p in parts]
     if any(os.path.exists(p) for p in failure_parts):
-        io.concat(failure_parts, io.failures_path(output))
-    io.concat(parts, output)
+        publish.concat(failure_parts, io.failures_path(output))
+    publish.concat(parts, output)
     for path in parts + failure_parts:
         if os.path.exists(path):
             os.remove(path)

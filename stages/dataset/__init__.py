@@ -35,7 +35,8 @@ class DatasetConfig(StageConfig):
     val_size: int = Field(
         0,
         ge=0,
-        description="Number of validation prompts (e.g. for a warm-up's accuracy target), disjoint from both other splits.",
+        description="Number of validation prompts (e.g. for a warm-up's accuracy target), disjoint "
+        "from both other splits.",
     )
     seed: int = Field(0, description="Seed for generation and shuffling.")
     system_prompt: str | None = Field(None, description="A system message put before every prompt.")

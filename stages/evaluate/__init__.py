@@ -8,15 +8,13 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from engine.errors import Diagnostic
-from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig, stage
+from engine.stage import Derived, ResolveContext, stage
 from stages.lib.config import (
     Backend,
+    BackendStageConfig,
     LocalBackend,
     OpenAIBackend,
     Verifier,
-    backend_gpu_unit,
-    backend_memory,
-    backend_preset_path,
     check_backend,
     check_model,
     check_verifier,
@@ -26,7 +24,7 @@ from stages.lib.env.field import EnvironmentConfig, check_environment
 from stages.lib.model.path import check_checkpoint
 
 
-class EvaluateConfig(StageConfig):
+class EvaluateConfig(BackendStageConfig):
     """Accuracy, pass@k and mean reward of each checkpoint, against a baseline."""
 
     INPUTS = ("input", "checkpoints")
@@ -56,12 +54,15 @@ class EvaluateConfig(StageConfig):
     )
     backend: Backend = Field(
         default_factory=lambda: LocalBackend(kind="local", batch_size=128),
-        description="How answers are generated: local (each checkpoint loaded in the stage's process, on its GPUs when it holds some), vllm (each checkpoint served in turn on the stage's GPUs), or openai (the served model, named by backend.model; no checkpoints then).",
+        description="How answers are generated: local (each checkpoint loaded in the stage's "
+        "process, on its GPUs when it holds some), vllm (each checkpoint served in turn on the "
+        "stage's GPUs), or openai (the served model, named by backend.model; no checkpoints then).",
     )
     verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
     environment: EnvironmentConfig | None = Field(
         None,
-        description="A multi-turn environment each episode talks to (README, Environments); none: one turn scored by the verifier.",
+        description="A multi-turn environment each episode talks to (README, Environments); none: "
+        "one turn scored by the verifier.",
     )
     seed: int = Field(0, description="Seed for sampling.")
 
@@ -69,17 +70,6 @@ class EvaluateConfig(StageConfig):
     def top_p(self) -> float:
         """Evaluation samples from the whole distribution (or greedily at temperature 0)."""
         return 1.0
-
-    def memory_needs(self) -> list[MemoryNeed]:
-        return backend_memory(self.backend)
-
-    def gpu_unit(self, role: str | None = None) -> int:
-        """A vLLM engine's tensor-parallel group stays on one node."""
-        return backend_gpu_unit(self.backend)
-
-    @classmethod
-    def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
-        return super().preset_path(key, data) or backend_preset_path(key, data)
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         return derive_backend(self.backend, ctx, self.num_samples)
@@ -93,7 +83,8 @@ class EvaluateConfig(StageConfig):
                 ctx.error(
                     "checkpoints",
                     f"an openai backend evaluates the model it serves ('{self.backend.model}'); "
-                    "checkpoints cannot be sent to it: leave checkpoints empty, or use a local or vllm backend",
+                    "checkpoints cannot be sent to it: leave checkpoints empty, "
+                    "or use a local or vllm backend",
                 )
             )
         if not self.checkpoints and not isinstance(self.backend, OpenAIBackend):

@@ -6,10 +6,10 @@ checkpoint in this process, on the stage's GPU when it holds one; `vllm` serves 
 on the stage's GPUs; `openai` asks the served model, which is then the only one evaluated).
 Output, in the folder of `cfg.output`: `report.json` (`{"baseline": NAME, "sampling": {...},
 "results": [{"checkpoint", "n", "accuracy", "mean_reward", "pass_at_k"}, ...]}`; `sampling`:
-every sampling field each request carried, `stages.lib.api.sampling`), `report.md` (a table with
-the differences to the baseline), `report.png` (a bar chart) and `generations.jsonl` (every
-sample with its reward). Returns the report plus the accuracy differences and, with a local
-backend, the one precision every checkpoint was loaded in (also `settings.json`).
+every sampling field each request carried, `stages.lib.api.sampling`), `report.md`,
+`report.png` and `generations.jsonl` (every sample with its reward), written by
+`stages.evaluate.report_files`. Returns the report plus the accuracy differences and, with a
+local backend, the one precision every checkpoint was loaded in (also `settings.json`).
 
 With an `environment`, each checkpoint plays episodes instead (`stages.evaluate.multiturn`):
 a result's `accuracy` is then the share of episodes solved within `max_turns`, its
@@ -18,18 +18,14 @@ adds `first_turn_accuracy`, `mean_turns`, `mean_total_reward` and `failed_episod
 `generations.jsonl` holds one row per episode; the returned metrics add
 `first_turn_accuracy_delta`.
 
-Accuracy is the share of prompts whose first sample (the greedy answer at
-temperature 0) earns the full reward; pass@k uses the unbiased estimator
-1 - C(n-c, k) / C(n, k) over the `num_samples` samples per prompt (Chen et al.,
-2021); mean reward averages every sample. A checkpoint's NAME is its stage's
-name when it lives at `<run-dir>/<stage>/<dir>`, otherwise its folder name.
+A result's figures (accuracy, pass@k, mean reward) are `stages.evaluate.scores`'. A
+checkpoint's NAME is its stage's name when it lives at `<run-dir>/<stage>/<dir>`, otherwise
+its folder name.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -38,9 +34,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.evaluate.multiturn import Play
+from stages.evaluate.report_files import write_report
+from stages.evaluate.scores import summarize
 from stages.lib.api.sampling import request_sampling
 from stages.lib.config import LocalBackend, OpenAIBackend, VLLMBackend
-from stages.lib.io.jsonl import atomic_path, atomic_write, read_jsonl, write_json, write_jsonl
+from stages.lib.io.jsonl import read_jsonl, write_json
 from stages.lib.io.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -51,7 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pipe.stages.evaluate")
 
 Verify = Callable[[dict[str, Any], str], float]
-FULL_REWARD = 1.0
 
 
 def run_evaluate(cfg: EvaluateConfig, ctx: StageContext) -> dict[str, Any]:
@@ -277,123 +274,3 @@ def _score_checkpoint(
                 }
             )
     return rewards, out
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased estimate of P(at least one of k samples is correct), from n samples, c correct."""
-    if not 0 < k <= n or not 0 <= c <= n:
-        raise ValueError(f"need 0 < k <= n and 0 <= c <= n, found n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def k_values(n: int) -> list[int]:
-    """The k reported for n samples per prompt: powers of two below n, and n."""
-    ks = [1 << i for i in range(n.bit_length()) if 1 << i < n]
-    return [*ks, n]
-
-
-def summarize(name: str, rewards: list[list[float]]) -> dict[str, Any]:
-    """One checkpoint's line of the report, from its rewards (per prompt, per sample)."""
-    n = min((len(r) for r in rewards), default=1)
-    correct = [sum(x >= FULL_REWARD for x in r[:n]) for r in rewards]
-    flat = [x for r in rewards for x in r]
-    count = len(rewards)
-    return {
-        "checkpoint": name,
-        "n": count,
-        "accuracy": sum(r[0] >= FULL_REWARD for r in rewards) / count if count else 0.0,
-        "mean_reward": sum(flat) / len(flat) if flat else 0.0,
-        "pass_at_k": {
-            str(k): sum(pass_at_k(n, c, k) for c in correct) / count if count else 0.0
-            for k in k_values(n)
-        },
-    }
-
-
-def write_report(output: str, report: dict[str, Any], samples: list[dict[str, Any]]) -> None:
-    """report.json at `output`; report.md, report.png and generations.jsonl beside it."""
-    folder = os.path.dirname(output) or "."
-    stem = os.path.splitext(output)[0]
-    write_jsonl(os.path.join(folder, "generations.jsonl"), samples)
-    atomic_write(stem + ".md", render_markdown(report))
-    _write_chart(stem + ".png", report)
-    atomic_write(output, json.dumps(report, indent=2) + "\n")
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    """The report as a Markdown table, with differences to the baseline."""
-    results = report["results"]
-    base = results[0]
-    ks = list(base["pass_at_k"])
-    episodes = "first_turn_accuracy" in base
-    head = ["checkpoint", "n", "accuracy", "Δ accuracy", "mean reward", "Δ mean reward"]
-    head += [f"pass@{k}" for k in ks]
-    if episodes:
-        head += EPISODE_COLUMNS
-    lines = [
-        f"# Evaluation: baseline `{report['baseline']}`",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
-    for r in results:
-        cells = [
-            f"`{r['checkpoint']}`",
-            str(r["n"]),
-            f"{r['accuracy']:.3f}",
-            f"{100 * (r['accuracy'] - base['accuracy']):+.1f} pts",
-            f"{r['mean_reward']:.3f}",
-            f"{r['mean_reward'] - base['mean_reward']:+.3f}",
-            *(f"{r['pass_at_k'].get(k, float('nan')):.3f}" for k in ks),
-        ]
-        if episodes:
-            cells += [
-                f"{r['first_turn_accuracy']:.3f}",
-                f"{100 * (r['first_turn_accuracy'] - base['first_turn_accuracy']):+.1f} pts",
-                f"{r['mean_turns']:.2f}",
-                f"{r['mean_total_reward']:.3f}",
-                str(r["failed_episodes"]),
-            ]
-        lines.append("| " + " | ".join(cells) + " |")
-    if episodes:
-        lines += ["", "Accuracy: episodes solved within the environment's turns."]
-    return "\n".join(lines) + "\n"
-
-
-EPISODE_COLUMNS = [
-    "first-turn accuracy",
-    "Δ first-turn accuracy",
-    "mean turns",
-    "mean total reward",
-    "failed episodes",
-]
-
-
-def _write_chart(path: str, report: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results = report["results"]
-    first = ["first_turn_accuracy"] if "first_turn_accuracy" in results[0] else []
-    metrics = ["accuracy", *first, *(f"pass@{k}" for k in results[0]["pass_at_k"]), "mean_reward"]
-    width = 0.8 / len(results)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(metrics), 3.6))
-    lowest = 0.0
-    for i, r in enumerate(results):
-        values = [r["accuracy"], *(r[f] for f in first), *r["pass_at_k"].values(), r["mean_reward"]]
-        lowest = min(lowest, *values)
-        xs = [m + (i - (len(results) - 1) / 2) * width for m in range(len(metrics))]
-        bars = ax.bar(xs, values, width, label=r["checkpoint"])
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.set_xticks(range(len(metrics)), metrics)
-    ax.set_ylim(lowest - 0.05 if lowest < 0 else 0, 1.05)  # an environment's penalties go below 0
-    ax.set_title(f"evaluation on {results[0]['n']} held-out prompts")
-    ax.legend()
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)

@@ -46,30 +46,36 @@ class FilterConfig(StageConfig):
     max_length: int | None = Field(None, gt=0, description="Drop completions longer than this.")
     length_unit: Literal["chars", "tokens"] = Field(
         "chars",
-        description="Unit of min_length and max_length: characters of the completion, or tokens (usage.completion_tokens; characters for a row without it).",
+        description="Unit of min_length and max_length: characters of the completion, or tokens "
+        "(usage.completion_tokens; characters for a row without it).",
     )
     dedup: Literal["none", "exact", "normalized"] = Field(
         "none",
-        description="Drop repeated (prompt, completion) pairs, keeping the first: exact text, or normalised whitespace and case.",
+        description="Drop repeated (prompt, completion) pairs, keeping the first: exact text, or "
+        "normalised whitespace and case.",
     )
     drop_uniform_groups: bool = Field(
         False,
-        description="Drop prompts whose samples all scored the same (no learning signal for group-based RL); a prompt with one sample counts as uniform.",
+        description="Drop prompts whose samples all scored the same (no learning signal for "
+        "group-based RL); a prompt with one sample counts as uniform.",
     )
     top_k_per_prompt: int | None = Field(
         None,
         gt=0,
-        description="Keep at most the k best-scored samples per prompt (ties: lower sample_idx first); 1 is best-of-n.",
+        description="Keep at most the k best-scored samples per prompt (ties: lower sample_idx "
+        "first); 1 is best-of-n.",
     )
     predicate: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
-        description="A user callable 'module:function' given each row (a dict); a false result drops the row. The pipeline's folder is importable.",
+        description="A user callable 'module:function' given each row (a dict); a false result "
+        "drops the row. The pipeline's folder is importable.",
     )
     partition_mb: float = Field(
         64.0,
         gt=0,
-        description="On a Dask cluster, inputs larger than two partitions are filtered in partitions of about this many MB, one task each.",
+        description="On a Dask cluster, inputs larger than two partitions are filtered in "
+        "partitions of about this many MB, one task each.",
     )
 
     def workers_used(self, workers: int) -> int:

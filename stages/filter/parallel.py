@@ -40,7 +40,8 @@ from functools import partial
 from typing import Any, BinaryIO
 
 from stages.filter import FilterConfig
-from stages.filter.rules import Counts, Row, Rules
+from stages.filter.rows import Row
+from stages.filter.rules import Counts, Rules
 from stages.filter.scan import (
     BUFFER,
     OutOfOrder,

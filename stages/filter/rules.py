@@ -1,30 +1,27 @@
 """The filter's rules: one prompt's group of rollout rows in, the kept rows and drop counts out.
 
-Pure logic, no I/O: `stages.filter.scan` reads rows and groups them, and
-`stages.filter.run` / `stages.filter.parallel` decide where each group is
+Pure logic, no I/O: `stages.filter.scan` reads rows (`stages.filter.rows`) and groups them,
+and `stages.filter.run` / `stages.filter.parallel` decide where each group is
 filtered. The rules run in the order of `RULES`, each on the rows the earlier
 ones kept, and a dropped row is counted once, under the first rule that dropped
 it. `Rules.first_half` holds the rules that need only the group (1-5 in
 `RULES`), `Rules.second_half` the rest: deduplication needs a view of the whole
 file, so the two halves can run in different passes (see `filter_parallel`).
-
-A row must be a JSON object with an integer `prompt_idx` and `sample_idx` and
-a numeric `reward` (collect writes all three); anything else is a
-`FilterInputError` naming the file and the byte offset of the line. An episode
-row (collect with an environment) is one too: its `reward` is the episode's
-total, and the length and duplicate rules read its assistant turns.
+An episode row (collect with an environment) is filtered like any other: its `reward` is
+the episode's total, and the length and duplicate rules read its assistant turns.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
-import json
-import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from stages.filter.histogram import RewardHist
+from stages.filter.rows import FilterInputError, Row, completion_text, prompt_text
 
 if TYPE_CHECKING:
     from stages.filter import FilterConfig
@@ -39,125 +36,6 @@ RULES = (
     "predicate",
     "top_k",
 )
-
-
-class FilterInputError(ValueError):
-    """A row the filter cannot read, or a predicate it cannot load."""
-
-
-@dataclass(slots=True)
-class Row:
-    """One rollout: where its line starts in its file, the line itself and the parsed fields."""
-
-    offset: int
-    line: bytes
-    data: dict[str, Any]
-    prompt_idx: int
-    sample_idx: int
-    reward: float
-
-
-def _int_field(data: dict[str, Any], name: str, where: str) -> int:
-    value = data.get(name)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise FilterInputError(f"{where}: expected an integer '{name}', found {value!r}")
-    return value
-
-
-def parse_row(line: bytes, offset: int, source: str) -> Row:
-    """Parse one JSONL line; `source` names the file in errors."""
-    where = f"{source}: byte {offset}"
-    try:
-        data = json.loads(line.decode("utf-8"))  # str: json skips detecting the encoding
-    except ValueError as exc:  # UnicodeDecodeError included
-        raise FilterInputError(f"{where}: not a JSON line: {exc}") from None
-    if not isinstance(data, dict):
-        raise FilterInputError(f"{where}: expected a JSON object, found {type(data).__name__}")
-    reward = data.get("reward")
-    if not isinstance(reward, int | float) or (isinstance(reward, float) and math.isnan(reward)):
-        raise FilterInputError(f"{where}: expected a numeric 'reward', found {reward!r}")
-    return Row(
-        offset,
-        line,
-        data,
-        _int_field(data, "prompt_idx", where),
-        _int_field(data, "sample_idx", where),
-        float(reward),
-    )
-
-
-class RewardHist:
-    """A mergeable histogram of rewards in bounded memory.
-
-    A reward falls in the bin [k, k+1) * 10**-decimals (6 decimals to start);
-    when more than `MAX_BINS` bins are in use they coarsen tenfold (floor
-    division, so coarsening is exact), and memory stays bounded however many
-    distinct rewards the file holds. `items()` gives each bin's lower edge.
-    """
-
-    MAX_BINS = 4096
-
-    def __init__(self) -> None:
-        self.decimals = 6
-        self.bins: dict[int, int] = {}
-        self.n = 0
-        self.total = 0.0
-        self.low = math.inf
-        self.high = -math.inf
-        self._memo: dict[float, int] = {}  # value -> bin, for the few values rewards usually take
-
-    def add(self, value: float) -> None:
-        b = self._memo.get(value)
-        if b is None:
-            b = math.floor(round(value * 10**self.decimals, 6))
-            if len(self._memo) < self.MAX_BINS:
-                self._memo[value] = b
-        self.bins[b] = self.bins.get(b, 0) + 1
-        self.n += 1
-        self.total += value
-        if value < self.low:
-            self.low = value
-        if value > self.high:
-            self.high = value
-        while len(self.bins) > self.MAX_BINS:
-            self._coarsen(self.decimals - 1)
-
-    def _coarsen(self, decimals: int) -> None:
-        while self.decimals > decimals:
-            merged: dict[int, int] = {}
-            for b, c in self.bins.items():
-                merged[b // 10] = merged.get(b // 10, 0) + c
-            self.bins, self.decimals = merged, self.decimals - 1
-        self._memo.clear()
-
-    def merge(self, other: RewardHist) -> None:
-        """Add `other`'s counts to this histogram."""
-        other_bins = other.bins
-        if other.decimals < self.decimals:
-            self._coarsen(other.decimals)
-        elif other.decimals > self.decimals:
-            copy = RewardHist()
-            copy.bins, copy.decimals = dict(other.bins), other.decimals
-            copy._coarsen(self.decimals)
-            other_bins = copy.bins
-        for b, c in other_bins.items():
-            self.bins[b] = self.bins.get(b, 0) + c
-        self.n += other.n
-        self.total += other.total
-        self.low = min(self.low, other.low)
-        self.high = max(self.high, other.high)
-        while len(self.bins) > self.MAX_BINS:
-            self._coarsen(self.decimals - 1)
-
-    def items(self) -> list[tuple[float, int]]:
-        """(reward, count) pairs in ascending reward."""
-        return [(b / 10**self.decimals, c) for b, c in sorted(self.bins.items())]
-
-    def summary(self) -> dict[str, float | int | None]:
-        if not self.n:
-            return {"n": 0, "mean": None, "min": None, "max": None}
-        mean = round(self.total / self.n, 6)  # partitions add in another order: keep it stable
-        return {"n": self.n, "mean": mean, "min": self.low, "max": self.high}
 
 
 @dataclass
@@ -205,42 +83,6 @@ def load_predicate(spec: str, pipeline_dir: str | None) -> Callable[[dict[str, A
 def normalize(text: str) -> str:
     """Whitespace runs become one space, ends trimmed, case folded."""
     return " ".join(text.split()).casefold()
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return "" if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
-
-
-def completion_text(data: dict[str, Any]) -> str:
-    """What the model wrote in a row: its `completion`, or an episode's assistant turns one
-    after another (collect with an environment writes `messages` and `turns` instead)."""
-    messages = data.get("messages")
-    if "completion" not in data and "turns" in data and isinstance(messages, list):
-        return "\n".join(
-            _text(m.get("content"))
-            for m in messages
-            if isinstance(m, dict) and m.get("role") == "assistant"
-        )
-    return _text(data.get("completion"))
-
-
-def prompt_text(data: dict[str, Any]) -> str:
-    """The prompt a row answers: `prompt`, else its `messages`, else its `prompt_idx`."""
-    prompt = data.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    messages = data.get("messages")
-    if isinstance(messages, list):
-        parts = []
-        for m in messages:
-            if isinstance(m, dict):
-                parts.append(f"{_text(m.get('role'))}\x1f{_text(m.get('content'))}")
-            else:
-                parts.append(_text(m))
-        return "\x1e".join(parts)
-    return f"\x00prompt_idx {data.get('prompt_idx')}"
 
 
 class Rules:
@@ -317,7 +159,8 @@ class Rules:
     def second_half(
         self, rows: Iterable[Row], is_dup: Callable[[Row], bool], counts: Counts
     ) -> list[Row]:
-        """Duplicates (`is_dup` gives the global view), the predicate, then top-k; file order kept."""
+        """Duplicates (`is_dup` gives the global view), the predicate, then top-k; file order
+        kept."""
         kept = []
         for row in rows:
             if self.dedup != "none" and is_dup(row):

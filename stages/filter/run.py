@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from stages.filter.rules import RULES, Counts, Rules, SeenSet
 from stages.filter.scan import BUFFER, OutOfOrder, filter_range, sort_by_prompt
+from stages.lib.devices import in_dask_worker
 from stages.lib.io.jsonl import atomic_path, write_json
 from stages.lib.io.metrics import Metrics
 
@@ -44,22 +45,12 @@ REPORT = "filter_report.json"
 HISTOGRAM = "reward_histogram.png"
 
 
-def _in_worker() -> bool:
-    try:
-        from distributed import get_worker
-
-        get_worker()
-    except (ImportError, ValueError):
-        return False
-    return True
-
-
 def _filter_once(
     cfg: FilterConfig, ctx: StageContext, src: str, tmp: str, out: BinaryIO
 ) -> tuple[Counts, str, int]:
     """One attempt over `src` (raises `OutOfOrder`); returns counts, mode and partitions."""
     part_bytes = int(cfg.partition_mb * 2**20)
-    if _in_worker() and os.path.getsize(src) > 2 * part_bytes:
+    if in_dask_worker() and os.path.getsize(src) > 2 * part_bytes:
         from distributed import worker_client
 
         from stages.filter.parallel import run_parallel

@@ -26,7 +26,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-from stages.filter.rules import Counts, Row, Rules, parse_row
+from stages.filter.rows import Row, parse_row
+from stages.filter.rules import Counts, Rules
 
 log = logging.getLogger(__name__)
 BUFFER = 1 << 20
@@ -169,7 +170,8 @@ def _sort_partition(name: str) -> None:
 
 
 def sort_by_prompt(path: str, tmp_dir: str, part_bytes: int) -> str:
-    """Write `path`'s rows ordered by (prompt_idx, sample_idx, file position); return the new path."""
+    """Write `path`'s rows ordered by (prompt_idx, sample_idx, file position); return the new
+    path."""
     n = max(1, math.ceil(os.path.getsize(path) / part_bytes))
     log.info("sorting %s by prompt_idx through %d temporary partitions", path, n)
     names = _partition(path, tmp_dir, n)

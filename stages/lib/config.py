@@ -1,9 +1,18 @@
-"""Config pieces shared by several stage kinds: backends, verifiers, models, `auto` counts."""
+"""The config blocks several stage kinds share, and their plan-time rules: `backend`, `verifier`.
+
+Input: the YAML blocks. Output: validated `Backend` (openai, vllm or local) and `Verifier`
+models; for a kind with a backend (`BackendStageConfig`), the engine's placement, preset and
+memory hooks answered by the backend's rules; the derived vLLM settings (`derive_backend`)
+and the located diagnostics of `check_model`, `check_backend` and `check_verifier`. What
+runs them: `stages.lib.endpoints` (a backend's endpoint), `stages.lib.verify` (a verifier's
+score). The `model:` and `environment:` fields are `stages.lib.model.declared`'s and
+`stages.lib.env.field`'s; `auto` counts and callables, `stages.lib.block`'s.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BeforeValidator,
@@ -14,7 +23,7 @@ from pydantic import (
 )
 
 from engine.errors import Diagnostic
-from engine.stage import Derived, MemoryNeed, ResolveContext
+from engine.stage import Derived, MemoryNeed, ResolveContext, StageConfig
 from stages.lib.block import Block, check_callable, named_or_callable
 from stages.lib.model.dtypes import PRECISION_HELP, Dtype
 from stages.lib.model.path import check_model_ref
@@ -31,7 +40,8 @@ class Verifier(Block):
 
     kind: Annotated[str, BeforeValidator(_verifier_kind)] = Field(
         "reasoning_gym",
-        description="reasoning_gym (the task's own scorer), exact_match, regex, math, or a callable 'module:function'.",
+        description="reasoning_gym (the task's own scorer), exact_match, regex, math, or a "
+        "callable 'module:function'.",
     )
     pattern: str | None = Field(
         None, description="For kind regex: the answer is correct when this regex matches."
@@ -57,11 +67,13 @@ class OpenAIBackend(Block):
     model: str = Field(description="The model name the server expects in each request.")
     api_key_env: str | None = Field(
         None,
-        description="Name of the environment variable holding the API key; the key is never written anywhere.",
+        description="Name of the environment variable holding the API key; the key is never "
+        "written anywhere.",
     )
     endpoint: Literal["chat", "completions"] = Field(
         "chat",
-        description="chat: /v1/chat/completions with messages; completions: /v1/completions with a prompt.",
+        description="chat: /v1/chat/completions with messages; completions: /v1/completions with a "
+        "prompt.",
     )
 
 
@@ -73,7 +85,8 @@ class VLLMBackend(Block):
     )
     model: str | None = Field(
         None,
-        description="Checkpoint directory or model id to serve (evaluate: empty, it serves each checkpoint in turn).",
+        description="Checkpoint directory or model id to serve (evaluate: empty, it serves each "
+        "checkpoint in turn).",
     )
     vllm_num_engines: int = Field(1, gt=0, description="Number of vLLM engines (servers).")
     vllm_tensor_parallel_size: int = Field(
@@ -105,7 +118,8 @@ class LocalBackend(Block):
     )
     model: str | None = Field(
         None,
-        description="Checkpoint directory (or a reference '@stage' to a train stage's output); evaluate: empty, it loads each checkpoint in turn.",
+        description="Checkpoint directory (or a reference '@stage' to a train stage's output); "
+        "evaluate: empty, it loads each checkpoint in turn.",
     )
     batch_size: int = Field(64, gt=0, description="Prompts generated together in one batch.")
     precision: Dtype = Field(
@@ -160,7 +174,8 @@ def derive_backend(backend: Any, ctx: ResolveContext, num_repeats: int) -> dict[
     if shared is not None and shared.colocated_with:
         out["backend.vllm_gpu_memory_utilization"] = Derived(
             0.5,
-            f"vllm shares its GPUs with {', '.join(shared.colocated_with)}: leave half for training",
+            f"vllm shares its GPUs with {', '.join(shared.colocated_with)}: "
+            "leave half for training",
         )
     return out
 
@@ -183,7 +198,8 @@ def check_model(backend: Any, ctx: ResolveContext, wanted: bool) -> list[Diagnos
         return [
             ctx.error(
                 "backend.model",
-                "this stage generates with each of its checkpoints in turn; leave backend.model empty",
+                "this stage generates with each of its checkpoints in turn; "
+                "leave backend.model empty",
             )
         ]
     return check_model_ref(ctx, "backend.model", backend.model)
@@ -200,8 +216,9 @@ def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:
         return [
             ctx.error(
                 "backend.vllm_tensor_parallel_size",
-                f"tensor-parallel size {tp} does not fit on a node of {per_node} GPUs (cluster.gpus_per_node); "
-                f"a tensor-parallel group never spans nodes: use {fits}",
+                f"tensor-parallel size {tp} does not fit on a node of {per_node} GPUs "
+                "(cluster.gpus_per_node); a tensor-parallel group never spans nodes: "
+                f"use {fits}",
             )
         ]
     out = []
@@ -212,7 +229,8 @@ def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:
         out.append(
             ctx.error(
                 "backend.vllm_num_engines",
-                f"{engines} engines x tensor-parallel size {tp} = {engines * tp} GPUs, but {what} has {ctx.gpus}{hint}",
+                f"{engines} engines x tensor-parallel size {tp} = {engines * tp} GPUs, but {what} "
+                f"has {ctx.gpus}{hint}",
             )
         )
     shared = ctx.roles.get("vllm")
@@ -221,7 +239,8 @@ def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:
         out.append(
             ctx.warning(
                 "backend.vllm_gpu_memory_utilization",
-                f"{util} leaves little room for {', '.join(shared.colocated_with)} on the shared GPUs; the hybrid engine uses 0.5",
+                f"{util} leaves little room for {', '.join(shared.colocated_with)} "
+                "on the shared GPUs; the hybrid engine uses 0.5",
             )
         )
     return out
@@ -238,6 +257,27 @@ def backend_memory(backend: Any) -> list[MemoryNeed]:
             sleep=backend.vllm_enable_sleep,
         )
     ]
+
+
+class BackendStageConfig(StageConfig):
+    """A kind's config with a `backend` block (collect, evaluate): the engine's placement,
+    preset and memory hooks answered by the backend's rules above. The kind declares the
+    `backend` field itself (its own default and description)."""
+
+    if TYPE_CHECKING:
+        backend: Backend
+
+    def memory_needs(self) -> list[MemoryNeed]:
+        return backend_memory(self.backend)
+
+    def gpu_unit(self, role: str | None = None) -> int:
+        """A vLLM engine's tensor-parallel group stays on one node."""
+        return backend_gpu_unit(self.backend)
+
+    @classmethod
+    def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
+        """vLLM settings go to a `backend: {kind: vllm}` block; the rest to top-level fields."""
+        return super().preset_path(key, data) or backend_preset_path(key, data)
 
 
 def check_verifier(

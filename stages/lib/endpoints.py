@@ -63,7 +63,8 @@ def api_key(backend: OpenAIBackend) -> str | None:
     key = os.environ.get(backend.api_key_env)
     if key is None:
         raise ValueError(
-            f"backend.api_key_env names '{backend.api_key_env}', which is not set in the environment"
+            f"backend.api_key_env names '{backend.api_key_env}', "
+            "which is not set in the environment"
         )
     return key
 

@@ -36,7 +36,8 @@ class TrainConfig(StageConfig):
     )
     model: ModelRef = Field(
         default_factory=TinyModel,
-        description="A checkpoint directory, a reference '@stage' to a train stage's output, a hub id, or a tiny model spec.",
+        description="A checkpoint directory, a reference '@stage' to a train stage's output, a hub "
+        "id, or a tiny model spec.",
     )
     target: Literal["completion", "answer"] = Field(
         "completion",
@@ -72,7 +73,8 @@ class TrainConfig(StageConfig):
     learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
     lr_scheduler: Literal["constant", "cosine", "linear"] = Field(
         "cosine",
-        description="Learning-rate schedule after the linear warm-up: constant, or cosine / linear decay to a tenth of the peak.",
+        description="Learning-rate schedule after the linear warm-up: constant, or cosine / linear "
+        "decay to a tenth of the peak.",
     )
     warmup_ratio: float = Field(
         0.03, ge=0, lt=1, description="Fraction of steps spent warming up the learning rate."
@@ -82,7 +84,8 @@ class TrainConfig(StageConfig):
     max_steps: int | None = Field(
         None,
         gt=0,
-        description="Total optimizer steps; when set it overrides max_epochs (the data repeats as needed).",
+        description="Total optimizer steps; when set it overrides max_epochs (the data repeats as "
+        "needed).",
     )
     bf16: bool = Field(False, description="Train in bfloat16 (fp32 otherwise).")
     save_dtype: Dtype = Field("auto", description=SAVE_DTYPE_HELP)
@@ -91,7 +94,8 @@ class TrainConfig(StageConfig):
     )
     num_threads: CountOrAuto = Field(
         "auto",
-        description="Torch threads per rank; auto: 1 or up to 2 (the cores shared among the ranks), whichever measures faster, re-measured every few hundred steps.",
+        description="Torch threads per rank; auto: 1 or up to 2 (the cores shared among the "
+        "ranks), whichever measures faster, re-measured every few hundred steps.",
     )
     trainer: Literal["auto", "deepspeed", "torch"] = Field(
         "auto",
@@ -108,13 +112,15 @@ class TrainConfig(StageConfig):
     beta: float = Field(0.1, gt=0, description="dpo: strength of the KL penalty.")
     eval_input: str | None = Field(
         None,
-        description="Held-out prompts scored greedily every eval_steps steps (e.g. '@data.val_output').",
+        description="Held-out prompts scored greedily every eval_steps steps (e.g. "
+        "'@data.val_output').",
     )
     target_accuracy: float | None = Field(
         None,
         gt=0,
         le=1,
-        description="Stop once the held-out accuracy reaches this (max_steps stays the cap): a warm-up that ends where the model is, not at a step count.",
+        description="Stop once the held-out accuracy reaches this (max_steps stays the cap): a "
+        "warm-up that ends where the model is, not at a step count.",
     )
     eval_steps: int = Field(100, gt=0, description="Score eval_input every this many steps.")
     eval_limit: int = Field(200, gt=0, description="Held-out prompts scored at most.")

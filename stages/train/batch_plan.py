@@ -61,6 +61,7 @@ def pack_rows(seqs: Sequence[int], lengths: Sequence[int], capacity: int) -> lis
     """First-fit decreasing: sequences into rows of at most `capacity` tokens.
 
     Longest first (ties in the given order); each goes to the first row with room.
+    (`dynamic_groups` packs whole units into micro batches with it too.)
     """
     order = sorted(range(len(seqs)), key=lambda i: (-lengths[seqs[i]], i))
     rows: list[list[int]] = []
@@ -90,21 +91,9 @@ def dynamic_groups(
     total = [sum(lengths[s] for s in u) for u in units]
     longest = [max(lengths[s] for s in u) for u in units]
     if packing:
-        order = sorted(range(len(units)), key=lambda i: (-total[i], i))
-        groups: list[list[int]] = []
-        room: list[int] = []
-        for i in order:
-            for g, free in enumerate(room):
-                if total[i] <= free:
-                    groups[g].append(i)
-                    room[g] -= total[i]
-                    break
-            else:
-                groups.append([i])
-                room.append(budget - total[i])
-        return groups
+        return pack_rows(range(len(units)), total, budget)
     order = sorted(range(len(units)), key=lambda i: (-longest[i], i))
-    groups = []
+    groups: list[list[int]] = []
     nseq, width = 0, 0
     for i in order:
         n, w = nseq + len(units[i]), max(width, longest[i])

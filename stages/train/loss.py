@@ -44,7 +44,8 @@ class Batch:
     tokens: int  # real (non-pad) tokens
 
     def scored(self, device: torch.device | str) -> torch.Tensor:
-        """Where a loss reads the logits: the positions with a target (`stages.lib.model.logits`)."""
+        """Where a loss reads the logits: the positions with a target
+        (`stages.lib.model.logits`)."""
         return (self.targets != IGNORE).to(device)
 
     def at(self, scored: torch.Tensor) -> Batch:

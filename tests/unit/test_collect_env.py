@@ -19,8 +19,9 @@ from stages.collect.inputs import parse_row
 from stages.collect.multiturn import check_episodes, episode_line
 from stages.collect.run import run_collect
 from stages.filter import FilterConfig
-from stages.filter.rules import Counts, Rules, completion_text
-from stages.filter.rules import parse_row as filter_row
+from stages.filter.rows import completion_text
+from stages.filter.rows import parse_row as filter_row
+from stages.filter.rules import Counts, Rules
 from stages.lib.env.contract import Episode
 from stages.lib.env.field import EnvironmentConfig
 from tests.conftest import ROOT, run_cli, stub_checkpoint

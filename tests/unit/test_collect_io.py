@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.collect import CollectConfig, io
+from stages.collect import CollectConfig, io, publish
 
 
 def line(p: int, s: int, text: str = "x") -> str:
@@ -76,7 +76,7 @@ def test_finalize_sorts_dedupes_filters_and_settles_failures(tmp_path: Path):
     ]
     Path(io.failures_path(out)).write_text("".join(json.dumps(f) + "\n" for f in failures))
     Path(io.meta_path(out)).write_text("{}")
-    written, failed = io.finalize(out, lambda p, s: p < 5 and s < 2)
+    written, failed = publish.finalize(out, lambda p, s: p < 5 and s < 2)
     assert (written, failed) == (4, 1)
     assert Path(out).read_text() == line(0, 0) + line(1, 1) + line(3, 0) + line(3, 1)
     kept = [json.loads(x) for x in Path(io.failures_path(out)).read_text().splitlines()]
@@ -85,7 +85,7 @@ def test_finalize_sorts_dedupes_filters_and_settles_failures(tmp_path: Path):
 
 
 def test_the_final_sort_spills_and_merges_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(io, "RUN_LINES", 7)
+    monkeypatch.setattr(publish, "RUN_LINES", 7)
     out = str(tmp_path / "r.jsonl")
     keys = [(p, s) for p in range(20) for s in range(3)]
     shuffled = (
@@ -93,7 +93,7 @@ def test_the_final_sort_spills_and_merges_runs(tmp_path: Path, monkeypatch: pyte
     )
     assert sorted(shuffled) == keys
     Path(io.partial_path(out)).write_text("".join(line(*k) for k in shuffled + keys[:5]))
-    assert io.finalize(out, lambda p, s: True) == (60, 0)
+    assert publish.finalize(out, lambda p, s: True) == (60, 0)
     assert Path(out).read_text() == "".join(line(*k) for k in keys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
 

@@ -10,14 +10,9 @@ import pytest
 
 from engine.stage import StageContext
 from stages.evaluate import EvaluateConfig
-from stages.evaluate.run import (
-    checkpoint_names,
-    evaluate_checkpoints,
-    k_values,
-    pass_at_k,
-    render_markdown,
-    summarize,
-)
+from stages.evaluate.report_files import render_markdown
+from stages.evaluate.run import checkpoint_names, evaluate_checkpoints
+from stages.evaluate.scores import k_values, pass_at_k, summarize
 from stages.lib.config import LocalBackend, Verifier
 
 

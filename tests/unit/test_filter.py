@@ -10,7 +10,7 @@ import pytest
 
 from engine.stage import StageContext, get_kind
 from stages.filter import FilterConfig
-from stages.filter.rules import FilterInputError
+from stages.filter.rows import FilterInputError
 
 
 def row(p: int, s: int, reward: float, completion: str = "x", **extra: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import itertools
 import json
 from pathlib import Path
 
-from stages.filter.rules import RewardHist
+from stages.filter.histogram import RewardHist
 from stages.filter.scan import iter_rows, sort_by_prompt, split_ranges
 
 

@@ -208,7 +208,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/evaluate/run.py", "need 0 < k <= n"): internal("k_values(n) gives 0 < k <= n"),
+    ("stages/evaluate/scores.py", "need 0 < k <= n"): internal("k_values(n) gives 0 < k <= n"),
     # --- filter ----------------------------------------------------------------------------
     ("stages/filter/parallel.py", "OutOfOrder(start"): data(
         "the input's rows of a prompt are not contiguous: caught, the file is sorted and filtered "
@@ -218,10 +218,10 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "the input's rows of a prompt are not contiguous: caught, the file is sorted and filtered "
         "again"
     ),
-    ("stages/filter/rules.py", "{}: expected an integer"): data("a malformed rollout row"),
-    ("stages/filter/rules.py", "{}: expected a JSON object"): data("a malformed rollout row"),
-    ("stages/filter/rules.py", "{}: expected a numeric 'reward'"): data("a malformed rollout row"),
-    ("stages/filter/rules.py", "{}: not a JSON line"): data("a malformed rollout row"),
+    ("stages/filter/rows.py", "{}: expected an integer"): data("a malformed rollout row"),
+    ("stages/filter/rows.py", "{}: expected a JSON object"): data("a malformed rollout row"),
+    ("stages/filter/rows.py", "{}: expected a numeric 'reward'"): data("a malformed rollout row"),
+    ("stages/filter/rows.py", "{}: not a JSON line"): data("a malformed rollout row"),
     ("stages/filter/rules.py", "predicate '{}': cannot import"): plan(
         Case(
             'name: p\nstages:\n  f: {kind: filter, config: {input: x.jsonl, predicate: "nomod:keep"}}\n',

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from stages.collect.tune.cli import _run, render_sweep, requests_for, sweep_json, tune_command
+from stages.collect.tune.cli import _run, render_sweep, sweep_json, tune_command
 from stages.collect.tune.sweep import Level, diagnose, find_knee, recommend, sweep
+from stages.collect.tune.target import requests_for
 
 
 @dataclass(frozen=True)

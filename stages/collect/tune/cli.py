@@ -6,60 +6,43 @@ table (or JSON) of the levels measured, the knee and the recommended
 parallelism, and with `--write` the value put into the file
 (`stages.collect.tune.write`). `--diagnose` runs the bottleneck test instead
 (parallelism 5 against 20). The sweep logic is `stages.collect.tune.sweep`; the
-measuring is the collector's own `stages.collect.measure.measure_level`, on
-the first rows of the stage's prompts file.
+stage and what measures it (the collector's own `stages.collect.measure.measure_level`, on
+the first rows of the stage's prompts file) are `stages.collect.tune.target`'s.
 
 Exit codes: 0 ok; 1 no level ran without errors; 2 an invalid pipeline or usage.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import math
-import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import click
 
-from engine.errors import PipeError, did_you_mean
+from engine.errors import PipeError
 from stages.collect.tune.sweep import (
     DIAGNOSE_LEVELS,
     Diagnosis,
     Level,
-    MeasureFn,
     Sweep,
     diagnose,
     sweep,
 )
-from stages.lib.io.jsonl import read_jsonl
-
-if TYPE_CHECKING:
-    from engine.spec.load import LoadedPipeline
-    from stages.collect import CollectConfig
+from stages.collect.tune.target import collector_measure, load_target
 
 log = logging.getLogger("pipe.tune")
-SAMPLE_ROWS = 512
+F = TypeVar("F", bound=Callable[..., Any])
 KEY = "num_samples_in_parallel"
-MIN_LEVEL_S = 2.0
 LIMITS = {
     "parallelism": "parallelism",
     "backend": "the backend",
     "verification": "verification",
     "client": "the collecting machine",
 }
-
-
-def requests_for(parallelism: int, fixed: int | None, last_rate: float = 0.0) -> int:
-    """Requests sent at a level: `fixed`, or by default 4 waves, at least 100, and enough
-    for `MIN_LEVEL_S` seconds at the previous level's rate (short windows are noisy)."""
-    if fixed is not None:
-        return fixed
-    return max(100, 4 * parallelism, math.ceil(MIN_LEVEL_S * last_rate))
 
 
 def level_json(level: Level) -> dict[str, Any]:
@@ -85,7 +68,8 @@ def render_table(levels: tuple[Level, ...] | list[Level]) -> str:
     lines = [f"{'parallelism':>11}  {'rollouts/s':>10}  {'p50 s':>7}  {'p95 s':>7}  {'errors':>6}"]
     for lv in levels:
         lines.append(
-            f"{lv.parallelism:>11}  {lv.rollouts_per_s:>10.1f}  {lv.p50_s:>7.3f}  {lv.p95_s:>7.3f}  {lv.errors:>6}"
+            f"{lv.parallelism:>11}  {lv.rollouts_per_s:>10.1f}  "
+            f"{lv.p50_s:>7.3f}  {lv.p95_s:>7.3f}  {lv.errors:>6}"
         )
     return "\n".join(lines)
 
@@ -97,104 +81,11 @@ def render_sweep(result: Sweep) -> str:
         return "\n".join(out)
     peak = max(lv.rollouts_per_s for lv in result.levels if not lv.errors)
     out.append(
-        f"knee: {result.knee} (the lowest parallelism within 10% of the best, {peak:.1f} rollouts/s)"
+        f"knee: {result.knee} (the lowest parallelism within 10% of the best, "
+        f"{peak:.1f} rollouts/s)"
     )
     out.append(f"recommended: {KEY}: {result.recommended} (80% of the knee, for headroom)")
     return "\n".join(out)
-
-
-@dataclass(frozen=True)
-class Target:
-    """The collect stage to measure: its config, prompt rows and where it is in the file."""
-
-    loaded: LoadedPipeline
-    stage: str
-    cfg: CollectConfig
-    rows: list[dict[str, Any]]
-
-
-def _collect_config(loaded: LoadedPipeline, stage: str) -> CollectConfig:
-    """The stage's config as `pipe run` would run it: resolved, presets and derived rules
-    applied (`PipeError` when the stage is not a collect stage or the pipeline is invalid)."""
-    from engine.plan.resolve import resolve
-    from stages.collect import CollectConfig
-
-    spec = loaded.spec
-    if stage not in spec.stages:
-        hint = did_you_mean(stage, sorted(spec.stages))
-        raise PipeError.single(None, "--stage", f"no stage named '{stage}' in {loaded.path}{hint}")
-    kind_name = spec.stages[stage].kind
-    if kind_name != "collect":
-        collects = [n for n, s in spec.stages.items() if s.kind == "collect"]
-        hint = f"; collect stages: {', '.join(repr(n) for n in collects)}" if collects else ""
-        where = loaded.doc.value_loc(("stages", stage, "kind"))
-        msg = f"pipe tune measures a collect stage, found kind '{kind_name}'{hint}"
-        raise PipeError.single(where, f"stages.{stage}.kind", msg)
-    cfg = resolve(loaded).stages[stage].config
-    assert isinstance(cfg, CollectConfig)
-    return cfg
-
-
-def _sample_rows(loaded: LoadedPipeline, stage: str, cfg: CollectConfig) -> list[dict[str, Any]]:
-    """The first `SAMPLE_ROWS` prompt rows from `start_idx` of the stage's input file."""
-    from engine.spec.load import stage_config_data
-    from engine.stage import get_kind
-
-    path = ("stages", stage, "config", "input")
-    where = loaded.doc.value_loc(path)
-    dotted = ".".join(path)
-    kind = get_kind("collect")
-    assert kind is not None
-    written = stage_config_data(loaded.spec, stage, kind).get("input")
-    if not cfg.input or not written or written.startswith("@") or "://" in cfg.input:
-        found = f"'{written}'" if written else "none (it comes from an upstream stage)"
-        msg = f"pipe tune needs a local prompts file, found {found}; give one with --set {dotted}=PATH"
-        raise PipeError.single(where, dotted, msg)
-    file = cfg.input
-    rel = os.path.relpath(file)
-    file = file if rel.startswith("..") else rel  # as the user reads it
-    stop = cfg.end_idx if cfg.end_idx is not None else cfg.start_idx + SAMPLE_ROWS
-    stop = min(stop, cfg.start_idx + SAMPLE_ROWS)
-    try:
-        rows = list(itertools.islice(read_jsonl(file), cfg.start_idx, stop))
-    except FileNotFoundError:
-        raise PipeError.single(where, dotted, f"no such file '{file}'") from None
-    except ValueError as exc:
-        raise PipeError.single(where, dotted, f"not JSONL: {exc}") from None
-    if not rows:
-        raise PipeError.single(where, dotted, f"'{file}' holds no prompt rows from start_idx")
-    return rows
-
-
-def load_target(pipeline: str, stage: str, overrides: tuple[str, ...] = ()) -> Target:
-    """Load the pipeline and the collect stage's config and prompt sample; `PipeError` if unusable."""
-    from engine.spec.load import load_pipeline
-
-    loaded = load_pipeline(pipeline, overrides)
-    cfg = _collect_config(loaded, stage)
-    return Target(loaded, stage, cfg, _sample_rows(loaded, stage, cfg))
-
-
-def collector_measure(target: Target, requests: int | None) -> MeasureFn:
-    """`measure(parallelism)` through the collector's real client and verifier."""
-    from stages.collect.measure import measure_level
-
-    last_rate = 0.0
-
-    def measure(parallelism: int) -> Level:
-        nonlocal last_rate
-        n = requests_for(parallelism, requests, last_rate)
-        log.info("measuring parallelism %d (%d requests)", parallelism, n)
-        try:
-            level: Level = measure_level(target.cfg, target.rows, parallelism, n)
-        except ValueError as exc:  # a prompt row the collector cannot use
-            path = ("stages", target.stage, "config", "input")
-            where = target.loaded.doc.value_loc(path)
-            raise PipeError.single(where, ".".join(path), str(exc)) from None
-        last_rate = level.rollouts_per_s
-        return level
-
-    return measure
 
 
 def plot_levels(
@@ -282,29 +173,28 @@ def _report_diagnosis(levels: list[Level], verdict: Diagnosis, fmt: str) -> None
     click.echo(f"next step: {verdict.next_step}")
 
 
+def _count_option(*decls: str, default: int | None, help: str) -> Callable[[F], F]:
+    """A whole-number option of at least 1; a default it has is shown in `--help`."""
+    return click.option(
+        *decls,
+        type=click.IntRange(min=1),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
+
+
 @click.command("tune")
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--stage", required=True, help="The collect stage to measure.")
-@click.option(
-    "--start",
-    default=8,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="First parallelism level.",
-)
-@click.option(
-    "--max-levels",
-    default=8,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Most levels measured (each doubles the last).",
-)
-@click.option(
+@_count_option("--start", default=8, help="First parallelism level.")
+@_count_option("--max-levels", default=8, help="Most levels measured (each doubles the last).")
+@_count_option(
     "--requests-per-level",
     "requests",
-    type=click.IntRange(min=1),
     default=None,
-    help="Requests sent at each level [default: 4 x parallelism, at least 100, and at least 2 s of the last level's rate].",
+    help="Requests sent at each level [default: 4 x parallelism, at least 100, "
+    "and at least 2 s of the last level's rate].",
 )
 @click.option(
     "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True

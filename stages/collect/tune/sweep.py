@@ -144,16 +144,22 @@ def diagnose(low: Level, high: Level) -> Diagnosis:
     if high.errors:
         return Diagnosis(
             "backend",
-            f"{high.errors} errors or timeouts at parallelism {high.parallelism}, none at {low.parallelism}: the backend is overloaded",
-            f"keep num_samples_in_parallel below {high.parallelism} (`pipe tune --start {low.parallelism}` finds the knee), or scale the backend",
+            f"{high.errors} errors or timeouts at parallelism {high.parallelism}, none at "
+            f"{low.parallelism}: the backend is overloaded",
+            f"keep num_samples_in_parallel below {high.parallelism} (`pipe tune --start "
+            f"{low.parallelism}` finds the knee), or scale the backend",
         )
     ratio = high.rollouts_per_s / low.rollouts_per_s if low.rollouts_per_s > 0 else math.inf
-    scaled = f"throughput scaled {ratio:.1f}x from parallelism {low.parallelism} to {high.parallelism} (ideal {ideal:.0f}x)"
+    scaled = (
+        f"throughput scaled {ratio:.1f}x from parallelism {low.parallelism} to "
+        f"{high.parallelism} (ideal {ideal:.0f}x)"
+    )
     if ratio >= ideal / 2:
         return Diagnosis(
             "parallelism",
             scaled,
-            "raise num_samples_in_parallel: run `pipe tune` to find the knee, with --write to keep it",
+            "raise num_samples_in_parallel: run `pipe tune` to find the knee, "
+            "with --write to keep it",
         )
     verify_share = high.verify_s / high.wall_s if high.wall_s > 0 else 0.0
     if verify_share >= 0.5:
@@ -167,10 +173,13 @@ def diagnose(low: Level, high: Level) -> Diagnosis:
         return Diagnosis(
             "backend",
             f"{scaled} while p50 latency rose {latency:.1f}x: requests queue in the backend",
-            "scale the backend (more replicas or engines, more GPUs, larger batches); more parallelism will not help",
+            "scale the backend (more replicas or engines, more GPUs, larger batches); "
+            "more parallelism will not help",
         )
     return Diagnosis(
         "client",
-        f"{scaled} while p50 latency stayed flat ({latency:.1f}x): requests are not really concurrent",
-        "check the collector's CPU and connection limits, or shard the collection across Dask workers",
+        f"{scaled} while p50 latency stayed flat ({latency:.1f}x): "
+        "requests are not really concurrent",
+        "check the collector's CPU and connection limits, "
+        "or shard the collection across Dask workers",
     )

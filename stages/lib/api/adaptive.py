@@ -19,8 +19,9 @@ requests the collector should keep in flight. No capacity is given.
    15% (or to the latency gradient's estimate of the knee, `limit x base
    latency / latency`, when latency is inflated), kept if throughput holds
    within 3% while latency falls 10% (less a quarter of the step, kept as
-   headroom over the knee). Probes alternate direction after a failed one, so the limit climbs while concurrency pays and sinks when it
-   only adds queueing, following a backend whose capacity changes.
+   headroom over the knee). Probes alternate direction after a failed one, so
+   the limit climbs while concurrency pays and sinks when it only adds
+   queueing, following a backend whose capacity changes.
 3. A 429 or a timeout cuts the limit to 70%, at most once per round trip.
 
 It starts at 64: vLLM-class servers take that many at once, and each

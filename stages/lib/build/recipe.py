@@ -28,7 +28,8 @@ class TinyModel(Block):
     vocab_size: int = Field(
         512,
         ge=262,
-        description="Byte-level BPE vocabulary trained on the training prompts (256 bytes + specials at least).",
+        description="Byte-level BPE vocabulary trained on the training prompts (256 bytes + "
+        "specials at least).",
     )
     max_position_embeddings: int = Field(
         512, gt=0, description="Longest sequence the model handles."

@@ -4,7 +4,8 @@ Input: a Hugging Face tokenizer (with its chat template), and where there is one
 `config` and `generation_config`. Output: `answer_end(tokenizer) -> AnswerEnd` (the text the
 chat template writes after an assistant turn's content, the closing token ids trained, the
 rest), `eos_ids(tokenizer, model_config, generation_config) -> list[int]` (every id that ends
-an answer; `checkpoint_eos_ids(model_dir, tokenizer)` reads the configs from a folder) and `pad_id(tokenizer, config) -> int`. Every stage that reads such an id reads
+an answer; `checkpoint_eos_ids(model_dir, tokenizer)` reads the configs from a folder) and
+`pad_id(tokenizer, config) -> int`. Every stage that reads such an id reads
 it here: `eos_token_id` may be an int or a list, `pad_token_id` may be missing, and a base
 tokenizer's `eos_token` (`<|endoftext|>`) need not be what its template closes a turn with
 (`<|im_end|>`). Nothing heavy is imported.

@@ -88,7 +88,8 @@ def check_deepspeed(cfg: DeepSpeedSettings, ctx: ResolveContext, ranks: int) -> 
         out.append(
             ctx.error(
                 "train_batch_size",
-                f"{cfg.train_batch_size} is not divisible by micro_train_batch_size {cfg.micro_train_batch_size} x "
+                f"{cfg.train_batch_size} is not divisible by micro_train_batch_size "
+                f"{cfg.micro_train_batch_size} x "
                 f"{ranks} data-parallel rank(s) = {step}; use {options}",
             )
         )

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from stages.lib.net import free_port
 from stages.lib.dist.rank import MARK, PARENT_ENV
+from stages.lib.net import free_port
 
 if TYPE_CHECKING:
     from engine.stage import StageContext

@@ -15,7 +15,8 @@ is off). On GPU with `adam_offload`, DeepSpeed's CPU Adam is used instead of
 torch's (torch's AdamW on offloaded fp32 states would be slow at scale).
 
 `offload()` and `reload()` move the optimizer side off the GPU and back (`stages.lib.dist.sleep`
-chooses how); a checkpoint saved while the states are away brings them back for the save.
+chooses how, `stages.lib.dist.offload` moves what the trainer moves itself); a checkpoint
+saved while the states are away brings them back for the save.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import contextlib
 import gc
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
+from stages.lib.dist.offload import HostStates, optimizer_tensors, state_tensors
 from stages.lib.dist.schedule import lr_factor, warmup_steps
 from stages.lib.dist.sleep import Sleep, sleep_method
 
@@ -79,54 +81,6 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
         {"params": decay, "weight_decay": weight_decay},
         {"params": plain, "weight_decay": 0.0},
     ]
-
-
-class HostStates:
-    """Tensors parked in host memory by swapping their storage (`tensor.data`), the way
-    DeepSpeed's `offload_states` moves its own: whoever holds a tensor (an optimizer's
-    state, its parameter groups) sees it move, and the optimizer's state keeps its keys
-    (nothing extra lands in a checkpoint). Host buffers (pinned with CUDA) are kept and
-    reused at the next offload."""
-
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
-        self.parked: list[tuple[torch.Tensor, torch.device]] = []
-        self.buffers: dict[int, torch.Tensor] = {}
-
-    def offload(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Copy each tensor into its host buffer and point it there; the bytes moved."""
-        moved = 0
-        for t in tensors:
-            buf = self.buffers.get(id(t))
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
-                self.buffers[id(t)] = buf
-            buf.copy_(t.data)
-            self.parked.append((t, t.device))
-            t.data = buf
-            moved += t.numel() * t.element_size()
-        return moved
-
-    def reload(self) -> int:
-        """Every parked tensor back on its device, in fresh memory; the bytes moved."""
-        moved = 0
-        for t, device in self.parked:
-            t.data = t.data.to(device, copy=True, non_blocking=self.pin)
-            moved += t.numel() * t.element_size()
-        if self.pin:
-            torch.cuda.synchronize()
-        self.parked = []
-        return moved
-
-
-def optimizer_tensors(optimizer: Any, module: torch.nn.Module) -> list[torch.Tensor]:
-    """What an optimizer owns beyond the model: the tensors of its state (Adam's moments),
-    and the parameters it steps that are not the model's (fp32 master copies)."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # a DeepSpeed wrapper's torch optimizer
-    own = {id(p) for p in module.parameters()}
-    out = [p for g in inner.param_groups for p in g["params"] if id(p) not in own]
-    out += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
-    return out
 
 
 class Sleeper:
@@ -365,7 +319,9 @@ class DeepSpeedTrainer(Sleeper):
             return 0
         # ZeRO-3: stage3.py asserts FusedAdam only for hp_params and optim_states; those two
         # are moved here as it moves them (their storage swapped), the rest by DeepSpeed
-        moved = self.host.offload([*opt.fp32_partitioned_groups_flat, *_state_tensors(opt)])
+        moved = self.host.offload(
+            [*opt.fp32_partitioned_groups_flat, *state_tensors(opt.optimizer)]
+        )
         states = [State.lp_grads, State.contiguous_grad_buffer]
         self.engine.offload_states(include=states, device=Device.cpu, pin_memory=True)
         return moved
@@ -387,9 +343,3 @@ class DeepSpeedTrainer(Sleeper):
         if not self.zero3:
             return None
         return self.engine._zero3_consolidated_16bit_state_dict()  # type: ignore[no-any-return]
-
-
-def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
-    """The tensors of a DeepSpeed ZeRO optimizer's inner torch optimizer's state."""
-    inner = optimizer.optimizer
-    return [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]

@@ -28,20 +28,24 @@ class EnvironmentConfig(Block):
 
     kind: Annotated[str | None, BeforeValidator(_environment_kind)] = Field(
         None,
-        description="single_turn, retry, calculator (built-ins, scored by the stage's verifier), or your own 'module:Class' (scores itself).",
+        description="single_turn, retry, calculator (built-ins, scored by the stage's verifier), "
+        "or your own 'module:Class' (scores itself).",
     )
     url: str | None = Field(
         None,
-        description="An environment served over HTTP (POST /reset and /step, JSON); instead of kind.",
+        description="An environment served over HTTP (POST /reset and /step, JSON); instead of "
+        "kind.",
     )
     max_turns: int | None = Field(
         None,
         gt=0,
-        description="Model turns per episode at most; required for 'module:Class' and url (built-ins: single_turn 1, retry 2, calculator 4).",
+        description="Model turns per episode at most; required for 'module:Class' and url "
+        "(built-ins: single_turn 1, retry 2, calculator 4).",
     )
     config: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword arguments for the environment (module:Class is built as Class(**config)).",
+        description="Keyword arguments for the environment (module:Class is built as "
+        "Class(**config)).",
     )
     timeout_s: float = Field(
         60.0, gt=0, description="A reset or step taking longer fails its episode."
@@ -50,7 +54,8 @@ class EnvironmentConfig(Block):
         0.1,
         ge=0,
         le=1,
-        description="Failed episodes (the environment raised, hung or answered nonsense) tolerated per step (rl) or per run (collect, evaluate); above it the stage fails.",
+        description="Failed episodes (the environment raised, hung or answered nonsense) tolerated "
+        "per step (rl) or per run (collect, evaluate); above it the stage fails.",
     )
     concurrency: int = Field(
         64, gt=0, description="Environment calls in flight at once (episodes wait on I/O together)."

@@ -8,8 +8,9 @@ so generation sees exactly the format training used. Prompts are grouped by
 length and left-padded; each batch is prefilled once and its KV cache repeated
 for the `num_samples` samples (they share the prompt), then decoded token by
 token with the cache, finished rows leaving the batch. Temperature 0 is
-greedy; otherwise nucleus sampling from a generator seeded with `seed`. The loaded model is cached per process (one Dask worker evaluates
-several batches, or several stages, without reloading).
+greedy; otherwise nucleus sampling from a generator seeded with `seed`. The
+loaded model is cached per process (one Dask worker evaluates several
+batches, or several stages, without reloading).
 """
 
 from __future__ import annotations
@@ -261,7 +262,8 @@ def _decode(
 
 
 def _prefill(model: Any, ids: list[list[int]], pad: int, repeats: int) -> tuple[Any, Any, Any]:
-    """Run the left-padded prompts once; the cache, last logits and mask, each row `repeats` times."""
+    """Run the left-padded prompts once; the cache, last logits and mask, each row `repeats`
+    times."""
     import torch
 
     width = max(len(x) for x in ids)

@@ -54,6 +54,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 from stages.lib.api.sampling import SERVER_ARGS
 from stages.lib.config import VLLMBackend
@@ -271,29 +272,9 @@ def vllm_servers(
 
 
 @contextmanager
-def vllm_server(
-    backend: VLLMBackend,
-    *,
-    gpus: int,
-    log: logging.Logger,
-    log_file: str | Path | None = None,
-    extra_args: Sequence[str] = (),
-    devices: Sequence[str] | None = None,
-    secret: str,
-    host: str = HOST,
-) -> Iterator[str]:
-    """Serve `backend`; yield its base URL ("http://127.0.0.1:PORT/v1" by default).
-
-    With several engines, their URLs joined by commas. Every request must bear `secret`.
-    """
-    with vllm_servers(
-        backend,
-        gpus=gpus,
-        log=log,
-        log_file=log_file,
-        extra_args=extra_args,
-        devices=devices,
-        secret=secret,
-        host=host,
-    ) as urls:
+def vllm_server(backend: VLLMBackend, **options: Any) -> Iterator[str]:
+    """`vllm_servers` (the same keyword arguments), yielding one base URL
+    ("http://127.0.0.1:PORT/v1" by default): with several engines, their URLs joined by
+    commas. Every request must bear `options["secret"]`."""
+    with vllm_servers(backend, **options) as urls:
         yield ",".join(urls)
