@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	# CPU build of torch from the wheel on disk; an unpinned torch would pull a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[train,tasks,dev,tracking,docs]'
-	# the real Qwen and Llama 3 vocabularies for the family test checkpoints (stages/lib/build/conventions.py
+	# the real Qwen and Llama 3 vocabularies for the family test checkpoints (stages/lib/builders/conventions.py
 	# reads the files; nothing of either package is imported, so none of their dependencies)
 	$(PY) -m pip install -q --no-deps dashscope==2.0.2 llama-models==0.3.0
 	touch $@

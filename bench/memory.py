@@ -5,7 +5,7 @@
 A ~66M-parameter Llama (fp32, micro batch 2, 128 tokens) trains a few steps in 2 DeepSpeed
 ranks over gloo on the CPU, under ZeRO 0, 2 and 3, with and without `adam_offload`, through
 the train stage's own code: `build_ds_config`, `load_model` (ZeRO-3 partitioned at
-construction), `make_trainer`, and the rank environment of `stages.lib.dist.spawn`. A rank's
+construction), `make_trainer`, and the rank environment of `stages.lib.distributed.spawn`. A rank's
 peak RSS is compared with `engine.plan.memory.cpu_rank_bytes`, whose runtime term is measured
 here once: the peak RSS of a rank that imported everything and joined the process group,
 with no model. With `--device cuda` (2 GPUs: NCCL; 1 GPU: one rank) the peak of
@@ -32,10 +32,10 @@ import json, os, resource, sys, types
 cfg = json.loads(sys.argv[1])
 import faulthandler
 faulthandler.dump_traceback_later(cfg.get("watchdog_s", 600), exit=True)
-from stages.lib.dist.rank import init_distributed, load_model, make_trainer
+from stages.lib.distributed.rank import init_distributed, load_model, make_trainer
 init_distributed("deepspeed", cfg["device"], int(os.environ["WORLD_SIZE"]))
 import torch, torch.nn.functional as F
-import stages.lib.dist.trainer
+import stages.lib.distributed.trainer
 from transformers import LlamaForCausalLM
 torch.set_num_threads(1)
 device = "cpu"
@@ -65,7 +65,7 @@ os._exit(0)
 
 def run_ranks(cfg: dict[str, Any], world: int = 2) -> dict[str, int]:
     """Start `world` ranks with the train stage's rank environment; the larger peaks."""
-    from stages.lib.dist.spawn import Ranks, rank_env
+    from stages.lib.distributed.spawn import Ranks, rank_env
     from stages.lib.net import free_port
 
     port = free_port()
@@ -150,7 +150,7 @@ def measure(
     """(estimate, measured) for one configuration: RSS on the CPU, else CUDA's allocated."""
     from engine.plan.memory import cpu_rank_bytes, estimate
     from engine.stage import MemoryNeed
-    from stages.lib.dist.ds_config import build_ds_config, trainer_memory
+    from stages.lib.distributed.ds_config import build_ds_config, trainer_memory
 
     s = settings(zero, offload, micro, world)
     cfg = argparse.Namespace(**s, deepspeed_enable_sleep=False)

@@ -73,8 +73,8 @@ def main(n_samples: int, micro: int, rounds: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.lib.build.recipe import TinyModel
-    from stages.lib.build.tiny import build_tiny_model
+    from stages.lib.builders.recipe import TinyModel
+    from stages.lib.builders.tiny import build_tiny_model
     from stages.rl.algo.logprobs import completion_logprobs
 
     torch.set_num_threads(1)

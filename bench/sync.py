@@ -108,7 +108,7 @@ class Actor:
 def raw_rank(rank: int, world: int, store: str, nbytes: int, repeats: int) -> None:
     import torch
 
-    from stages.lib.dist.weight_group import client_store, process_group
+    from stages.lib.distributed.weight_group import client_store, process_group
 
     torch.set_num_threads(1)
     pg = process_group(client_store(store, world, 600.0), rank, world, 600.0, False)
@@ -150,8 +150,8 @@ def raw_broadcast(receivers: int, nbytes: int, repeats: int) -> float:
 
 # --- the servers ------------------------------------------------------------------------------
 def model_dir(hidden: int, layers: int) -> str:
-    from stages.lib.build.recipe import TinyModel
-    from stages.lib.build.tiny import build_tiny_model
+    from stages.lib.builders.recipe import TinyModel
+    from stages.lib.builders.tiny import build_tiny_model
 
     path = OUT / f"model-h{hidden}-l{layers}"
     if not (path / "config.json").exists():

@@ -88,7 +88,7 @@ def make_loop(model_dir: str, data_path: str, trainer: str, settings: dict[str, 
     """A one-rank training loop exactly as a stage's worker builds it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.lib.dist.ds_config import build_ds_config
+    from stages.lib.distributed.ds_config import build_ds_config
     from stages.train import TrainConfig
     from stages.train.data import read_rows, training_set
     from stages.train.loop import Loop
@@ -142,8 +142,8 @@ def race(loops: dict[str, Any], steps: int) -> dict[str, dict[str, float]]:
 
 
 def write_set(tmp: Path, name: str, rows: list[dict[str, str]], hidden: int) -> tuple[str, str]:
-    from stages.lib.build.recipe import TinyModel
-    from stages.lib.build.tiny import build_tiny_model
+    from stages.lib.builders.recipe import TinyModel
+    from stages.lib.builders.tiny import build_tiny_model
 
     data = tmp / f"{name}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -23,7 +23,7 @@ SIZES = {"hidden_size": 32, "num_layers": 2, "num_heads": 4}
 
 def real_vocab_missing(family: str) -> str | None:
     """Why the family's real vocabulary cannot be built here (None: it can)."""
-    from stages.lib.build.conventions import FAMILIES as SPECS
+    from stages.lib.builders.conventions import FAMILIES as SPECS
 
     shipped = SPECS[family].real_vocab
     if shipped is None:
@@ -36,7 +36,7 @@ def real_vocab_missing(family: str) -> str | None:
 @pytest.fixture(scope="session")
 def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`family_checkpoint(family, vocab="small") -> Path`, each built once per session."""
-    from stages.lib.build.families import build_family_checkpoint
+    from stages.lib.builders.families import build_family_checkpoint
 
     built: dict[tuple[str, str], Path] = {}
 

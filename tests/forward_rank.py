@@ -34,8 +34,8 @@ def direct(module: Any, samples: list[Any], device: str) -> torch.Tensor:
 def main(device: str, old_path: bool) -> dict[str, Any]:
     import deepspeed
 
-    from stages.lib.dist.ds_config import build_ds_config
-    from stages.lib.dist.trainer import DeepSpeedTrainer
+    from stages.lib.distributed.ds_config import build_ds_config
+    from stages.lib.distributed.trainer import DeepSpeedTrainer
     from stages.rl.algo.logprobs import Sample, completion_logprobs
 
     deepspeed.init_distributed(dist_backend="nccl" if device != "cpu" else "gloo")

@@ -2,7 +2,7 @@
 `python -m tests.sleep_rank ZERO BF16 DEVICE` prints one JSON line.
 
 Two trainers start from the same weights and take the same two steps; one offloads and
-reloads its states (`stages.lib.dist.trainer`, by the method `stages.lib.dist.sleep` picks for
+reloads its states (`stages.lib.distributed.trainer`, by the method `stages.lib.distributed.sleep` picks for
 a GPU) between them. Output: the method, what moved, the device bytes allocated before the
 offload, after it and after the reload (CUDA only), which optimizer tensors were off the
 device while asleep, and whether the two trainers' weights are identical at the end.
@@ -61,10 +61,10 @@ def allocated(device: str) -> int:
 def main(zero: int, bf16: bool, device: str) -> dict[str, Any]:
     import deepspeed
 
-    from stages.lib.dist.ds_config import build_ds_config
-    from stages.lib.dist.offload import HostStates, optimizer_tensors
-    from stages.lib.dist.sleep import sleep_method
-    from stages.lib.dist.trainer import DeepSpeedTrainer
+    from stages.lib.distributed.ds_config import build_ds_config
+    from stages.lib.distributed.offload import HostStates, optimizer_tensors
+    from stages.lib.distributed.sleep import sleep_method
+    from stages.lib.distributed.trainer import DeepSpeedTrainer
 
     if device.startswith("cuda"):
         torch.cuda.set_device(0)

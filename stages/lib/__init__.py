@@ -1,8 +1,9 @@
 """Code the stage kinds share, grouped by concern in sub-packages: `model` (checkpoints),
-`build` (models built from config), `chat` (templates and token ids), `api` (OpenAI-compatible
-requests), `vllm` (vLLM servers), `dist` (rank processes), `env` (environments) and `io`
-(files and metric events); at the top, the config pieces several kinds declare (`config`),
-verifiers (`verify`), devices (`devices`) and ports (`net`).
+`builders` (models built from config), `chat` (templates and token ids), `api`
+(OpenAI-compatible requests), `vllm` (vLLM servers), `distributed` (rank processes), `env`
+(environments) and `io` (files and metric events). At the top: `block` (what every config
+block is built from), `config` (the backend and verifier blocks kinds declare), `endpoints`
+(where a stage's requests go), `verify` (verifiers), `devices` and `net` (ports).
 
 Input: what a kind hands each piece (its resolved config, paths, devices).
 Output: what each piece returns; nothing here imports a kind.

@@ -14,7 +14,7 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, MemoryNeed, ResolveContext, stage
-from stages.lib.build.recipe import TinyModel
+from stages.lib.builders.recipe import TinyModel
 from stages.lib.config import (
     LocalBackend,
     VLLMBackend,
@@ -25,7 +25,7 @@ from stages.lib.config import (
     check_verifier,
     derive_backend,
 )
-from stages.lib.dist.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
+from stages.lib.distributed.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
 from stages.lib.env.field import check_environment
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
@@ -216,9 +216,9 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
 
     def _note_sleep(self, ctx: ResolveContext) -> list[Diagnostic]:
         """What `deepspeed_enable_sleep` will move off the actor's GPUs, and how, under the
-        resolved trainer and ZeRO stage (`stages.lib.dist.sleep`: DeepSpeed's offload_states
+        resolved trainer and ZeRO stage (`stages.lib.distributed.sleep`: DeepSpeed's offload_states
         exists only for ZeRO-1/2, and asks for FusedAdam at ZeRO-3)."""
-        from stages.lib.dist.sleep import sleep_method
+        from stages.lib.distributed.sleep import sleep_method
 
         actor = ctx.roles.get("actor")
         if not (self.deepspeed_enable_sleep and actor and actor.gpus) or self.async_train:

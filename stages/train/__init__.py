@@ -10,9 +10,9 @@ from pydantic import Field
 from engine.errors import Diagnostic
 from engine.stage import MemoryNeed, ResolveContext, StageConfig, stage
 from stages.lib.block import CountOrAuto
-from stages.lib.build.recipe import TinyModel
+from stages.lib.builders.recipe import TinyModel
 from stages.lib.config import Verifier, check_verifier
-from stages.lib.dist.ds_config import trainer_memory, trainer_memory_changes
+from stages.lib.distributed.ds_config import trainer_memory, trainer_memory_changes
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.model.path import check_model_ref
@@ -133,7 +133,7 @@ class TrainConfig(StageConfig):
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         """Batch sizes that divide over the ranks (one per GPU, or num_processes on CPU);
         offload only with ZeRO."""
-        from stages.lib.dist.ds_config import check_deepspeed
+        from stages.lib.distributed.ds_config import check_deepspeed
 
         out = check_deepspeed(self, ctx, ctx.gpus or self.num_processes)
         out += check_model_ref(ctx, "model", self.model)

@@ -28,9 +28,9 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from stages.lib.dist import resume
-from stages.lib.dist.ds_config import build_ds_config
-from stages.lib.dist.spawn import Ranks, launch, rank_table
+from stages.lib.distributed import resume
+from stages.lib.distributed.ds_config import build_ds_config
+from stages.lib.distributed.spawn import Ranks, launch, rank_table
 from stages.lib.io.jsonl import write_json
 from stages.lib.model.dtypes import resolve_save_dtype
 from stages.train import ckpt as train_ckpt
@@ -101,7 +101,7 @@ def _model_dir(cfg: TrainConfig, rows: list[dict[str, Any]], stage_dir: str) -> 
         return cfg.model
     path = f"{stage_dir}/init_model"
     if not os.path.exists(f"{path}/config.json"):
-        from stages.lib.build.tiny import build_tiny_model
+        from stages.lib.builders.tiny import build_tiny_model
 
         build_tiny_model(cfg.model, _texts(rows, cfg), path, seed=cfg.seed)
     return path

@@ -7,7 +7,7 @@ there, so the rank trains on exactly the resolved `TrainConfig` the engine made.
 
 from __future__ import annotations
 
-from stages.lib.dist.spec import RankSpec
+from stages.lib.distributed.spec import RankSpec
 from stages.train import TrainConfig
 
 

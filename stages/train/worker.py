@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from stages.train.spec import WorkerSpec
 
 from stages.lib.chat.tokens import pad_id
-from stages.lib.dist.rank import (
+from stages.lib.distributed.rank import (
     die_with_parent,
     exit_now,
     leave_group,

@@ -114,7 +114,7 @@ def test_a_sync_that_moves_no_weights_fails_within_one_step_naming_the_engine(
     from engine.stage import StageContext
     from stages.dataset import DatasetConfig
     from stages.dataset.run import run_dataset
-    from stages.lib.dist.weight_group import receive
+    from stages.lib.distributed.weight_group import receive
     from stages.rl import RLConfig
     from stages.rl.run import run_rl
     from stages.rl.sync import transports as rl_sync

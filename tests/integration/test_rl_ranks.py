@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from stages.lib.build.recipe import TinyModel
-from stages.lib.dist.ds_config import build_ds_config
-from stages.lib.dist.spawn import Ranks, launch
+from stages.lib.builders.recipe import TinyModel
+from stages.lib.distributed.ds_config import build_ds_config
+from stages.lib.distributed.spawn import Ranks, launch
 from stages.rl import RLConfig
 from stages.rl.roles.channel import StageEnd
 from stages.rl.roles.spec import ActorSpec
@@ -34,7 +34,7 @@ VOCAB = 300
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from stages.lib.build.tiny import build_tiny_model
+    from stages.lib.builders.tiny import build_tiny_model
 
     out = tmp_path_factory.mktemp("ranks") / "tiny"
     spec = TinyModel(hidden_size=32, num_layers=2, num_heads=2, vocab_size=VOCAB)

@@ -113,10 +113,10 @@ def test_two_zero3_reference_ranks_score_an_uneven_batch_like_one_whole_model(tm
     import threading
     from dataclasses import asdict
 
-    from stages.lib.build.recipe import TinyModel
-    from stages.lib.build.tiny import build_tiny_model
-    from stages.lib.dist.ds_config import build_ds_config
-    from stages.lib.dist.spawn import Ranks, launch
+    from stages.lib.builders.recipe import TinyModel
+    from stages.lib.builders.tiny import build_tiny_model
+    from stages.lib.distributed.ds_config import build_ds_config
+    from stages.lib.distributed.spawn import Ranks, launch
     from stages.rl import RLConfig
     from stages.rl.algo.logprobs import Sample
     from stages.rl.roles.channel import StageEnd

@@ -30,8 +30,8 @@ def _cached_models() -> int:
 def test_stage_end_releases_cached_models(tmp_path: Path):
     from distributed import Client
 
-    from stages.lib.build.recipe import TinyModel
-    from stages.lib.build.tiny import build_tiny_model
+    from stages.lib.builders.recipe import TinyModel
+    from stages.lib.builders.tiny import build_tiny_model
 
     build_tiny_model(
         TinyModel(hidden_size=32, num_layers=1, num_heads=2, vocab_size=300),

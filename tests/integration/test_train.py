@@ -23,7 +23,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from engine.stage import StageContext
-from stages.lib.dist.spawn import TrainingFailed
+from stages.lib.distributed.spawn import TrainingFailed
 from stages.train import TrainConfig
 from stages.train.run import run_train
 from tests.conftest import ROOT

@@ -212,8 +212,8 @@ def test_local_episodes_are_the_http_paths_lines_and_resume(tmp_path: Path):
     """The `local` backend plays the episodes in the stage's process (evaluate's batched
     driver); a killed run's rerun plays only the episodes not written."""
     pytest.importorskip("torch")
-    from stages.lib.build.recipe import TinyModel
-    from stages.lib.build.tiny import build_tiny_model
+    from stages.lib.builders.recipe import TinyModel
+    from stages.lib.builders.tiny import build_tiny_model
 
     rows = [{"prompt": f"What is {i} * 3?", "answer": str(3 * i)} for i in range(4)]
     build_tiny_model(

@@ -26,7 +26,7 @@ def tensors(folder: Path) -> dict[str, Any]:
 
 def save_trained(src: Path, out: Path, setting: str) -> str:
     """What a train or rl rank does: load for training (fp32, use_cache off), save."""
-    from stages.lib.dist.rank import load_model
+    from stages.lib.distributed.rank import load_model
     from stages.lib.model.dtypes import resolve_save_dtype
     from stages.lib.model.save import write_checkpoint
 
@@ -78,7 +78,7 @@ def test_save_dtype_float32_writes_fp32(family_checkpoint, family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rl_run_without_an_update_does_not_turn_bf16_into_fp32(family_checkpoint, family, tmp_path):
     """The actor's `final` (the rl stage's last request) on the weights it loaded."""
-    from stages.lib.dist.rank import load_model
+    from stages.lib.distributed.rank import load_model
     from stages.lib.model.dtypes import resolve_save_dtype
     from stages.rl import RLConfig
     from stages.rl.roles.actor import Actor

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stages.lib.build.conventions import TEMPLATES  # noqa: E402
+from stages.lib.builders.conventions import TEMPLATES  # noqa: E402
 from stages.lib.chat.prompt import format_prompt  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 from tests.families import FAMILIES, real_vocab_missing  # noqa: E402
@@ -250,8 +250,8 @@ def test_real_vocabulary_gives_the_releases_ids(family_checkpoint: Build, family
 
 
 def test_a_model_block_with_a_family_builds_that_family(tmp_path: Path):
-    from stages.lib.build.recipe import FamilyModel
-    from stages.lib.build.tiny import build_tiny_model
+    from stages.lib.builders.recipe import FamilyModel
+    from stages.lib.builders.tiny import build_tiny_model
 
     spec = FamilyModel(family="mistral", hidden_size=32, num_layers=1, num_heads=2, dtype="float32")
     build_tiny_model(spec, ["What is 1 + 1? 2"] * 5, str(tmp_path / "m"), seed=0)
@@ -267,7 +267,7 @@ def test_a_model_block_with_a_family_builds_that_family(tmp_path: Path):
 def test_a_stage_reads_a_model_block_by_its_keys():
     from pydantic import TypeAdapter
 
-    from stages.lib.build.recipe import FamilyModel, TinyModel
+    from stages.lib.builders.recipe import FamilyModel, TinyModel
     from stages.lib.model.declared import ModelRef
 
     read = TypeAdapter(ModelRef).validate_python
@@ -295,7 +295,7 @@ def test_a_stage_reads_a_model_block_by_its_keys():
 def test_model_blocks_a_family_cannot_build_are_refused(fields: dict[str, Any], message: str):
     from pydantic import ValidationError
 
-    from stages.lib.build.recipe import FamilyModel
+    from stages.lib.builders.recipe import FamilyModel
 
     with pytest.raises(ValidationError) as err:
         FamilyModel(**fields)
@@ -304,7 +304,7 @@ def test_model_blocks_a_family_cannot_build_are_refused(fields: dict[str, Any], 
 
 def test_the_families_module_imports_neither_torch_nor_transformers():
     code = (
-        "import sys, stages.lib.build.families, stages.lib.config; "
+        "import sys, stages.lib.builders.families, stages.lib.config; "
         "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))"
     )
     out = subprocess.run(

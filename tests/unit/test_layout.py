@@ -127,7 +127,7 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
     assert sorted(k for k in KINDS if again[k] != after[k]) == ["collect", "evaluate", "rl"]
 
 
-LIB_PACKAGES = ("api", "build", "chat", "dist", "env", "io", "model", "vllm")
+LIB_PACKAGES = ("api", "builders", "chat", "distributed", "env", "io", "model", "vllm")
 # file names every kind (or every role) has by design: the same job in each package
 PER_PACKAGE = {"__init__.py", "run.py", "spec.py", "cli.py"}
 # file names two packages share because they are the two sides of one concept; each

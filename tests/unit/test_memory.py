@@ -187,7 +187,7 @@ def test_a_70b_full_fine_tune_is_refused_with_the_changes_that_fit(tmp_path: Pat
 PROBE = """\
 import json, torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from stages.lib.dist.rank import init_distributed
+from stages.lib.distributed.rank import init_distributed
 init_distributed("deepspeed", "cpu", 1)
 import deepspeed
 torch.manual_seed(0)

@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stages.lib.build.recipe import TinyModel  # noqa: E402
-from stages.lib.build.tiny import build_tiny_model, train_tokenizer  # noqa: E402
+from stages.lib.builders.recipe import TinyModel  # noqa: E402
+from stages.lib.builders.tiny import build_tiny_model, train_tokenizer  # noqa: E402
 from stages.lib.chat.prompt import format_prompt  # noqa: E402
 
 torch.set_num_threads(1)

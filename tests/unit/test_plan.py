@@ -88,7 +88,7 @@ def test_ds_config_passes_deepspeed_for_every_preset_pair(
     from engine.plan.dag import plan
     from engine.plan.resolve import resolve
     from engine.spec.load import load_pipeline
-    from stages.lib.dist.ds_config import build_ds_config
+    from stages.lib.distributed.ds_config import build_ds_config
 
     overrides = [f"profile={profile}", f"memory={memory}"]
     p = plan(resolve(load_pipeline(ROOT / "pipelines" / "quickstart.yaml", overrides)))

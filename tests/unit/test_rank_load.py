@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 
 
 def test_rank_loads_model_in_training_dtype(tmp_path: Path):
-    from stages.lib.build.recipe import TinyModel
-    from stages.lib.build.tiny import build_tiny_model
-    from stages.lib.dist.rank import load_model
+    from stages.lib.builders.recipe import TinyModel
+    from stages.lib.builders.tiny import build_tiny_model
+    from stages.lib.distributed.rank import load_model
 
     tiny = TinyModel(hidden_size=32, num_layers=1, num_heads=2, vocab_size=300)
     build_tiny_model(tiny, [f"{a} + {a} = {2 * a}" for a in range(30)], str(tmp_path / "m"), 0)

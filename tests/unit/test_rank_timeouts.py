@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 INIT = """\
 import torch
 from torch.distributed import distributed_c10d as c10d
-from stages.lib.dist.rank import init_distributed
+from stages.lib.distributed.rank import init_distributed
 init_distributed({trainer!r}, "cpu", 1 if {trainer!r} == "deepspeed" else 2)
 pg = c10d._get_default_group()
 print(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
@@ -69,7 +69,7 @@ def test_rank_process_groups_get_explicit_timeout(trainer: str):
 
 
 def test_collective_timeout_default_is_half_an_hour(monkeypatch: pytest.MonkeyPatch):
-    from stages.lib.dist.rank import collective_timeout_s
+    from stages.lib.distributed.rank import collective_timeout_s
 
     monkeypatch.delenv("PIPE_COLLECTIVE_TIMEOUT_S", raising=False)
     assert collective_timeout_s() == 1800.0

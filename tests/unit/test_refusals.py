@@ -3,7 +3,7 @@
 The test walks (with `ast`) every `raise` of an exception built with a message in
 `stages/**/*.py` outside the plan side (each kind's config module
 `stages/<kind>/__init__.py` and the shared rule modules `stages/lib/block.py`, `config.py`,
-`build/recipe.py`, `model/declared.py`, `model/path.py`, `stages/lib/dist/ds_config.py`,
+`build/recipe.py`, `model/declared.py`, `model/path.py`, `stages/lib/distributed/ds_config.py`,
 `stages/lib/env/field.py`, whose errors are plan-time errors already) and outside
 `stages/collect/tune/` (the `pipe tune` command, whose own refusals are located errors
 before it measures anything). Each raise site must be in REFUSALS, keyed by its file and the
@@ -38,11 +38,11 @@ from tests.conftest import ROOT, run_cli, stub_checkpoint
 Kind = Literal["plan", "data", "environment", "internal", "transient"]
 PLAN_SIDE = (
     "stages/lib/block.py",
-    "stages/lib/build/recipe.py",
+    "stages/lib/builders/recipe.py",
     "stages/lib/config.py",
     "stages/lib/model/declared.py",
     "stages/lib/model/path.py",
-    "stages/lib/dist/ds_config.py",
+    "stages/lib/distributed/ds_config.py",
     "stages/lib/env/field.py",
 )
 NOT_RUN_PATH = ("stages/collect/tune/",)
@@ -254,13 +254,13 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ),
     ("stages/lib/io/jsonl.py", "{}:{}: expected a JSON object"): data("a malformed JSONL line"),
     ("stages/lib/io/jsonl.py", "{}:{}: not valid JSON"): data("a malformed JSONL line"),
-    ("stages/lib/dist/spawn.py", "ranks {}-{} stopped"): environment(
+    ("stages/lib/distributed/spawn.py", "ranks {}-{} stopped"): environment(
         "a rank process of this job failed; its log says why"
     ),
-    ("stages/lib/dist/spawn.py", "training rank {} {}; last lines"): environment(
+    ("stages/lib/distributed/spawn.py", "training rank {} {}; last lines"): environment(
         "a rank process exited non-zero (out of memory, a signal, its own error in its log)"
     ),
-    ("stages/lib/build/bpe.py", "vocab_size must be at least"): plan(
+    ("stages/lib/builders/bpe.py", "vocab_size must be at least"): plan(
         Case(
             TINY.format(config="model: {vocab_size: 100}"),
             (
@@ -269,13 +269,13 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/build/tiny.py", "num_heads ({}) must divide"): plan(
+    ("stages/lib/builders/tiny.py", "num_heads ({}) must divide"): plan(
         Case(
             TINY.format(config="model: {num_heads: 3}"),
             ("p.yaml:3:52: stages.t.config.model: num_heads 3 must divide hidden_size 128",),
         )
     ),
-    ("stages/lib/build/conventions.py", "no package ships the real vocabulary"): plan(
+    ("stages/lib/builders/conventions.py", "no package ships the real vocabulary"): plan(
         Case(
             TINY.format(config="model: {family: gemma, vocab: real}"),
             (
@@ -284,10 +284,10 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/build/conventions.py", "vocab 'real' for family '{}' reads {} fr"): environment(
+    ("stages/lib/builders/conventions.py", "vocab 'real' for family '{}' reads {} fr"): environment(
         "the package shipping the vocabulary is installed, or not, where the stage runs"
     ),
-    ("stages/lib/build/families.py", "unknown family '{}'; expected one of {}"): plan(
+    ("stages/lib/builders/families.py", "unknown family '{}'; expected one of {}"): plan(
         Case(
             TINY.format(config="model: {family: qwen}"),
             (
@@ -296,7 +296,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/build/families.py", "unknown dtype '{}'; expected one of {}"): plan(
+    ("stages/lib/builders/families.py", "unknown dtype '{}'; expected one of {}"): plan(
         Case(
             TINY.format(config="model: {family: chatml, dtype: bf16}"),
             (
@@ -305,7 +305,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/dist/schedule.py", "unknown lr_scheduler"): plan(
+    ("stages/lib/distributed/schedule.py", "unknown lr_scheduler"): plan(
         Case(
             TINY.format(config="lr_scheduler: step"),
             (
@@ -314,7 +314,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
-    ("stages/lib/dist/trainer.py", "deepspeed could not load the checkpoint"): data(
+    ("stages/lib/distributed/trainer.py", "deepspeed could not load the checkpoint"): data(
         "a checkpoint on disk that DeepSpeed cannot read"
     ),
     ("stages/evaluate/multiturn.py", "evaluate: an environment's episodes are "): plan(
@@ -511,9 +511,10 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/vllm/worker_ext.py", "pipe_sync_receive before pipe_sync_join"): internal(
         "the controller joins every server before the first receive"
     ),
-    ("stages/lib/dist/weight_group.py", "weight sync: parameter '{}' where '{}' w"): internal(
-        "the sender announces the parameters in the order it sends them"
-    ),
+    (
+        "stages/lib/distributed/weight_group.py",
+        "weight sync: parameter '{}' where '{}' w",
+    ): internal("the sender announces the parameters in the order it sends them"),
     ("stages/rl/rollout/vllm.py", "{}: HTTP {}"): environment("a vLLM server refused a request"),
     ("stages/rl/rollout/vllm.py", "{}: {}"): transient("a vLLM server could not be reached"),
     # --- train -----------------------------------------------------------------------------

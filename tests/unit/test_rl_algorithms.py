@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stages.lib.build.recipe import TinyModel  # noqa: E402
-from stages.lib.build.tiny import build_tiny_model  # noqa: E402
+from stages.lib.builders.recipe import TinyModel  # noqa: E402
+from stages.lib.builders.tiny import build_tiny_model  # noqa: E402
 from stages.lib.config import Verifier  # noqa: E402
 from stages.lib.env.contract import environment_factory  # noqa: E402
 from stages.rl import RLConfig  # noqa: E402

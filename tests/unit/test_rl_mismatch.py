@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stages.lib.build.recipe import TinyModel  # noqa: E402
-from stages.lib.build.tiny import build_tiny_model  # noqa: E402
+from stages.lib.builders.recipe import TinyModel  # noqa: E402
+from stages.lib.builders.tiny import build_tiny_model  # noqa: E402
 from stages.lib.config import Verifier  # noqa: E402
 from stages.rl import RLConfig  # noqa: E402
 from stages.rl.algo.loss import masked_policy_terms, tis_weights  # noqa: E402
@@ -92,7 +92,7 @@ def rollout_samples(model_dir: str, temperature: float) -> list[Any]:
 
 def actor(model_dir: str, **cfg: Any) -> Any:
     """The actor's request handlers on one CPU rank under plain torch (no process, no spec)."""
-    from stages.lib.dist.rank import load_model, make_trainer
+    from stages.lib.distributed.rank import load_model, make_trainer
     from stages.rl.roles.actor import Actor
 
     a = Actor.__new__(Actor)

@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stages.lib.build.recipe import TinyModel  # noqa: E402
-from stages.lib.build.tiny import build_tiny_model  # noqa: E402
+from stages.lib.builders.recipe import TinyModel  # noqa: E402
+from stages.lib.builders.tiny import build_tiny_model  # noqa: E402
 from stages.rl.algo.logprobs import Sample, completion_logprobs, completion_values  # noqa: E402
 from stages.rl.algo.loss import masked_policy_terms  # noqa: E402
 from stages.rl.algo.micro import cut  # noqa: E402

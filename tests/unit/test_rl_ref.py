@@ -122,8 +122,8 @@ def test_the_reference_loads_in_the_actor_unless_its_role_holds_devices_of_its_o
 def test_the_reference_loads_frozen_in_the_compute_dtype(tmp_path: Path, bf16: bool):
     import torch
 
-    from stages.lib.build.recipe import TinyModel
-    from stages.lib.build.tiny import build_tiny_model
+    from stages.lib.builders.recipe import TinyModel
+    from stages.lib.builders.tiny import build_tiny_model
     from stages.rl.roles.frozen import load_reference
 
     build_tiny_model(TinyModel(**TINY), ["1 + 2 = 3"] * 20, str(tmp_path / "m"), seed=0)
@@ -138,8 +138,8 @@ def test_the_reference_loads_frozen_in_the_compute_dtype(tmp_path: Path, bf16: b
 def test_on_a_gpu_the_reference_loads_there_in_bf16(tmp_path: Path):
     import torch
 
-    from stages.lib.build.recipe import TinyModel
-    from stages.lib.build.tiny import build_tiny_model
+    from stages.lib.builders.recipe import TinyModel
+    from stages.lib.builders.tiny import build_tiny_model
     from stages.rl.roles.frozen import load_reference
 
     build_tiny_model(TinyModel(**TINY), ["1 + 2 = 3"] * 20, str(tmp_path / "m"), seed=0)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from stages.lib.dist.spawn import TrainingFailed
+from stages.lib.distributed.spawn import TrainingFailed
 from stages.rl import RLConfig
 from stages.rl.roles import launch
 from stages.rl.roles.channel import StageEnd

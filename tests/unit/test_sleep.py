@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from stages.lib.dist.offload import HostStates, optimizer_tensors
-from stages.lib.dist.sleep import sleep_method
+from stages.lib.distributed.offload import HostStates, optimizer_tensors
+from stages.lib.distributed.sleep import sleep_method
 from stages.rl import RLConfig
 from stages.rl.algo.logprobs import Sample
 from stages.rl.controller.loop import Batch, run_steps

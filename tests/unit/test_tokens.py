@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stages.lib.build.conventions import FAMILIES as SPECS  # noqa: E402
+from stages.lib.builders.conventions import FAMILIES as SPECS  # noqa: E402
 from stages.lib.chat.tokens import answer_end, checkpoint_eos_ids, eos_ids, pad_id  # noqa: E402
 from tests.families import FAMILIES  # noqa: E402
 
@@ -44,7 +44,7 @@ END = {
 
 def tokenizer_of(family: str, family_checkpoint: Build) -> Any:
     if family == "tiny":
-        from stages.lib.build.tiny import train_tokenizer
+        from stages.lib.builders.tiny import train_tokenizer
 
         return train_tokenizer([f"{QUESTION} 5", "And 4 + 4? 8"] * 5, 300)
     from transformers import AutoTokenizer
@@ -85,7 +85,7 @@ def test_rl_roles_get_a_pad_id_from_a_config_with_an_eos_list_and_no_pad(
     """Llama 3's config has `eos_token_id` a list and no pad: `int()` of it killed the actor."""
     import transformers
 
-    from stages.rl.roles import actor, critic, ref
+    from stages.rl.roles import actor, critic, ref, trained
 
     path = family_checkpoint(family)
     fam = SPECS[family]
@@ -97,8 +97,7 @@ def test_rl_roles_get_a_pad_id_from_a_config_with_an_eos_list_and_no_pad(
 
     monkeypatch.setattr(actor, "load_model", load)
     monkeypatch.setattr(critic, "load_model", load)
-    monkeypatch.setattr(actor, "make_trainer", lambda *a: None)
-    monkeypatch.setattr(critic, "make_trainer", lambda *a: None)
+    monkeypatch.setattr(trained, "make_trainer", lambda *a: None)  # the actor's and critic's
     monkeypatch.setattr(ref, "load_reference", lambda model_dir, *a: (load(model_dir, None), None))
     cfg = SimpleNamespace(kl_coef=0.0, bf16=False)
     spec = SimpleNamespace(

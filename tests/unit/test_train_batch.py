@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stages.lib.dist.schedule import lr_factor, warmup_steps
+from stages.lib.distributed.schedule import lr_factor, warmup_steps
 from stages.train.batch_plan import BatchPlan, Micro, dynamic_groups, pack_rows
 
 

@@ -31,7 +31,7 @@ EPISODE = {
 @pytest.fixture(scope="module")
 def tokenizer():
     pytest.importorskip("transformers")
-    from stages.lib.build.tiny import train_tokenizer
+    from stages.lib.builders.tiny import train_tokenizer
 
     texts = ["What is 12 * 7? calc: 12 * 7 result: 84 Use calc: lines."] * 4
     return train_tokenizer(texts, 300)

@@ -19,7 +19,7 @@ from stages.train.data import (
 @pytest.fixture(scope="module")
 def tokenizer():
     pytest.importorskip("transformers")
-    from stages.lib.build.tiny import train_tokenizer
+    from stages.lib.builders.tiny import train_tokenizer
 
     texts = [f"What is {a} + {b}? {a + b}" for a in range(0, 100, 7) for b in range(3, 60, 11)]
     return train_tokenizer(texts, 300)

@@ -113,7 +113,7 @@ def test_dpo_loss_value():
 
 def one_step(packing: bool, dynamic: bool, micro: int) -> dict[str, object]:
     """Weights after one AdamW step on the same 6 sequences, batched differently."""
-    from stages.lib.dist.trainer import TorchTrainer
+    from stages.lib.distributed.trainer import TorchTrainer
     from stages.train.loop import Loop
 
     gen = torch.Generator().manual_seed(3)

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 
 def test_torch_trainer_bf16_autocast_applies_to_actor_logprobs():
-    from stages.lib.dist.trainer import TorchTrainer
+    from stages.lib.distributed.trainer import TorchTrainer
     from stages.rl.algo.logprobs import Sample, completion_logprobs
     from tests.sleep_rank import Settings, tiny
 

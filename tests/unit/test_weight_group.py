@@ -1,4 +1,4 @@
-"""Weights over a process group in bounded buckets (`stages.lib.dist.weight_group`), the protocol
+"""Weights over a process group in bounded buckets (`stages.lib.distributed.weight_group`), the protocol
 the actor speaks to local engines and to vLLM's workers alike: bucket boundaries, a real
 gloo broadcast to two receivers at once (every tensor, every alias, in order), and a server
 that cannot join the group failing the first sync with both ends named."""
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 
 def test_buckets_are_bounded_ordered_and_a_large_tensor_travels_alone():
-    from stages.lib.dist.weight_group import buckets
+    from stages.lib.distributed.weight_group import buckets
 
     shapes = [("a", [4, 4]), ("b", [8]), ("big", [100]), ("c", [2]), ("d", [3])]
     plan = buckets(shapes, itemsize=4, bucket_bytes=100)  # 25 floats a bucket
@@ -29,7 +29,7 @@ def test_one_broadcast_reaches_two_receivers_with_every_tensor_and_alias():
 
     import torch.distributed as dist
 
-    from stages.lib.dist.weight_group import client_store, process_group, receive, send
+    from stages.lib.distributed.weight_group import client_store, process_group, receive, send
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30))
     address = f"127.0.0.1:{store.port}"

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import Discriminator, Tag
 
-from stages.lib.build.recipe import FamilyModel, TinyModel
+from stages.lib.builders.recipe import FamilyModel, TinyModel
 
 
 def _model_tag(value: Any) -> str:

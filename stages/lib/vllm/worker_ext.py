@@ -4,7 +4,7 @@ vLLM starts with `--worker-extension-cls stages.lib.vllm.worker_ext.WeightSync` 
 into every worker of the server (each tensor-parallel worker, in the engine core's process
 on a CPU build) and lets `POST /collective_rpc {"method": NAME, "kwargs": {...}}` call its
 methods on all of them, each worker's return value in the reply's `results`. Only torch is
-needed here (`stages.lib.dist.weight_group`): the actor's interpreter never imports vLLM, and
+needed here (`stages.lib.distributed.weight_group`): the actor's interpreter never imports vLLM, and
 this module never imports anything of ours beyond torch-only code.
 
 - `pipe_sync_info()`: the worker's rank in its engine and its device (how many group ranks
@@ -40,7 +40,7 @@ class WeightSync:
     def pipe_sync_join(
         self, store: str, base: int, world: int, timeout_s: float, nccl: bool
     ) -> dict[str, Any]:
-        from stages.lib.dist.weight_group import client_store, process_group
+        from stages.lib.distributed.weight_group import client_store, process_group
 
         rank = int(base) + int(self.rank)  # type: ignore[attr-defined]
         client = client_store(store, None, float(timeout_s))
@@ -48,7 +48,7 @@ class WeightSync:
         return {"rank": rank, "world": int(world)}
 
     def pipe_sync_receive(self) -> dict[str, Any]:
-        from stages.lib.dist.weight_group import receive
+        from stages.lib.distributed.weight_group import receive
 
         if self._pipe_group is None:
             raise RuntimeError("pipe_sync_receive before pipe_sync_join")

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.api.sampling import request_sampling
-from stages.lib.dist.sleep import sleep_method
+from stages.lib.distributed.sleep import sleep_method
 from stages.rl.algo.effects import algorithm_settings
 from stages.rl.sync.choice import SyncChoice
 

@@ -15,7 +15,7 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.config import VLLMBackend
-from stages.lib.dist import resume
+from stages.lib.distributed import resume
 from stages.rl.controller.records import resume_point
 from stages.rl.controller.settings import account
 from stages.rl.roles.launch import host_of
@@ -33,7 +33,7 @@ def init_model_dir(c: Controller) -> str:
         return c.cfg.model
     path = f"{c.dir}/init_model"
     if not os.path.exists(f"{path}/config.json"):
-        from stages.lib.build.tiny import build_tiny_model
+        from stages.lib.builders.tiny import build_tiny_model
         from stages.lib.chat.prompt import as_messages
 
         texts: list[str] = []
@@ -59,7 +59,7 @@ def _resume(c: Controller, resume_key: str) -> tuple[str | None, int]:
 
 def start(c: Controller) -> int:
     """Build the engine, launch the actor, sync the first weights; the step to start at."""
-    from stages.lib.dist.ds_config import build_ds_config
+    from stages.lib.distributed.ds_config import build_ds_config
     from stages.lib.model.dtypes import resolve_save_dtype
     from stages.rl.roles.channel import StageEnd
     from stages.rl.roles.spec import ActorSpec
@@ -77,7 +77,7 @@ def start(c: Controller) -> int:
     tag, start = _resume(c, resume_key)
     c.resume_key = resume_key
     from stages.lib.devices import torch_device
-    from stages.lib.dist.spawn import rank_table
+    from stages.lib.distributed.spawn import rank_table
     from stages.rl.sync.choice import choose_sync, shared_gpu
 
     engine_device = torch_device(c.ctx, "vllm")

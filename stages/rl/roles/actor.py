@@ -9,7 +9,7 @@ returns its statistics), `sync` (publish the weights to the engine, then score t
 the hybrid engine), `final` (the Hugging Face checkpoint at `output`), `stop`.
 
 Rank 0 talks to the stage and passes each request on to the other ranks (through the
-rendezvous store, not a collective: they may wait for hours, `stages.lib.dist.serve`; the
+rendezvous store, not a collective: they may wait for hours, `stages.lib.distributed.serve`; the
 process around the role: `stages.rl.roles.rank_process`); every rank trains on its share of
 each optimizer step's samples (gradients averaged by the trainer), and per-token losses are
 divided by the step's token count over all ranks (`stages.rl.roles.policy_update`).
@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from stages.lib.dist.rank import exit_now, load_model
+from stages.lib.distributed.rank import exit_now, load_model
 from stages.rl.roles.trained import TrainedRank
 
 log = logging.getLogger("pipe.rl")

@@ -16,7 +16,7 @@ import logging
 import random
 from typing import Any
 
-from stages.lib.dist.rank import exit_now, load_model
+from stages.lib.distributed.rank import exit_now, load_model
 from stages.rl.roles.trained import TrainedRank
 
 log = logging.getLogger("pipe.rl.critic")

@@ -57,7 +57,7 @@ def load_reference(
     -> `DeepSpeedZeRoOffload`, runtime/engine.py `_configure_zero_optimizer`)."""
     import torch
 
-    from stages.lib.dist.rank import load_model
+    from stages.lib.distributed.rank import load_model
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = ref_ds_config(ds_config, bf16)
@@ -103,7 +103,7 @@ class RefRanks:
     def __init__(self, roles: Any, host: str, spec: Any, model_dir: str) -> None:
         """`spec`: the actor's; the ranks take their own channel and, under DeepSpeed, a
         ds_config for the ref role's rank count (it only says how the weights split)."""
-        from stages.lib.dist.ds_config import build_ds_config
+        from stages.lib.distributed.ds_config import build_ds_config
         from stages.rl.roles.channel import StageEnd
 
         self.roles, self.end = roles, StageEnd(host)

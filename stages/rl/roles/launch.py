@@ -22,7 +22,7 @@ from stages.rl.roles.layout import local_ranks, rendezvous, role_table, role_wor
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
-    from stages.lib.dist.spawn import Ranks
+    from stages.lib.distributed.spawn import Ranks
     from stages.rl import RLConfig
 
 
@@ -46,7 +46,7 @@ def start_ranks(
     in `errors`."""
     import torch
 
-    from stages.lib.dist.spawn import launch
+    from stages.lib.distributed.spawn import launch
 
     device = "cuda" if ranks.devices and torch.cuda.is_available() else "cpu"
     stage_dir = ctx.stage_dir.rstrip("/")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
-    from stages.lib.dist.spawn import Ranks
+    from stages.lib.distributed.spawn import Ranks
 
 MASTER_TIMEOUT_S = 900.0
 
@@ -33,7 +33,7 @@ def worker_host(worker: str | None) -> str:
 
 def role_table(ctx: StageContext, role: str) -> list[dict[str, Any]]:
     """Every rank of `role`: one per device the placement gives it, task by task."""
-    from stages.lib.dist.spawn import rank_table
+    from stages.lib.distributed.spawn import rank_table
 
     return rank_table(ctx, role)
 
@@ -45,7 +45,7 @@ def role_workers(ctx: StageContext, role: str) -> list[str | None]:
 
 def local_ranks(ctx: StageContext, role: str, num_processes: int) -> Ranks | None:
     """The ranks of `role` this task starts (None: none here), rendezvous not yet set."""
-    from stages.lib.dist.spawn import Ranks
+    from stages.lib.distributed.spawn import Ranks
 
     table = role_table(ctx, role)
     here = ctx.tasks[ctx.node_rank] if ctx.tasks else (None, None)

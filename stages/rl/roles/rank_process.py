@@ -1,11 +1,11 @@
 """The body of an rl rank process (actor, critic, ref): `python -m stages.rl.roles.ROLE SPEC`.
 
 Input: the `ActorSpec` path on the command line and the rank in the environment (set by
-`stages.lib.dist.spawn`). Output: the rank set up (logging, threads, device, process group),
+`stages.lib.distributed.spawn`). Output: the rank set up (logging, threads, device, process group),
 its record in `<stage>/ranks/` (`stages.rl.roles.launch.record_rank`), the role built, and
 the stage's requests answered in order until `stop`: rank 0 receives each and passes it on
 to the other ranks (through the rendezvous store, not a collective: they may wait for hours,
-`stages.lib.dist.serve`), every rank runs it, rank 0 replies on the role's channel.
+`stages.lib.distributed.serve`), every rank runs it, rank 0 replies on the role's channel.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import random
 import sys
 from typing import Any
 
-from stages.lib.dist.rank import die_with_parent, leave_group, start_rank
+from stages.lib.distributed.rank import die_with_parent, leave_group, start_rank
 
 
 def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:
     """Answer requests with `handlers` until `stop`: rank 0 receives each and passes it on
-    to the other ranks (through the store, not a collective: `stages.lib.dist.serve`), every rank
-    runs it, rank 0 replies."""
-    from stages.lib.dist.serve import Requests
+    to the other ranks (through the store, not a collective: `stages.lib.distributed.serve`),
+    every rank runs it, rank 0 replies."""
+    from stages.lib.distributed.serve import Requests
 
     requests = Requests(world, conn)
     while True:

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from stages.lib.chat.tokens import pad_id
-from stages.lib.dist.rank import exit_now
+from stages.lib.distributed.rank import exit_now
 from stages.rl.roles.frozen import load_reference, reference_logprobs
 
 log = logging.getLogger("pipe.rl.ref")

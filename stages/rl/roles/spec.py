@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from stages.lib.dist.spec import RankSpec
+from stages.lib.distributed.spec import RankSpec
 from stages.rl import RLConfig
 
 

@@ -1,7 +1,7 @@
 """What the actor's and the critic's ranks share: a model trained on this rank.
 
 Input: the `ActorSpec`, this rank's place (rank, world size, device) and the role's model.
-Output: the trainer around the model (`stages.lib.dist.rank.make_trainer`, its schedule over
+Output: the trainer around the model (`stages.lib.distributed.rank.make_trainer`, its schedule over
 the run's `total_updates`), resumed from the spec's tag when it names one, and the hybrid
 engine's `offload` / `reload` requests.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from stages.lib.chat.tokens import pad_id
-from stages.lib.dist.rank import make_trainer
+from stages.lib.distributed.rank import make_trainer
 
 
 class TrainedRank:
@@ -35,7 +35,7 @@ class TrainedRank:
 
     def offload(self, payload: Any) -> str:
         """The optimizer side off the GPU while the engine generates (hybrid engine; how:
-        `stages.lib.dist.sleep`); what moved."""
+        `stages.lib.distributed.sleep`); what moved."""
         return str(self.trainer.offload())
 
     def reload(self, payload: Any) -> str:

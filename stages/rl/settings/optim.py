@@ -1,8 +1,8 @@
 """The rl stage's optimisation settings: how the actor (and the critic) update.
 
 Input: a stage's config values. Output: the fields of `OptimSettings`, a base of
-`stages.rl.RLConfig`; the DeepSpeed config (`stages.lib.dist.ds_config`) and the trainer
-(`stages.lib.dist.trainer`) read them by name, as they read train's.
+`stages.rl.RLConfig`; the DeepSpeed config (`stages.lib.distributed.ds_config`) and the trainer
+(`stages.lib.distributed.trainer`) read them by name, as they read train's.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ may repack weights), a mismatch fails the step naming the engine.
   the controller's own engine, which hosts the TCP store, then the engines other tasks
   host; with vLLM servers every worker of every server, `stages.rl.sync.vllm`), on the
   controller's reachable address; the parameters are broadcast once to all engines at
-  once, in buckets of `sync_bucket_mb` (`stages.lib.dist.weight_group`: the same protocol into
-  a local engine and into vLLM's workers); a sync past `timeout_s` raises.
+  once, in buckets of `sync_bucket_mb` (`stages.lib.distributed.weight_group`: the same
+  protocol into a local engine and into vLLM's workers); a sync past `timeout_s` raises.
 - `nccl`: the same on CUDA tensors (GPU only; on a CPU run the stage uses gloo instead and
   records why).
 - `disk`: rank 0 writes safetensors atomically, the engine reloads them parameter by
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 
-from stages.lib.dist import weight_group
+from stages.lib.distributed import weight_group
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -9,8 +9,8 @@ holding the actor's weights, and what the sync cost (`stats`).
   vLLM's `/collective_rpc` and our worker extension (`stages.lib.vllm.worker_ext`). The first sync
   joins them (an engine that cannot reach the store or the actor fails it, naming both
   ends: that sync is the stage's start); each sync then broadcasts the weights once, in
-  buckets, to all engines at the same time (`stages.lib.dist.weight_group`), each worker loading
-  them in place, and the prefix caches are dropped. No file is written.
+  buckets, to all engines at the same time (`stages.lib.distributed.weight_group`), each
+  worker loading them in place, and the prefix caches are dropped. No file is written.
 - `VLLMDiskReceiver` (`disk`, the explicit choice): actor rank 0 writes
   `<stage>/sync/model.safetensors`, then every server reloads it (`reload_weights`).
 
@@ -78,7 +78,7 @@ class VLLMGroupReceiver:
     pulls = False  # the servers receive while the actor sends
 
     def __init__(self, engine: VLLMEngine, host: str, timeout_s: float, nccl: bool) -> None:
-        from stages.lib.dist.weight_group import host_store
+        from stages.lib.distributed.weight_group import host_store
 
         self.engine, self.timeout_s, self.nccl = engine, timeout_s, nccl
         self.name = engine.name

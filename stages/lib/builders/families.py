@@ -21,7 +21,7 @@ Each family keeps its release's conventions, as user checkpoints bring them:
 
 The chat templates are the releases' own text, copied verbatim into `templates/` (sources
 in `templates/README.md`). The small vocabulary is a byte-level BPE trained locally
-(`stages.lib.build.bpe.train_bpe`, digits one per token, as the tiny model's) plus the family's
+(`stages.lib.builders.bpe.train_bpe`, digits one per token, as the tiny model's) plus the family's
 special token strings; Gemma's and Mistral's real vocabularies are SentencePiece, which the
 small one does not imitate beyond those strings and the bos/eos/pad conventions.
 `vocab="real"` reads Qwen's BPE ranks from `dashscope` (`qwen.tiktoken`) and Llama 3's from
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.lib.build.bpe import tiktoken_bpe, train_bpe
-from stages.lib.build.conventions import (
+from stages.lib.builders.bpe import tiktoken_bpe, train_bpe
+from stages.lib.builders.conventions import (
     DEFAULT_TEXTS,
     DTYPES,
     FAMILIES,
@@ -53,7 +53,7 @@ from stages.lib.build.conventions import (
     real_vocab_file,
 )
 
-log = logging.getLogger("pipe.stages.lib.build.families")
+log = logging.getLogger("pipe.stages.lib.builders.families")
 
 # -- tokenizers ----------------------------------------------------------------------------
 

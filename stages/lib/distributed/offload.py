@@ -4,8 +4,8 @@ Input: the tensors an optimizer owns beyond the model (`optimizer_tensors`: Adam
 fp32 master copies; `state_tensors` for the state alone, e.g. a ZeRO optimizer's inner one).
 Output: the same tensor objects, their storage swapped to (pinned) host buffers by
 `HostStates.offload` and to fresh device memory by `HostStates.reload`, each returning the
-bytes moved. The trainers (`stages.lib.dist.trainer`) call it where DeepSpeed's own
-`offload_states` does not apply (`stages.lib.dist.sleep` says where).
+bytes moved. The trainers (`stages.lib.distributed.trainer`) call it where DeepSpeed's own
+`offload_states` does not apply (`stages.lib.distributed.sleep` says where).
 """
 
 from __future__ import annotations

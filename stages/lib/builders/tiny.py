@@ -1,7 +1,7 @@
 """Tiny models built from config, with a tokenizer trained locally.
 
 Input: a `TinyModel` spec and the texts to train a tokenizer on (a `FamilyModel` spec: a
-real family's test checkpoint, built by `stages.lib.build.families`).
+real family's test checkpoint, built by `stages.lib.builders.families`).
 Output: an ordinary Hugging Face checkpoint directory (config, weights,
 tokenizer with the shared chat template of `stages.lib.chat.prompt`) that
 `AutoModelForCausalLM` and `AutoTokenizer` load like any other.
@@ -17,14 +17,14 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from stages.lib.build.bpe import train_bpe
-from stages.lib.build.families import Sizes, build_family
+from stages.lib.builders.bpe import train_bpe
+from stages.lib.builders.families import Sizes, build_family
 from stages.lib.chat.prompt import BOS, CHAT_TEMPLATE, EOS, PAD, ROLE_TOKENS, SPECIAL_TOKENS
 
 if TYPE_CHECKING:
-    from stages.lib.build.recipe import FamilyModel, TinyModel
+    from stages.lib.builders.recipe import FamilyModel, TinyModel
 
-log = logging.getLogger("pipe.stages.lib.build.tiny")
+log = logging.getLogger("pipe.stages.lib.builders.tiny")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
@@ -71,12 +71,12 @@ def build_tiny_model(
     spec: TinyModel | FamilyModel, texts: Iterable[str], out_dir: str, seed: int
 ) -> None:
     """Build a fresh Llama from `spec`, train its tokenizer on `texts`, save both to `out_dir`
-    (a `FamilyModel` spec: that family's checkpoint, by `stages.lib.build.families`).
+    (a `FamilyModel` spec: that family's checkpoint, by `stages.lib.builders.families`).
 
     The directory appears complete or not at all: everything is written to a
     temporary sibling first, then renamed into place.
     """
-    from stages.lib.build.recipe import FamilyModel
+    from stages.lib.builders.recipe import FamilyModel
 
     if isinstance(spec, FamilyModel):
         _build_family(spec, texts, out_dir, seed)
@@ -106,7 +106,8 @@ def build_tiny_model(
 
 
 def _build_family(spec: FamilyModel, texts: Iterable[str], out_dir: str, seed: int) -> None:
-    """A `model:` block with a `family`: that family's checkpoint (`stages.lib.build.families`)."""
+    """A `model:` block with a `family`: that family's checkpoint
+    (`stages.lib.builders.families`)."""
     sizes = Sizes(
         hidden_size=spec.hidden_size,
         num_layers=spec.num_layers,

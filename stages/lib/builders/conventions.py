@@ -4,7 +4,7 @@ Input: nothing (constants), and for `real_vocab_file` a family name. Output: `FA
 `Family` per family (what its release fixes: architecture, special tokens and which close a
 turn, bos/eos/pad conventions, generation_config defaults, the template file), the texts a
 small vocabulary trains on by default, and where an installed package ships a family's real
-vocabulary. `stages.lib.build.families` builds checkpoints from these. Nothing heavy is imported.
+vocabulary. `stages.lib.builders.families` builds checkpoints from these. Nothing heavy is imported.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a model built from config is made of: the tiny Llama (`TinyModel`) and a real family's
 test checkpoint (`FamilyModel`), as the `model:` field declares them.
 
-Input: the YAML mapping. Output: a validated spec that `stages.lib.build.tiny` builds.
+Input: the YAML mapping. Output: a validated spec that `stages.lib.builders.tiny` builds.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class FamilyModel(Block):
 
     @model_validator(mode="after")
     def _fits(self) -> FamilyModel:
-        from stages.lib.build.conventions import FAMILIES
+        from stages.lib.builders.conventions import FAMILIES
 
         if self.hidden_size % self.num_heads:
             raise ValueError(

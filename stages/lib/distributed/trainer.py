@@ -7,16 +7,17 @@ and the run's total steps. Output: a `Trainer` whose call (the model's top-level
 loads resumable checkpoints, and hands rank 0 the full weights for the final checkpoint.
 
 Both use torch's AdamW (betas 0.9/0.95) with the schedule of
-`stages.lib.dist.schedule`, gradient clipping at 1.0, and gradients averaged over
+`stages.lib.distributed.schedule`, gradient clipping at 1.0, and gradients averaged over
 ranks. Gradient accumulation boundaries are set by the caller for each micro
 batch, because dynamic batching gives steps a varying number of them; the loss
 the caller passes is already scaled (DeepSpeed's own 1/accumulation scaling
 is off). On GPU with `adam_offload`, DeepSpeed's CPU Adam is used instead of
 torch's (torch's AdamW on offloaded fp32 states would be slow at scale).
 
-`offload()` and `reload()` move the optimizer side off the GPU and back (`stages.lib.dist.sleep`
-chooses how, `stages.lib.dist.offload` moves what the trainer moves itself); a checkpoint
-saved while the states are away brings them back for the save.
+`offload()` and `reload()` move the optimizer side off the GPU and back
+(`stages.lib.distributed.sleep` chooses how, `stages.lib.distributed.offload` moves what the
+trainer moves itself); a checkpoint saved while the states are away brings them back for the
+save.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from stages.lib.dist.offload import HostStates, optimizer_tensors, state_tensors
-from stages.lib.dist.schedule import lr_factor, warmup_steps
-from stages.lib.dist.sleep import Sleep, sleep_method
+from stages.lib.distributed.offload import HostStates, optimizer_tensors, state_tensors
+from stages.lib.distributed.schedule import lr_factor, warmup_steps
+from stages.lib.distributed.sleep import Sleep, sleep_method
 
 
 class OptimizerSettings(Protocol):
@@ -306,7 +307,8 @@ class DeepSpeedTrainer(Sleeper):
             self.engine.save_checkpoint(root, tag=tag, save_latest=False)
 
     def _offload(self) -> int:
-        """By `self.sleep.method` (`stages.lib.dist.sleep`: what DeepSpeed 0.19 offers where)."""
+        """By `self.sleep.method` (`stages.lib.distributed.sleep`: what DeepSpeed 0.19 offers
+        where)."""
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum as Device
         from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 

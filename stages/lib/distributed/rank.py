@@ -1,8 +1,8 @@
 """What every rank process (a train or rl rank) does first, and how it ends.
 
-Input: the rank's environment (set by `stages.lib.dist.spawn`) and its spec
-(`stages.lib.dist.spec.RankSpec`: device kind, trainer, threads). Output: logging whose marked
-lines (`@pipe LEVEL ...`) the launcher passes on to the stage's log, the process group
+Input: the rank's environment (set by `stages.lib.distributed.spawn`) and its spec
+(`stages.lib.distributed.spec.RankSpec`: device kind, trainer, threads). Output: logging whose
+marked lines (`@pipe LEVEL ...`) the launcher passes on to the stage's log, the process group
 (gloo on CPU, NCCL on GPU; DeepSpeed's when it trains), the trainer around the model,
 and an exit that skips the interpreter's teardown once everything is written.
 """
@@ -17,7 +17,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stages.lib.dist.spec import RankSpec
+    from stages.lib.distributed.spec import RankSpec
 
 PARENT_ENV = "PIPE_TRAIN_PARENT_PID"
 MARK = "@pipe "  # lines the launcher passes on to the stage's log; the rest go to the log file only
@@ -53,7 +53,7 @@ def collective_timeout_s() -> float:
     launcher the stage): 30 minutes, long enough for a 70B model's gathers at a save;
     `PIPE_COLLECTIVE_TIMEOUT_S` overrides it. DeepSpeed's default is 10 minutes and torch's
     10 (NCCL) or 30 (gloo): given explicitly so every backend waits the same. The ranks'
-    idle wait between two requests is not a collective (`stages.lib.dist.serve`), so the
+    idle wait between two requests is not a collective (`stages.lib.distributed.serve`), so the
     controller generating, evaluating or saving for longer kills nothing."""
     return float(os.environ.get("PIPE_COLLECTIVE_TIMEOUT_S", 1800))
 
@@ -150,7 +150,7 @@ def make_trainer(
 ) -> Any:
     """The `Trainer` (`trainer`: deepspeed with `ds_config`, or torch) around `model`, in
     training mode."""
-    from stages.lib.dist.trainer import DeepSpeedTrainer, TorchTrainer
+    from stages.lib.distributed.trainer import DeepSpeedTrainer, TorchTrainer
 
     model.train()  # from_pretrained returns eval mode, where checkpointing is skipped
     if cfg.gradient_checkpointing:

@@ -2,7 +2,7 @@
 
 Input: what a trained role (the rl actor or critic) runs with: its trainer (deepspeed or
 torch), ZeRO stage, `adam_offload` and device. Output: a `Sleep`: the method
-`stages.lib.dist.trainer` carries out for `deepspeed_enable_sleep` (hybrid engine: states off
+`stages.lib.distributed.trainer` carries out for `deepspeed_enable_sleep` (hybrid engine: states off
 the GPU while the engine generates, back before the next update), and one line saying
 what leaves the GPU, for `settings.json`. Light (no torch): plan-time rules read it too.
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from stages.lib.dist.rank import MARK, PARENT_ENV
+from stages.lib.distributed.rank import MARK, PARENT_ENV
 from stages.lib.net import free_port
 
 if TYPE_CHECKING:
