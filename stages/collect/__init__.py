@@ -89,7 +89,8 @@ class CollectConfig(BackendStageConfig):
     )
     environment: EnvironmentConfig | None = Field(
         None,
-        description="A multi-turn environment each episode talks to (README, Environments); none: "
+        description="A multi-turn environment each episode talks to (docs/rl/environments.md); "
+        "none: "
         "one turn scored by the verifier.",
     )
 

@@ -61,7 +61,8 @@ class EvaluateConfig(BackendStageConfig):
     verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
     environment: EnvironmentConfig | None = Field(
         None,
-        description="A multi-turn environment each episode talks to (README, Environments); none: "
+        description="A multi-turn environment each episode talks to (docs/rl/environments.md); "
+        "none: "
         "one turn scored by the verifier.",
     )
     seed: int = Field(0, description="Seed for sampling.")

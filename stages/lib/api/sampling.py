@@ -12,7 +12,8 @@ carries every field besides (`request_sampling`).
 A server the stage did not start (`backend: openai`) gets OpenAI's own fields only
 (temperature, top_p, presence and frequency penalties): OpenAI's API refuses a request
 carrying `top_k`, `min_p` or `repetition_penalty` (400, unrecognized argument). A vLLM server
-someone else started should then run with `--generation-config vllm` itself (README).
+someone else started should then run with `--generation-config vllm` itself
+(docs/rl/on-policy.md).
 
 `top_k: -1` is "off" (vLLM 0.32 also takes 0 and prefers it; older vLLM and SGLang take only
 -1; vLLM's input batch treats any value outside 1..vocab-1 as the whole vocabulary).

@@ -15,7 +15,7 @@ options. Output: one environment per episode (`stages.lib.env.contract` holds th
   `result: <value>` (or `error: ...`) as a user message and the turn earns 0. A turn with
   no such line is the final answer, scored by the verifier, and ends the episode.
 
-`HTTPEnvironment` speaks the same two calls to a server (README, "Environments"):
+`HTTPEnvironment` speaks the same two calls to a server (docs/rl/environments.md):
 `POST {url}/reset` with `{"row"}` answers `{"messages"}`; `POST {url}/step` with
 `{"row", "messages", "completion"}` answers `{"reward", "observation", "done"}`.
 """

@@ -5,7 +5,7 @@ Input: a `stages.lib.config.EnvironmentConfig` (a built-in name, a user's
 Output: `Environment` objects, one per episode, and `Episode`s that record a
 conversation, its per-turn rewards and how it ended.
 
-The contract (README, "Environments"), small on purpose:
+The contract (docs/rl/environments.md), small on purpose:
 
 - `reset(row) -> messages`: the opening conversation for one input row.
 - `step(messages, completion) -> (reward, observation, done)`: the model answered

@@ -24,7 +24,8 @@ def _environment_kind(value: Any) -> Any:
 
 
 class EnvironmentConfig(Block):
-    """A multi-turn environment the model talks to (`stages.lib.env.contract`)."""
+    """A multi-turn environment the model talks to (docs/rl/environments.md; the contract:
+    `stages.lib.env.contract`)."""
 
     kind: Annotated[str | None, BeforeValidator(_environment_kind)] = Field(
         None,

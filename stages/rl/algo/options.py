@@ -4,7 +4,7 @@ how per-token losses add up, DAPO's and GSPO's changes, PPO's and the KL's terms
 Input: a stage's config values. Output: the fields of `AlgorithmOptions`, a base of
 `stages.rl.RLConfig` (the rules that tie them together: `stages.rl.algo.combinations`).
 
-The names follow the frameworks users compare us with (README, "RL algorithms"):
+The names follow the frameworks users compare us with (docs/rl/algorithms.md):
 `advantage` is verl's `adv_estimator` / OpenRLHF's `advantage_estimator`, `loss_agg` is
 verl's `loss_agg_mode` (underscores for its dashes), `eps_clip_high` verl's
 `clip_ratio_high`, `ratio_level` TRL's `importance_sampling_level`.

@@ -20,7 +20,7 @@ class RolloutSettings(StageConfig):
     verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
     environment: EnvironmentConfig | None = Field(
         None,
-        description="A multi-turn environment each episode talks to (README, Environments); "
+        description="A multi-turn environment each episode talks to (docs/rl/environments.md); "
         "none: one turn scored by the verifier.",
     )
     backend: Backend = Field(
