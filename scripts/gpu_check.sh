@@ -67,9 +67,13 @@ if [ -n "$PY" ]; then
     record install skipped "" 0 "pipe already installed for $PY"
 elif [ -f "$WHEELHOUSE/requirements.lock" ]; then
     PY=.venv-gpu/bin/python
+    # --system-site-packages sees the base interpreter's packages, not a venv's: where python3
+    # is itself a venv (the lent machines' /opt/torch/.venv), a .pth adds its site-packages
     step install "${GPU_CHECK_INSTALL_TIMEOUT:-900}" bash -c "
         set -e
         test -x $PY || $BASE_PY -m venv --system-site-packages .venv-gpu
+        $BASE_PY -c 'import site; print(chr(10).join(site.getsitepackages()))' \
+            >\"\$($PY -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')/base_python.pth\"
         $PY scripts/wheelhouse.py install --python $PY --wheelhouse $WHEELHOUSE --project . --editable"
 else
     PY=$BASE_PY
@@ -102,5 +106,9 @@ else
     # shellcheck disable=SC2086
     step quickstart "${GPU_CHECK_QUICKSTART_TIMEOUT:-600}" $PIPE run pipelines/grpo_quickstart.yaml \
         --run-dir "$OUT/grpo" --force
+fi
+# the exit status says whether every step that ran passed (skipped steps do not count)
+if cut -f2 "$OUT/steps.tsv" | grep -qE '^(failed|timed out)$'; then
+    exit 1
 fi
 exit 0
