@@ -74,14 +74,14 @@ test-fast: install
 	$(PY) -m pytest -m "not slow and not integration"
 
 lint: install
-	$(VENV)/bin/ruff check engine stages tests bench
-	$(VENV)/bin/ruff format --check engine stages tests bench
+	$(VENV)/bin/ruff check engine stages tests bench scripts docs/conf.py
+	$(VENV)/bin/ruff format --check engine stages tests bench scripts docs/conf.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-logo
 
 fmt: install
-	$(VENV)/bin/ruff check --fix engine stages tests bench
-	$(VENV)/bin/ruff format engine stages tests bench
+	$(VENV)/bin/ruff check --fix engine stages tests bench scripts docs/conf.py
+	$(VENV)/bin/ruff format engine stages tests bench scripts docs/conf.py
 
 # schemas/ and the settings page generated from it (docs/reference/settings.md)
 schemas: install

@@ -4,7 +4,8 @@ Sphinx with MyST Markdown, because the guides pipe's presets encode are written 
 (NeMo Gym's rollout-tuning pages are Sphinx + MyST, OpenRLHF's guide is Sphinx + reST): the
 same directives and cross-references, and pages that still read as plain Markdown on GitHub.
 MkDocs Material was the other choice; Sphinx's `-W` turns every broken link, missing anchor,
-orphan page and bad include into an error, which `make docs` relies on. README.md stays the short front door;
+orphan page and bad include into an error, which `make docs` relies on. README.md stays the
+short front door;
 BENCHMARKS.md stays at the repository root and is included by benchmarks.md.
 """
 

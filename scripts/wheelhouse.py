@@ -47,7 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LOCK = "requirements.lock"
 CARRY_LIMIT = 64 * 2**20  # what one device call carries of ignored paths
 TARGET_HAS = ("torch", "triton", "nvidia-*")  # a CUDA build of torch with its own libraries
-BUILD_TOOLS = ("setuptools>=68", "wheel")  # for the --no-build-isolation builds on the target
+# for the --no-build-isolation builds on the target; setuptools below 82: torch 2.11 (the CUDA
+# build on the lent GPU machines) requires it, and torch is left out of the resolution
+BUILD_TOOLS = ("setuptools>=77.0.3,<82", "wheel")
 SDIST_KEPT = ("deepspeed",)  # built on the target against its torch: the sdist is carried
 GPU_DEV = ("pytest", "pytest-timeout")  # what `pytest -m gpu` needs of the dev extra
 GPU_SKIP = ("pyarrow",)  # only the `parquet` dataset source reads it
@@ -110,7 +112,8 @@ def has_matcher(patterns: Iterable[str]) -> Callable[[str], bool]:
 
 
 def target_has(args: argparse.Namespace) -> Callable[[str], bool]:
-    """Whether the target has a package: the freeze's names when one was given, else --target-has."""
+    """Whether the target has a package: the freeze's names when one was given, else
+    --target-has."""
     return has_matcher(args.freeze if args.freeze is not None else args.target_has)
 
 
@@ -418,9 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--platform", help="e.g. manylinux_2_28_x86_64 (default: this machine's)")
     b.add_argument("--target-freeze", help="`pip freeze` of the target: leave out what it pins")
     b.add_argument(
-        "--target-has", nargs="*", default=list(TARGET_HAS),
-        help="without a freeze: what the target has (names, `prefix*`); default torch triton nvidia-*",
-    )  # fmt: skip
+        "--target-has",
+        nargs="*",
+        default=list(TARGET_HAS),
+        help="without a freeze: what the target has (names, `prefix*`); "
+        "default torch triton nvidia-*",
+    )
     b.add_argument("--build-python", help="a python of the target's version for compiled sdists")
     b.add_argument("--out", default=str(ROOT / "wheelhouse"))
     i = sub.add_parser("install", help="install offline from a wheelhouse, hashes checked")
