@@ -91,10 +91,20 @@ def base(task: str) -> Path:
             TASKS[task]
         )
         run(
-            [*PIPE, "run", "pipelines/grpo_quickstart.yaml", "--only", "data", "--only", "warmup",
-             "--run-dir", str(out), *sets],
+            [
+                *PIPE,
+                "run",
+                "pipelines/grpo_quickstart.yaml",
+                "--only",
+                "data",
+                "--only",
+                "warmup",
+                "--run-dir",
+                str(out),
+                *sets,
+            ],
             out / "bench.log",
-        )  # fmt: skip
+        )
     return out
 
 

@@ -176,12 +176,29 @@ def compile_lock(
     (work / "overrides.txt").write_text("".join(f"{n} ; {NEVER}\n" for n in sorted(overrides)))
     pins = public_pins(args.freeze)
     (work / "constraints.txt").write_text("".join(f"{n}=={v}\n" for n, v in pins.items()))
-    run([
-        *uv(), "pip", "compile", "--quiet", str(work / "requirements.in"),
-        "--override", str(work / "overrides.txt"), "-c", str(work / "constraints.txt"),
-        "--python-platform", uv_platform(args.platform), "--python-version", args.python_version,
-        "--python", sys.executable, "--format", "pylock.toml", "-o", str(work / "pylock.toml"),
-    ])  # fmt: skip
+    run(
+        [
+            *uv(),
+            "pip",
+            "compile",
+            "--quiet",
+            str(work / "requirements.in"),
+            "--override",
+            str(work / "overrides.txt"),
+            "-c",
+            str(work / "constraints.txt"),
+            "--python-platform",
+            uv_platform(args.platform),
+            "--python-version",
+            args.python_version,
+            "--python",
+            sys.executable,
+            "--format",
+            "pylock.toml",
+            "-o",
+            str(work / "pylock.toml"),
+        ]
+    )
     return tomllib.loads((work / "pylock.toml").read_text())["packages"]
 
 
@@ -227,11 +244,26 @@ def fetch(files: list[dict], dest: Path, python_version: str, work: Path) -> Non
     )
     wheels = [f["file"][:-4] for f in files if f["file"].endswith(".whl")]
     tags = sorted({t for w in wheels for t in w.rsplit("-", 1)[1].split(".")} - {"any"})
-    run([
-        sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--require-hashes",
-        "-d", str(dest), "--python-version", python_version, "--implementation", "cp",
-        *[arg for t in tags for arg in ("--platform", t)], "-r", str(reqs),
-    ])  # fmt: skip
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--require-hashes",
+            "-d",
+            str(dest),
+            "--python-version",
+            python_version,
+            "--implementation",
+            "cp",
+            *[arg for t in tags for arg in ("--platform", t)],
+            "-r",
+            str(reqs),
+        ]
+    )
 
 
 def build_python(version: str, given: str | None) -> str:
@@ -354,8 +386,10 @@ def build(args: argparse.Namespace) -> int:
     lock.write_text(lock_text(entries, header(args, sdists)))
     prune(out, {p.name for _, _, p in entries} | {LOCK})
     size = sum(p.stat().st_size for _, _, p in entries)
-    print(f"wheelhouse: {out}/ {len(entries)} files, {size / 2**20:.1f} MiB, "
-          f"{time.monotonic() - start:.0f} s; lock: {lock}")  # fmt: skip
+    print(
+        f"wheelhouse: {out}/ {len(entries)} files, {size / 2**20:.1f} MiB, "
+        f"{time.monotonic() - start:.0f} s; lock: {lock}"
+    )
     if size > CARRY_LIMIT:
         print(
             f"note: over the {CARRY_LIMIT // 2**20} MiB a device call carries: carry it in parts "
