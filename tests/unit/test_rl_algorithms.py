@@ -240,6 +240,52 @@ def test_dynamic_sampling_stops_at_its_bound_when_no_group_has_a_signal(engine: 
     assert every.kept == 3 and len(every.samples) == 12
 
 
+def resolved_rl(tmp_path: Path, config: str) -> Any:
+    """The rl stage of a one-stage pipeline with `config`, as `pipe plan` resolves it."""
+    from engine.plan.resolve import resolve
+    from engine.spec.load import load_pipeline
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    (tmp_path / "p.yaml").write_text(
+        f"name: p\nstages:\n  rl:\n    kind: rl\n    config: {{input: d.jsonl, {config}}}\n"
+    )
+    return resolve(load_pipeline(str(tmp_path / "p.yaml"), ()), run_dir=str(tmp_path)).stages["rl"]
+
+
+def test_reinforce_pp_with_the_defaults_trains_every_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: Any
+):
+    """Issue 45: dynamic sampling, on by default, dropped every REINFORCE++ group whose
+    rewards agree; its baseline is the batch's, so those groups train (as OpenRLHF's)."""
+    from stages.rl.controller.batch import rollout
+
+    monkeypatch.chdir(tmp_path)
+    stage = resolved_rl(tmp_path, "advantage: reinforce_pp")
+    assert stage.config.dynamic_sampling is False
+    assert stage.source("dynamic_sampling").render() == (
+        "rule: advantage reinforce_pp trains every group: its baseline is the batch's, so a "
+        "group whose rewards agree has advantages too, as in OpenRLHF"
+    )
+    assert algorithm_settings(stage.config)["dynamic_sampling"] == (
+        "applied",
+        "off: every group trains (REINFORCE++'s baseline is the batch's: a group whose rewards "
+        "agree has advantages too)",
+    )
+    never = Verifier(kind="regex", pattern="^never$")
+    batch = rollout(controller(engine, never, **stage.config.model_dump(include={
+        "advantage", "dynamic_sampling", "dynamic_sampling_max_rounds"})), 1)  # fmt: skip
+    assert (batch.kept, len(batch.samples), batch.rounds) == (3, 12, 1)
+    # the group estimators keep the default: their uniform groups have advantages of 0
+    for advantage in ("grpo", "dr_grpo", "rloo"):
+        assert resolved_rl(tmp_path, f"advantage: {advantage}").config.dynamic_sampling is True
+    ppo = resolved_rl(tmp_path, "algorithm: ppo")
+    assert ppo.config.dynamic_sampling is False
+    assert algorithm_settings(ppo.config)["dynamic_sampling"] == (
+        "applied",
+        "off: every group trains (the critic values them)",
+    )
+
+
 def test_overlong_buffer_shapes_the_training_reward_not_the_recorded_one(engine: Any):
     from stages.rl.controller.batch import rollout
 
@@ -291,6 +337,13 @@ def test_settings_that_cannot_act_are_recorded_skipped_with_a_reason():
             "advantage rloo (p.yaml:5:41) divides by no std",
         ),
         ("dynamic_sampling: false, dynamic_sampling_max_rounds: 5", "dynamic_sampling is off"),
+        (
+            "advantage: reinforce_pp, dynamic_sampling_max_rounds: 5",
+            "p.yaml:5:84: stages.rl.config.dynamic_sampling_max_rounds: dynamic_sampling is off "
+            "(rule: advantage reinforce_pp trains every group: its baseline is the batch's, so a "
+            "group whose rewards agree has advantages too, as in OpenRLHF): set it true, or "
+            "leave this out",
+        ),
         ("overlong_penalty: 0.5", "overlong_buffer is empty"),
         ("algorithm: ppo, dynamic_sampling: true", "algorithm ppo trains every group"),
         ("overlong_buffer: 8, max_output_tokens: 8", "must be shorter than max_output_tokens (8)"),
