@@ -66,7 +66,8 @@ def test_each_algorithm_runs_and_records_how_its_settings_acted(tmp_path: Path, 
         assert any(r["updates"] >= 2 for r in trained)  # 8 samples an update
         assert any(r["clip_frac"] > 0 for r in trained)  # later updates move the ratio
     if arm == "dapo":
-        assert how["dynamic_sampling"][1].startswith("groups whose rewards all agree")
+        assert how["dynamic_sampling"][1].startswith("groups whose verifier rewards all agree")
+        assert "judged on the verifier's rewards" in how["dynamic_sampling"][1]
         for r in rows:
             assert 1 <= r["gen_rounds"] <= 3
             assert r["prompts_drawn"] <= 4 * r["gen_rounds"]  # a refill: 4 prompts at most

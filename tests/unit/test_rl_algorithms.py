@@ -290,12 +290,62 @@ def test_overlong_buffer_shapes_the_training_reward_not_the_recorded_one(engine:
     from stages.rl.controller.batch import rollout
 
     everything = Verifier(kind="regex", pattern=".*")
-    c = controller(engine, everything, overlong_buffer=4, max_output_tokens=6)
+    c = controller(
+        Varied(engine), everything, overlong_buffer=4, max_output_tokens=6, dynamic_sampling=False
+    )
     batch = rollout(c, 1)
+    assert batch.kept == 3 and len(batch.samples) == 12
     assert all(r == 1.0 for group in batch.rewards for r in group)  # the verifier's verdicts
     for s in batch.samples:
         assert s.reward == pytest.approx(1.0 + overlong_penalty(s.completion_len, 6, 4, 1.0))
     assert batch.overlong is not None and batch.overlong < 0
+
+
+class Varied:
+    """The engine, a group's answers cut to 3, 4, 5 and 6 tokens (as if each had stopped
+    there), so the overlong penalty differs within every group."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.tokenizer = inner, inner.tokenizer
+
+    def generate(self, prompts: Any, **sampling: Any) -> list[list[Any]]:
+        from dataclasses import replace
+
+        return [
+            [
+                replace(g, token_ids=g.token_ids[: 3 + j], logprobs=g.logprobs[: 3 + j],
+                        completion_tokens=min(g.completion_tokens, 3 + j))
+                for j, g in enumerate(group)
+            ]
+            for group in self.inner.generate(prompts, **sampling)
+        ]  # fmt: skip
+
+
+def test_dynamic_sampling_judges_a_group_on_the_verifiers_rewards_not_the_shaped_ones(
+    engine: Any,
+):
+    """Issue 45: with overlong_buffer, a group whose verifier rewards were all 1.0 was kept
+    on its length-shaped rewards, pushing right answers down for their length. DAPO and verl
+    (`filter_groups.metric: acc`) drop it: so does dynamic sampling here."""
+    from stages.rl.controller.batch import rollout
+
+    everything = Verifier(kind="regex", pattern=".*")  # every answer right
+    shaped = {"overlong_buffer": 4, "max_output_tokens": 6}
+    plain = rollout(controller(Varied(engine), everything, dynamic_sampling=False, **shaped), 1)
+    assert plain.kept == 3  # without it they train on their shaped rewards (verl's default)
+    c = controller(
+        Varied(engine), everything, dynamic_sampling=True, dynamic_sampling_max_rounds=2, **shaped
+    )
+    batch = rollout(c, 1)
+    assert all(r == 1.0 for group in batch.rewards for r in group)
+    assert batch.overlong is not None and batch.overlong < 0  # their lengths differ
+    assert (batch.kept, batch.samples, batch.rounds) == (0, [], 2)  # none trained, refilled
+    how = algorithm_settings(c.cfg)["dynamic_sampling"][1]
+    assert how.startswith("groups whose verifier rewards all agree are dropped")
+    assert how.endswith(
+        "; judged on the verifier's rewards, not the overlong-shaped ones (as DAPO's and "
+        "verl's filter_groups.metric acc)"
+    )
 
 
 # --- where a setting cannot act --------------------------------------------------------

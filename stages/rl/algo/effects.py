@@ -106,12 +106,18 @@ def _dynamic(cfg: Any) -> tuple[str, str]:
             else "off: groups whose rewards all agree are dropped, the step trains on the rest"
         )
     return A, (
-        "groups whose rewards all agree are dropped and the step refilled from further "
+        "groups whose verifier rewards all agree are dropped and the step refilled from further "
         f"prompts until {cfg.rollout_batch_size} groups carry a signal, at most "
         f"{cfg.dynamic_sampling_max_rounds} rounds (prompts_drawn, gen_rounds in metrics.jsonl)"
         + (
             "; with advantage reinforce_pp those groups would have trained on the batch's baseline"
             if reinforce
+            else ""
+        )
+        + (
+            "; judged on the verifier's rewards, not the overlong-shaped ones (as DAPO's and "
+            "verl's filter_groups.metric acc)"
+            if cfg.overlong_buffer
             else ""
         )
     )
