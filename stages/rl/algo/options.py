@@ -102,7 +102,8 @@ class AlgorithmOptions(StageConfig):
         None,
         gt=0,
         description="Truncated importance sampling, for engines that differ from the actor by "
-        "design (bf16, other kernels): the ratio taken against the actor's own log-probabilities "
-        "at the step's start, each token's loss weighted by min(exp(actor - engine), tis_cap), as "
-        "verl's tis_imp_ratio_cap; empty: off.",
+        "design (bf16, other kernels) and batches sampled versions behind (async_train): the "
+        "ratio taken against the actor's own log-probabilities at the step's start, each token's "
+        "loss weighted by min(exp(actor - engine), tis_cap), as verl's tis_imp_ratio_cap; "
+        "empty: off.",
     )
