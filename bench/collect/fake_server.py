@@ -10,8 +10,12 @@ reset (RST), or a hang (no answer for `hang_s`, holding no capacity). The
 answer is deterministic: `<answer>N</answer>` with N = `expected_answer(text)`
 for the last message's content (chat) or the prompt (completions). A completions prompt
 given as token ids (as the rl stage sends it to vLLM) is answered as vLLM answers with
-`return_token_ids` and `logprobs`: the answer's `token_ids` (`ANSWER_IDS`) and each one's
-log-probability (`-0.5`), each request taking one slot whatever its `n`.
+`return_token_ids` and `logprobs`: the answer's `token_ids` (`ANSWER_IDS`) and, when the
+request asks for them, each one's log-probability (`-0.5`), each request taking one slot
+whatever its `n`. With `stop = (ID, how)` the answer stops on the stop id ID (log-probability
+`-0.25`, `stop_reason` ID): `how` "kept" as vLLM's V1 engine answers (the id ends
+`token_ids`, its log-probability among the others), "left_out" (neither holds it),
+"left_out_scored" (`token_ids` leave it out, the log-probabilities hold it).
 
 With `tools` (`--tools`), chat answers script a model that uses the calculator
 environment (`stages.lib.env.builtin.calculator`): a message holding an
@@ -113,6 +117,7 @@ class FakeServer:
         self.record_bodies = False
         self.defaults: dict[str, Any] = {}  # sampling defaults, as a generation_config's
         self.tools = False  # script calculator tool calls (module docstring)
+        self.stop: tuple[int, str] | None = None  # token answers stop on an id (docstring)
         self._slots: asyncio.Semaphore | None = None
 
     def app(self) -> web.Application:
@@ -139,7 +144,9 @@ class FakeServer:
         body = await self._body(request)
         prompt = body["prompt"]
         if isinstance(prompt, list):  # token ids: the rl stage's requests
-            return await self._serve(request, " ".join(map(str, prompt)), chat=False, ids=True)
+            scored = body.get("logprobs") is not None
+            text = " ".join(map(str, prompt))
+            return await self._serve(request, text, chat=False, ids=True, scored=scored)
         return await self._serve(request, prompt, chat=False)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
@@ -174,6 +181,7 @@ class FakeServer:
         chat: bool,
         completion: str | None = None,
         ids: bool = False,
+        scored: bool = True,
     ) -> web.StreamResponse:
         self.counters.requests += 1
         fault = self._fault()
@@ -191,7 +199,7 @@ class FakeServer:
             finally:
                 c.in_service -= 1
         self.counters.served += 1
-        body = _token_answer() if ids else _answer(text, chat, completion)
+        body = _token_answer(scored, self.stop) if ids else _answer(text, chat, completion)
         return web.Response(body=body, content_type="application/json")
 
     async def _inject(self, request: web.Request, fault: str) -> web.StreamResponse:
@@ -240,16 +248,20 @@ def _answer(text: str, chat: bool, completion: str | None = None) -> bytes:
 ANSWER_IDS = (11, 12, 13)
 
 
-def _token_answer() -> bytes:
-    """A completions answer with token ids and their log-probabilities (vLLM's fields)."""
-    choice = {
-        "index": 0,
-        "finish_reason": "length",
-        "text": "<answer>1</answer>",
-        "token_ids": list(ANSWER_IDS),
-        "logprobs": {"token_logprobs": [-0.5] * len(ANSWER_IDS)},
-    }
-    usage = {"prompt_tokens": 0, "completion_tokens": len(ANSWER_IDS)}
+def _token_answer(scored: bool, stop: tuple[int, str] | None) -> bytes:
+    """A completions answer with token ids and their log-probabilities (vLLM's fields), cut
+    at `length`, or stopped on a stop id (module docstring)."""
+    ids, lps = list(ANSWER_IDS), [-0.5] * len(ANSWER_IDS)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "text": "<answer>1</answer>"}
+    if stop is not None:
+        choice.update(finish_reason="stop", stop_reason=stop[0])
+        if stop[1] != "left_out":
+            lps.append(-0.25)
+        if stop[1] == "kept":
+            ids.append(stop[0])
+    choice["token_ids"] = ids
+    choice["logprobs"] = {"token_logprobs": lps} if scored else None
+    usage = {"prompt_tokens": 0, "completion_tokens": len(ids)}
     return json.dumps({"id": "fake", "choices": [choice], "usage": usage}).encode()
 
 

@@ -30,7 +30,7 @@ from stages.lib.env.field import check_environment
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.model.path import check_model_ref
-from stages.rl.algo.combinations import check_algorithm
+from stages.rl.algo.combinations import check_algorithm, derive_algorithm
 from stages.rl.algo.options import AlgorithmOptions
 from stages.rl.settings.distributed import DistributedSettings
 from stages.rl.settings.optim import OptimSettings
@@ -117,8 +117,10 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """The vLLM engines from the `vllm` role's GPUs (engines x tensor-parallel size = the
-        role's GPUs), prefix caching for groups, half a shared GPU left to training."""
-        return derive_backend(self.backend, engine_context(ctx), self.num_repeats)
+        role's GPUs), prefix caching for groups, half a shared GPU left to training; dynamic
+        sampling off where the estimator trains every group (`derive_algorithm`)."""
+        out = derive_backend(self.backend, engine_context(ctx), self.num_repeats)
+        return out | derive_algorithm(self)
 
     def memory_needs(self) -> list[MemoryNeed]:
         """The engine (a vLLM share, or the local engine's copy of the weights), the actor as a

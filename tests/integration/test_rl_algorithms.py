@@ -29,8 +29,8 @@ def pipeline(extra: str, prompts: int) -> str:
 
 
 ARMS = {
-    "reinforce_pp": "advantage: reinforce_pp\n          kl_coef: 0.05\n          train_batch_size: 16\n"
-    "          dynamic_sampling: false",
+    # the defaults otherwise: dynamic sampling resolves off, every group trains (issue 45)
+    "reinforce_pp": "advantage: reinforce_pp\n          kl_coef: 0.05\n          train_batch_size: 16",
     # dynamic sampling too: this untrained model's groups seldom carry a signal
     "gspo": "ratio_level: sequence\n          eps_clip: 0.0003\n          eps_clip_high: 0.0004\n"
     "          loss_agg: seq_mean_token_mean\n          train_batch_size: 8\n"
@@ -57,6 +57,7 @@ def test_each_algorithm_runs_and_records_how_its_settings_acted(tmp_path: Path, 
         )
         assert how["kl_coef"][1].startswith("KL to a frozen reference in every token's reward")
         assert how["std_normalize"][0] == "skipped"
+        assert how["dynamic_sampling"][1].startswith("off: every group trains")
         assert all(r["groups_kept"] == 4 for r in rows)  # every group trains
         assert all(r["kl"] == 0.0 for r in trained)  # the KL is not also in the loss
     if arm == "gspo":
@@ -65,7 +66,8 @@ def test_each_algorithm_runs_and_records_how_its_settings_acted(tmp_path: Path, 
         assert any(r["updates"] >= 2 for r in trained)  # 8 samples an update
         assert any(r["clip_frac"] > 0 for r in trained)  # later updates move the ratio
     if arm == "dapo":
-        assert how["dynamic_sampling"][1].startswith("groups whose rewards all agree")
+        assert how["dynamic_sampling"][1].startswith("groups whose verifier rewards all agree")
+        assert "judged on the verifier's rewards" in how["dynamic_sampling"][1]
         for r in rows:
             assert 1 <= r["gen_rounds"] <= 3
             assert r["prompts_drawn"] <= 4 * r["gen_rounds"]  # a refill: 4 prompts at most

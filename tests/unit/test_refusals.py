@@ -337,8 +337,12 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "a sample request that failed for good (after its retries): the step fails naming the "
         "server"
     ),
-    ("stages/rl/rollout/vllm_requests.py", "the loop returns or raises on its last a"): internal(
-        "the retry loop returns or raises on its last attempt"
+    ("stages/rl/rollout/vllm_requests.py", "the loop breaks or raises on its last at"): internal(
+        "the retry loop breaks or raises on its last attempt"
+    ),
+    ("stages/rl/rollout/vllm_requests.py", "an answer of {} token ids came with {} l"): environment(
+        "a server that scores fewer tokens than it returns (not vLLM's V1 engine): the step "
+        "fails naming it, rather than train tokens without their behaviour log-probability"
     ),
     # --- environments (an episode's failure is counted; only the share ends a stage) -------
     ("stages/lib/env/contract.py", "{} took longer than {} s"): data(

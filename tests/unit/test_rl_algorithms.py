@@ -240,16 +240,112 @@ def test_dynamic_sampling_stops_at_its_bound_when_no_group_has_a_signal(engine: 
     assert every.kept == 3 and len(every.samples) == 12
 
 
+def resolved_rl(tmp_path: Path, config: str) -> Any:
+    """The rl stage of a one-stage pipeline with `config`, as `pipe plan` resolves it."""
+    from engine.plan.resolve import resolve
+    from engine.spec.load import load_pipeline
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    (tmp_path / "p.yaml").write_text(
+        f"name: p\nstages:\n  rl:\n    kind: rl\n    config: {{input: d.jsonl, {config}}}\n"
+    )
+    return resolve(load_pipeline(str(tmp_path / "p.yaml"), ()), run_dir=str(tmp_path)).stages["rl"]
+
+
+def test_reinforce_pp_with_the_defaults_trains_every_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: Any
+):
+    """Issue 45: dynamic sampling, on by default, dropped every REINFORCE++ group whose
+    rewards agree; its baseline is the batch's, so those groups train (as OpenRLHF's)."""
+    from stages.rl.controller.batch import rollout
+
+    monkeypatch.chdir(tmp_path)
+    stage = resolved_rl(tmp_path, "advantage: reinforce_pp")
+    assert stage.config.dynamic_sampling is False
+    assert stage.source("dynamic_sampling").render() == (
+        "rule: advantage reinforce_pp trains every group: its baseline is the batch's, so a "
+        "group whose rewards agree has advantages too, as in OpenRLHF"
+    )
+    assert algorithm_settings(stage.config)["dynamic_sampling"] == (
+        "applied",
+        "off: every group trains (REINFORCE++'s baseline is the batch's: a group whose rewards "
+        "agree has advantages too)",
+    )
+    never = Verifier(kind="regex", pattern="^never$")
+    batch = rollout(controller(engine, never, **stage.config.model_dump(include={
+        "advantage", "dynamic_sampling", "dynamic_sampling_max_rounds"})), 1)  # fmt: skip
+    assert (batch.kept, len(batch.samples), batch.rounds) == (3, 12, 1)
+    # the group estimators keep the default: their uniform groups have advantages of 0
+    for advantage in ("grpo", "dr_grpo", "rloo"):
+        assert resolved_rl(tmp_path, f"advantage: {advantage}").config.dynamic_sampling is True
+    ppo = resolved_rl(tmp_path, "algorithm: ppo")
+    assert ppo.config.dynamic_sampling is False
+    assert algorithm_settings(ppo.config)["dynamic_sampling"] == (
+        "applied",
+        "off: every group trains (the critic values them)",
+    )
+
+
 def test_overlong_buffer_shapes_the_training_reward_not_the_recorded_one(engine: Any):
     from stages.rl.controller.batch import rollout
 
     everything = Verifier(kind="regex", pattern=".*")
-    c = controller(engine, everything, overlong_buffer=4, max_output_tokens=6)
+    c = controller(
+        Varied(engine), everything, overlong_buffer=4, max_output_tokens=6, dynamic_sampling=False
+    )
     batch = rollout(c, 1)
+    assert batch.kept == 3 and len(batch.samples) == 12
     assert all(r == 1.0 for group in batch.rewards for r in group)  # the verifier's verdicts
     for s in batch.samples:
         assert s.reward == pytest.approx(1.0 + overlong_penalty(s.completion_len, 6, 4, 1.0))
     assert batch.overlong is not None and batch.overlong < 0
+
+
+class Varied:
+    """The engine, a group's answers cut to 3, 4, 5 and 6 tokens (as if each had stopped
+    there), so the overlong penalty differs within every group."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.tokenizer = inner, inner.tokenizer
+
+    def generate(self, prompts: Any, **sampling: Any) -> list[list[Any]]:
+        from dataclasses import replace
+
+        return [
+            [
+                replace(g, token_ids=g.token_ids[: 3 + j], logprobs=g.logprobs[: 3 + j],
+                        completion_tokens=min(g.completion_tokens, 3 + j))
+                for j, g in enumerate(group)
+            ]
+            for group in self.inner.generate(prompts, **sampling)
+        ]  # fmt: skip
+
+
+def test_dynamic_sampling_judges_a_group_on_the_verifiers_rewards_not_the_shaped_ones(
+    engine: Any,
+):
+    """Issue 45: with overlong_buffer, a group whose verifier rewards were all 1.0 was kept
+    on its length-shaped rewards, pushing right answers down for their length. DAPO and verl
+    (`filter_groups.metric: acc`) drop it: so does dynamic sampling here."""
+    from stages.rl.controller.batch import rollout
+
+    everything = Verifier(kind="regex", pattern=".*")  # every answer right
+    shaped = {"overlong_buffer": 4, "max_output_tokens": 6}
+    plain = rollout(controller(Varied(engine), everything, dynamic_sampling=False, **shaped), 1)
+    assert plain.kept == 3  # without it they train on their shaped rewards (verl's default)
+    c = controller(
+        Varied(engine), everything, dynamic_sampling=True, dynamic_sampling_max_rounds=2, **shaped
+    )
+    batch = rollout(c, 1)
+    assert all(r == 1.0 for group in batch.rewards for r in group)
+    assert batch.overlong is not None and batch.overlong < 0  # their lengths differ
+    assert (batch.kept, batch.samples, batch.rounds) == (0, [], 2)  # none trained, refilled
+    how = algorithm_settings(c.cfg)["dynamic_sampling"][1]
+    assert how.startswith("groups whose verifier rewards all agree are dropped")
+    assert how.endswith(
+        "; judged on the verifier's rewards, not the overlong-shaped ones (as DAPO's and "
+        "verl's filter_groups.metric acc)"
+    )
 
 
 # --- where a setting cannot act --------------------------------------------------------
@@ -291,6 +387,13 @@ def test_settings_that_cannot_act_are_recorded_skipped_with_a_reason():
             "advantage rloo (p.yaml:5:41) divides by no std",
         ),
         ("dynamic_sampling: false, dynamic_sampling_max_rounds: 5", "dynamic_sampling is off"),
+        (
+            "advantage: reinforce_pp, dynamic_sampling_max_rounds: 5",
+            "p.yaml:5:84: stages.rl.config.dynamic_sampling_max_rounds: dynamic_sampling is off "
+            "(rule: advantage reinforce_pp trains every group: its baseline is the batch's, so a "
+            "group whose rewards agree has advantages too, as in OpenRLHF): set it true, or "
+            "leave this out",
+        ),
         ("overlong_penalty: 0.5", "overlong_buffer is empty"),
         ("algorithm: ppo, dynamic_sampling: true", "algorithm ppo trains every group"),
         ("overlong_buffer: 8, max_output_tokens: 8", "must be shorter than max_output_tokens (8)"),

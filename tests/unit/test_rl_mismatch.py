@@ -148,3 +148,29 @@ def test_tis_without_a_mismatch_trains_as_without(model_dir: str):
     ):
         assert torch.allclose(p, q, atol=1e-5), name
     assert not math.isnan(a["loss"])
+
+
+def test_tis_acts_in_async_mode_on_a_batch_sampled_a_version_behind(model_dir: str):
+    """Issue 45: the docs said truncated importance sampling is not done in async mode,
+    while `tis_cap` with `async_train` was accepted and ran. It is done: the actor has the
+    engine's (behaviour) log-probabilities of a batch a version behind, and the ratio is
+    taken against its own weights at the step's start; `settings.json` says so."""
+    from stages.rl.controller.settings import account
+    from stages.rl.sync.choice import SyncChoice
+
+    samples = rollout_samples(model_dir, 1.0)  # sampled with the weights of version 0
+    a = actor(model_dir, tis_cap=2.0, async_train=True, learning_rate=1e-2)
+    first = train(a, samples)  # the actor's update to version 1
+    assert first["logprob_diff_max"] < 1e-4  # the batch was the actor's own
+    stale = train(a, samples)  # the next step trains a batch of version 0, as async does
+    assert stale["logprob_diff_mean"] > 1e-3  # the staleness is in the figure
+    assert stale["tis_weight_mean"] != pytest.approx(1.0, abs=1e-4)  # and in the weights
+    assert 0.0 < stale["tis_weight_mean"] <= 2.0
+    saved = ("float32", "auto: the input's")
+    status, how = account(a.cfg, "torch", "cpu", 1, SyncChoice("gloo", None), saved=saved)[
+        "tis_cap"
+    ]
+    assert status == "applied" and how.endswith(
+        "; with async_train the engine sampled with weights up to async_queue_size versions "
+        "behind the actor's, and the weight corrects that staleness too"
+    )

@@ -99,6 +99,79 @@ def test_each_sample_is_seeded_and_a_group_goes_to_one_server(server: Any):
     assert all(b["n"] == 1 and b["return_token_ids"] and b["logprobs"] == 0 for b in bodies)
 
 
+@pytest.mark.parametrize(
+    ("how", "logprobs"),
+    [
+        ("kept", (-0.5, -0.5, -0.5, -0.25)),  # vLLM's V1 engine: the id and its log-prob
+        ("left_out_scored", (-0.5, -0.5, -0.5, -0.25)),  # the id joins with its log-prob
+        ("left_out", (-0.5, -0.5, -0.5)),  # no log-prob reported: the id stays out
+    ],
+)
+def test_an_answer_has_one_log_prob_per_token_id_whatever_the_stop(
+    server: Any, how: str, logprobs: tuple[float, ...]
+):
+    """Issue 45: a stop id the engine's `token_ids` left out was appended with no
+    log-probability, so a sample's `old_logprobs` were one shorter than its completion."""
+    from stages.lib.chat.prompt import TokenPrompt
+    from stages.rl.rollout.vllm_requests import HTTPRollouts
+
+    server.server.stop = (7, how)
+    url = server.url.removesuffix("/v1")
+    engine = HTTPRollouts([url], Tokens(), "fake", {}, 30.0, 8, stops=[7])
+    for g in [g for group in step(engine, prompts=2, group=2) for g in group]:
+        assert g.logprobs == logprobs and len(g.token_ids) == len(logprobs)
+        assert g.token_ids[:3] == ANSWER_IDS and g.finish_reason == "stop"
+    # greedy asks for no log-probability: the sampled stop id joins the ids
+    ((greedy,),) = engine.generate(
+        [TokenPrompt((1, 5))], num_samples=1, temperature=0.0, max_new_tokens=4, seed=0
+    )
+    assert greedy.token_ids == (*ANSWER_IDS, 7) and greedy.logprobs == ()
+    # an engine that scores fewer tokens than it returns fails the step, naming it
+    server.server.stop = None
+    engine.generation = lambda choice, prompt, scored: HTTPRollouts.generation(  # type: ignore
+        engine, {**choice, "logprobs": {"token_logprobs": [-0.5]}}, prompt, scored
+    )
+    with pytest.raises(RuntimeError, match=f"^{url}/v1/completions: an answer of 3 token ids "
+                       "came with 1 log-probabilities: the loss needs"):  # fmt: skip
+        step(engine, prompts=1, group=1)
+
+
+@pytest.mark.parametrize(
+    ("how", "completion"), [("left_out_scored", (*ANSWER_IDS, 7)), ("left_out", ANSWER_IDS)]
+)
+def test_a_sample_trains_one_behaviour_log_prob_per_completion_token(
+    server: Any, how: str, completion: tuple[int, ...]
+):
+    """Through the rl rollout: every sample's `old_logprobs` as long as its completion."""
+    from stages.lib.env.contract import environment_factory
+    from stages.rl.controller.batch import rollout
+    from stages.rl.rollout.prompts import Stream
+    from stages.rl.rollout.vllm_requests import HTTPRollouts
+
+    server.server.stop = (7, how)
+    url = server.url.removesuffix("/v1")
+    engine = HTTPRollouts([url], _Chat(), "fake", {}, 30.0, 8, stops=[7])
+    # reinforce_pp (dynamic sampling off): the fake's groups, all alike, train too
+    cfg = RLConfig(
+        input="x.jsonl", rollout_batch_size=2, num_repeats=2, advantage="reinforce_pp",
+        dynamic_sampling=False,
+    )  # fmt: skip
+    c = SimpleNamespace(
+        cfg=cfg,
+        engine=engine,
+        data=SimpleNamespace(rows=[{"prompt": "1 + 1", "answer": "2"}] * 2),
+        stream=Stream(2, 2, 0),
+        make_env=environment_factory(None, cfg.verifier.model_copy(update={"kind": "exact_match"})),
+        version=0,
+        ctx=SimpleNamespace(log=logging.getLogger("test")),
+    )
+    samples = rollout(c, 1).samples
+    assert samples
+    for s in samples:
+        assert s.ids[s.prompt_len :] == completion
+        assert len(s.old_logprobs) == s.completion_len == len(completion)
+
+
 # softmax(logits / T) over the whole vocabulary: nothing else (vLLM's top_k off is 0 or -1)
 def policy(temperature: float) -> dict[str, Any]:
     return {

@@ -3,7 +3,8 @@ together, and which of them cannot act as configured.
 
 Input: a stage's config (`AlgorithmOptions` and the rollout and optimisation fields they
 depend on). Output: `one_update` and `refills` (read by the run's accounting and the batch
-loop too) and `check_algorithm`'s diagnostics at `pipe validate` / `pipe plan`.
+loop too), `derive_algorithm`'s values where neither the user nor a preset set one, and
+`check_algorithm`'s diagnostics at `pipe validate` / `pipe plan`.
 
 A value set by the user (or a preset) that cannot act in the stage as configured is refused
 here, so `pipe plan` and `pipe run` agree; a default that cannot act is recorded as skipped,
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import Diagnostic
-from engine.stage import ResolveContext
+from engine.stage import Derived, ResolveContext
 from stages.rl.algo.options import AlgorithmOptions
 
 
@@ -29,6 +30,22 @@ def one_update(cfg: Any) -> bool:
 def refills(cfg: Any) -> bool:
     """Whether dynamic sampling acts: on, with algorithm grpo (ppo trains every group)."""
     return bool(cfg.dynamic_sampling) and cfg.algorithm == "grpo"
+
+
+def derive_algorithm(cfg: Any) -> dict[str, Derived]:
+    """Dynamic sampling's default per estimator: on where a group whose rewards agree has
+    advantages of 0 and trains nothing (advantage grpo, dr_grpo, rloo: the default, true),
+    off where such a group trains (`pipe plan --explain` shows the rule)."""
+    if cfg.algorithm == "ppo":
+        why = "algorithm ppo trains every group (the critic values a group whose rewards agree)"
+    elif cfg.advantage == "reinforce_pp":
+        why = (
+            "advantage reinforce_pp trains every group: its baseline is the batch's, so a group "
+            "whose rewards agree has advantages too, as in OpenRLHF"
+        )
+    else:
+        return {}
+    return {"dynamic_sampling": Derived(False, why)}
 
 
 def check_algorithm(cfg: AlgorithmOptions, ctx: ResolveContext, with_env: bool) -> list[Diagnostic]:
@@ -69,7 +86,9 @@ def check_algorithm(cfg: AlgorithmOptions, ctx: ResolveContext, with_env: bool) 
         )
     if "dynamic_sampling_max_rounds" in explicit and not cfg.dynamic_sampling:
         refuse(
-            "dynamic_sampling_max_rounds", "dynamic_sampling is off: set it true, or leave this out"
+            "dynamic_sampling_max_rounds",
+            f"dynamic_sampling is off ({ctx.source('dynamic_sampling')}): set it true, or leave "
+            "this out",
         )
     elif "dynamic_sampling_max_rounds" in explicit and cfg.algorithm == "ppo":
         refuse("dynamic_sampling_max_rounds", "algorithm ppo trains every group: leave this out")

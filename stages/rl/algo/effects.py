@@ -93,17 +93,31 @@ def _std(cfg: Any) -> tuple[str, str]:
 
 
 def _dynamic(cfg: Any) -> tuple[str, str]:
-    if cfg.algorithm == "ppo":
+    reinforce = cfg.advantage == "reinforce_pp"
+    if cfg.algorithm == "ppo" and cfg.dynamic_sampling:
         return S, "algorithm ppo trains every group (the critic values them)"
     if not cfg.dynamic_sampling:
-        keeps = cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp"
+        if cfg.algorithm == "ppo":
+            return A, "off: every group trains (the critic values them)"
         return A, (
-            "off: every group trains (their advantages are not 0)"
-            if keeps
+            "off: every group trains (REINFORCE++'s baseline is the batch's: a group whose "
+            "rewards agree has advantages too)"
+            if reinforce
             else "off: groups whose rewards all agree are dropped, the step trains on the rest"
         )
     return A, (
-        "groups whose rewards all agree are dropped and the step refilled from further "
+        "groups whose verifier rewards all agree are dropped and the step refilled from further "
         f"prompts until {cfg.rollout_batch_size} groups carry a signal, at most "
         f"{cfg.dynamic_sampling_max_rounds} rounds (prompts_drawn, gen_rounds in metrics.jsonl)"
+        + (
+            "; with advantage reinforce_pp those groups would have trained on the batch's baseline"
+            if reinforce
+            else ""
+        )
+        + (
+            "; judged on the verifier's rewards, not the overlong-shaped ones (as DAPO's and "
+            "verl's filter_groups.metric acc)"
+            if cfg.overlong_buffer
+            else ""
+        )
     )

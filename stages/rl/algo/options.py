@@ -59,10 +59,13 @@ class AlgorithmOptions(StageConfig):
     )
     dynamic_sampling: bool = Field(
         True,
-        description="DAPO's dynamic sampling: groups whose rewards all agree are dropped and the "
-        "step refilled from further prompts until rollout_batch_size groups carry a signal, at "
-        "most dynamic_sampling_max_rounds generation rounds (on by default: the most held-out "
-        "accuracy per step measured, BENCHMARKS.md; off: a step trains on the groups it drew).",
+        description="DAPO's dynamic sampling: groups whose verifier rewards all agree (before "
+        "overlong_buffer's shaping, as DAPO and verl judge them) are dropped and the step "
+        "refilled from further prompts until rollout_batch_size groups carry a signal, at most "
+        "dynamic_sampling_max_rounds generation rounds (on by default with advantage grpo, "
+        "dr_grpo and rloo, whose advantages are 0 in such a group: the most held-out accuracy "
+        "per step measured, BENCHMARKS.md; off by default with advantage reinforce_pp and "
+        "algorithm ppo, which train every group; off: a step trains on the groups it drew).",
     )
     dynamic_sampling_max_rounds: int = Field(
         3,
@@ -99,7 +102,8 @@ class AlgorithmOptions(StageConfig):
         None,
         gt=0,
         description="Truncated importance sampling, for engines that differ from the actor by "
-        "design (bf16, other kernels): the ratio taken against the actor's own log-probabilities "
-        "at the step's start, each token's loss weighted by min(exp(actor - engine), tis_cap), as "
-        "verl's tis_imp_ratio_cap; empty: off.",
+        "design (bf16, other kernels) and batches sampled versions behind (async_train): the "
+        "ratio taken against the actor's own log-probabilities at the step's start, each token's "
+        "loss weighted by min(exp(actor - engine), tis_cap), as verl's tis_imp_ratio_cap; "
+        "empty: off.",
     )

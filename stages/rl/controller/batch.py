@@ -11,6 +11,9 @@ signal; each refill asks for the groups still wanted over the share kept so far,
 quarter, at most `rollout_batch_size` prompts. Each group's rewards are the episodes'
 totals plus DAPO's overlong penalty (`overlong_buffer`), and its advantages come from the
 `advantage` estimator (`stages.rl.algo.advantage`); the recorded rewards stay the verifier's.
+Dynamic sampling judges a group on the verifier's rewards, as DAPO and verl
+(`filter_groups.metric: acc`) do: a group whose answers are all right is dropped however
+their lengths differ (without it, such a group trains on its length-shaped advantages).
 
 Every sample is an episode (`stages.rl.rollout.token_play`); without an environment it is the
 verifier's one turn (`single_turn`), the same engine call and numbers as a plain rollout.
@@ -34,12 +37,22 @@ from stages.rl.controller.loop import Batch
 @dataclass
 class Scored:
     """A group's training rewards (the verifier's, shaped by `overlong_buffer`), their
-    advantages under `advantage`, whether the group carries a signal, and the penalties."""
+    advantages under `advantage`, whether the group carries a signal (its training rewards
+    differ), whether its verifier's rewards differ (`verified`), and the penalties."""
 
     advantages: list[float]
     rewards: list[float]
     signal: bool
     penalties: list[float]
+    verified: bool = False
+
+    def trains(self, dynamic: bool, every: bool) -> bool:
+        """Whether the group trains: with dynamic sampling, when its verifier's rewards
+        differ (and so, but for a penalty that evens them out, its training rewards);
+        without, when it carries a signal, or always where the estimator trains every group."""
+        if dynamic:
+            return self.signal and self.verified
+        return bool(self.rewards) and (self.signal or every)
 
 
 def rollout(c: Any, step: int) -> Batch:
@@ -55,7 +68,7 @@ def rollout(c: Any, step: int) -> Batch:
     scored = [_score(cfg, g) for g in groups]
     dynamic = refills(cfg)
     every = (cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp") and not dynamic
-    kept = [i for i, s in enumerate(scored) if s.rewards and (s.signal or every)]
+    kept = [i for i, s in enumerate(scored) if s.trains(dynamic, every)]
     # DAPO's dynamic sampling: refill from further prompts until `want` groups carry a signal
     while dynamic and len(kept) < want and rounds < cfg.dynamic_sampling_max_rounds:
         more = c.stream.refill(step, rounds, _refill_size(len(kept), want, len(groups)), drawn)
@@ -64,7 +77,7 @@ def rollout(c: Any, step: int) -> Batch:
         for g in _play(c, more, step, rounds):
             groups.append(g)
             scored.append(_score(cfg, g))
-            if scored[-1].signal:
+            if scored[-1].trains(dynamic, every):
                 kept.append(len(groups) - 1)
         drawn += more
         rounds += 1
@@ -154,7 +167,10 @@ def _score(cfg: Any, group: list[Any]) -> Scored:
     if not rewards:
         return Scored([], [], False, [])
     adv, signal = group_estimate(rewards, cfg.advantage, cfg.std_normalize)
-    return Scored(adv, rewards, signal, penalties)
+    verified = signal  # unshaped, the training rewards are the verifier's
+    if cfg.overlong_buffer:
+        verified = group_estimate([t.episode.total for t in ok], "dr_grpo", False)[1]
+    return Scored(adv, rewards, signal, penalties, verified)
 
 
 def held_out(c: Any) -> float:

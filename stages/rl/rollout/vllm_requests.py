@@ -191,7 +191,7 @@ class HTTPRollouts:
                     if resp.status == 200:
                         choice = (await resp.json())["choices"][0]
                         await gate.leave(sent, False)
-                        return self.generation(choice, ids)
+                        break
                     text = (await resp.text())[:300]
                     raise status_error(resp.status, text, resp.headers.get("Retry-After"))
             except Exception as exc:
@@ -200,23 +200,37 @@ class HTTPRollouts:
             if not error.retryable or attempt == MAX_RETRIES:
                 raise RuntimeError(f"{url}: {error}") from None
             await asyncio.sleep(backoff_delay(attempt, BACKOFF_S, error.retry_after))
-        raise AssertionError("the loop returns or raises on its last attempt")
+        else:
+            raise AssertionError("the loop breaks or raises on its last attempt")
+        try:
+            return self.generation(choice, ids, scored="logprobs" in body)
+        except ValueError as exc:  # an answer the loss cannot take: the step fails, named
+            raise RuntimeError(f"{url}: {exc}") from None
 
-    def generation(self, choice: dict[str, Any], prompt: list[int]) -> Generation:
-        """A completions choice as a `Generation` (the stop token scored too: `stop_token`)."""
+    def generation(
+        self, choice: dict[str, Any], prompt: list[int], scored: bool = False
+    ) -> Generation:
+        """A completions choice as a `Generation`; `scored`: the request asked for
+        log-probabilities, and the answer has one per token id (`stop_token`: a stop id the
+        ids leave out joins them only with the log-probability the engine reported for it)."""
         ids = [int(t) for t in choice.get("token_ids") or []]
+        lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
         stopped = choice.get("finish_reason") == "stop"
         end = stop_token(choice, ids, self.stops, self.tokenizer.eos_token_id) if stopped else None
-        if end is not None:
-            ids.append(end)  # the update scores the stop token too
-        lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if end is not None and (not scored or len(lps) > len(ids)):
+            ids.append(end)  # sampled, and scored by the engine where scores were asked for
+        if scored and len(lps) < len(ids):
+            raise ValueError(
+                f"an answer of {len(ids)} token ids came with {len(lps)} log-probabilities: the "
+                "loss needs the engine's log-probability of every token it trains"
+            )
         return Generation(
             text=choice.get("text", ""),
             finish_reason="stop" if stopped else "length",
             prompt_tokens=len(prompt),
             completion_tokens=len(ids),
             token_ids=tuple(ids),
-            logprobs=tuple(float(x) for x in lps[: len(ids)]),
+            logprobs=tuple(lps[: len(ids)]),
             prompt_ids=tuple(prompt),
         )
 
@@ -244,8 +258,12 @@ def stop_token(choice: dict[str, Any], ids: list[int], stops: list[int], eos: An
 
     An answer ending in any stop id (`stages.lib.chat.tokens.eos_ids`: `<|endoftext|>` as well as
     `<|im_end|>`) holds it, and nothing is added: no token joins a sequence that the engine
-    did not sample. Otherwise the engine's `stop_reason` says what it sampled: a token id,
-    or none for the tokenizer's end-of-sequence token; a stop string adds nothing."""
+    did not sample. vLLM's V1 engine keeps the stop id in `token_ids`, its log-probability
+    among the others (its detokenizer leaves it out of the text only). Otherwise the
+    engine's `stop_reason` says what it sampled: a token id, or none for the tokenizer's
+    end-of-sequence token; a stop string adds nothing. A sampled answer takes the id only
+    with the log-probability the engine reported for it (`HTTPRollouts.generation`): the
+    loss trains no token without its behaviour log-probability."""
     reason = choice.get("stop_reason")
     if ids and (ids[-1] in stops or ids[-1] == reason):
         return None
