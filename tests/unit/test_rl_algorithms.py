@@ -37,20 +37,36 @@ from stages.rl.rollout.prompts import Stream  # noqa: E402
 
 
 def test_grpo_dr_grpo_and_rloo_on_one_group():
-    """Rewards [0, 0, 0, 1]: mean 0.25, std sqrt(3)/4. GRPO (DeepSeekMath eq. 3): (r -
-    mean) / std; Dr. GRPO: r - mean; RLOO (Ahmadian et al. eq. 6): r_i minus the mean of
-    the other three: 1 - 0 = 1 for the right answer, 0 - 1/3 for each wrong one."""
+    """Rewards [0, 0, 0, 1]: mean 0.25, deviations -0.25 (x3) and 0.75, squares summing to
+    3/16 + 9/16 = 0.75, so the sample std (n - 1 = 3, verl's and TRL's) is sqrt(0.25) = 0.5.
+    GRPO (DeepSeekMath eq. 3): (r - mean) / std = -0.5 (x3), 1.5; Dr. GRPO: r - mean; RLOO
+    (Ahmadian et al. eq. 6): r_i minus the mean of the other three: 1 - 0 = 1 for the right
+    answer, 0 - 1/3 for each wrong one."""
     rewards = [0.0, 0.0, 0.0, 1.0]
-    std = 3**0.5 / 4
     grpo, signal = group_estimate(rewards, "grpo", True)
     assert signal
-    assert grpo == pytest.approx([-0.25 / std] * 3 + [0.75 / std], abs=1e-5)
+    assert grpo == pytest.approx([-0.5, -0.5, -0.5, 1.5], abs=1e-5)
     dr, _ = group_estimate(rewards, "dr_grpo", True)  # std_normalize does not act on it
     assert dr == pytest.approx([-0.25, -0.25, -0.25, 0.75])
     rloo, _ = group_estimate(rewards, "rloo", True)
     assert rloo == pytest.approx([-1 / 3, -1 / 3, -1 / 3, 1.0])
     # grpo with std_normalize off is Dr. GRPO
     assert group_estimate(rewards, "grpo", False)[0] == pytest.approx(dr)
+
+
+def test_grpo_divides_by_the_sample_std_as_verl_and_trl():
+    """verl (`compute_grpo_outcome_advantage`) and TRL (GRPOTrainer) divide by `torch.std`,
+    the sample std (n - 1). Rewards [0, 1, 2]: mean 1, squares 1 + 0 + 1 = 2, over n - 1 = 2:
+    std 1, so advantages -1, 0, 1 (the population std, sqrt(2/3), would give +-1.22).
+    Rewards [0, 1]: squares 0.25 + 0.25 = 0.5 over 1: std sqrt(0.5), advantages -+sqrt(0.5).
+    A group of one (its siblings failed) has no spread: no signal, no NaN."""
+    assert group_estimate([0.0, 1.0, 2.0], "grpo", True)[0] == pytest.approx(
+        [-1.0, 0.0, 1.0], abs=1e-5
+    )
+    assert group_estimate([0.0, 1.0], "grpo", True)[0] == pytest.approx(
+        [-(0.5**0.5), 0.5**0.5], abs=1e-5
+    )
+    assert group_estimate([1.0], "grpo", True) == ([0.0], False)
 
 
 @pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])

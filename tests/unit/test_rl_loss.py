@@ -18,7 +18,9 @@ def test_advantages_are_normalised_within_each_group_and_uniform_groups_dropped(
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
     adv, keep = group_advantages(rewards, std_normalize=True)
     assert keep.tolist() == [True, False, True]
-    assert adv[0].tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    # [1, 0, 0, 1]: deviations +-0.5, squares 1 over n - 1 = 3: std 1/sqrt(3), so +-sqrt(3)/2
+    half = 3**0.5 / 2
+    assert adv[0].tolist() == pytest.approx([half, -half, -half, half], abs=1e-5)
     assert adv[2].sum().item() == pytest.approx(0.0, abs=1e-6)
     raw, _ = group_advantages(rewards, std_normalize=False)  # Dr. GRPO: no std division
     assert raw[2].tolist() == pytest.approx([-0.25, -0.25, -0.25, 0.75])

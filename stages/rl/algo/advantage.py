@@ -4,7 +4,8 @@ Input: each prompt's group of rewards (one per sample); for REINFORCE++ the batc
 samples with their behaviour and reference log-probabilities. Output: per sample its
 advantage and whether its group carries a signal, or (REINFORCE++) per token.
 
-- grpo (Shao et al., 2024, DeepSeekMath eq. 3): `(r_i - mean(r)) / std(r)` in the group.
+- grpo (Shao et al., 2024, DeepSeekMath eq. 3): `(r_i - mean(r)) / std(r)` in the group,
+  `std` the sample one (n - 1), as verl's and TRL's.
 - dr_grpo (Liu et al., 2025, "Understanding R1-Zero-like training", eq. 4): `r_i - mean(r)`,
   no std division (which up-weights groups that are nearly all right or all wrong); its
   other change, no per-sequence length normalisation, is our `loss_agg: token_mean`.

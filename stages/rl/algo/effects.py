@@ -14,7 +14,7 @@ from stages.rl.algo.combinations import one_update, refills
 A, S = "applied", "skipped"
 
 ESTIMATORS = {
-    "grpo": "group mean subtracted, divided by the group's std",
+    "grpo": "group mean subtracted, divided by the group's sample std (n - 1, as verl, TRL)",
     "dr_grpo": "group mean subtracted, no std division (Dr. GRPO)",
     "rloo": "leave-one-out: each sample's baseline the mean of its group's other rewards",
     "reinforce_pp": "REINFORCE++: per-token returns (KL in the reward), normalised over the batch",
@@ -88,7 +88,7 @@ def _std(cfg: Any) -> tuple[str, str]:
     if cfg.advantage != "grpo":
         return S, f"acts with advantage grpo only (advantage {cfg.advantage})"
     if cfg.std_normalize:
-        return A, "advantages divided by the group's std"
+        return A, "advantages divided by the group's sample std (n - 1, as verl and TRL)"
     return A, "advantages not divided by the std (as advantage dr_grpo)"
 
 

@@ -5,9 +5,9 @@ the current policy, the behaviour policy (the engine that sampled them) and the 
 reference. Output: advantages (and which groups carry a signal), and the loss terms.
 
 - GRPO's advantages are normalised within each prompt's group: `r - mean(r)`, divided by
-  the group's standard deviation unless `std_normalize` is off (Dr. GRPO); the other
-  estimators are in `stages.rl.algo.advantage`. A group whose samples all scored the same
-  has no signal and is dropped before the update.
+  the group's sample standard deviation (n - 1, as verl and TRL) unless `std_normalize` is
+  off (Dr. GRPO); the other estimators are in `stages.rl.algo.advantage`. A group whose
+  samples all scored the same has no signal and is dropped before the update.
 - The policy loss per token is PPO's clipped surrogate
   `-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)` with `ratio = exp(new - old)`
   (`eps_high` DAPO's clip-higher, `eps` when unset), or with GSPO's sequence-level ratio
@@ -43,9 +43,15 @@ def group_advantages(
     rewards: torch.Tensor, std_normalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO's advantages `[groups, samples]` and which groups carry a signal (`[groups]`
-    bool); the other estimators are in `stages.rl.algo.advantage`."""
+    bool); the other estimators are in `stages.rl.algo.advantage`. The std is the sample
+    (unbiased, n - 1) one, as verl's `compute_grpo_outcome_advantage` and TRL's
+    GRPOTrainer take it (`torch.std`'s default), so advantages agree with theirs: the
+    population std would make them `sqrt((G - 1) / G)` as large (-13% at G = 4)."""
     mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, unbiased=False, keepdim=True)
+    if rewards.shape[1] > 1:
+        std = rewards.std(dim=1, unbiased=True, keepdim=True)
+    else:  # one sample: no spread, no signal (and no n - 1 to divide by)
+        std = torch.zeros_like(mean)
     keep = std.squeeze(1) > EPS
     adv = rewards - mean
     if std_normalize:

@@ -86,8 +86,8 @@ class AlgorithmOptions(StageConfig):
     )
     std_normalize: bool = Field(
         True,
-        description="advantage grpo: divide group advantages by their standard deviation (off: the "
-        "same as advantage dr_grpo).",
+        description="advantage grpo: divide group advantages by their sample standard deviation "
+        "(n - 1, as verl and TRL; off: the same as advantage dr_grpo).",
     )
     kl_coef: float = Field(
         0.0,
