@@ -56,6 +56,7 @@ class Case:
     lines: tuple[str, ...]
     sets: tuple[str, ...] = ()
     cluster: str | None = None
+    files: tuple[tuple[str, str], ...] = ()  # (name, text) beside the pipeline, on the path
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ VERIFIERS = Case(
       e: {kind: evaluate, config: {input: x.jsonl, checkpoints: [m], verifier: {kind: "no.mod:fn"}}}
       r: {kind: rl, config: {input: x.jsonl, verifier: {kind: "stages.lib.nomod:fn"}}}
       t: {kind: train, config: {input: x.jsonl, eval_input: y.jsonl, verifier: {kind: "json.nomod:fn"}}}
+      u: {kind: collect, config: {input: x.jsonl, backend: {kind: local, model: m}, verifier: {kind: "json:nofn"}}}
     """,
     (
         "p.yaml:3:98: stages.c.config.verifier.kind: verifier 'nomod:fn': no module named 'nomod'",
@@ -111,6 +113,8 @@ VERIFIERS = Case(
         "named 'stages.lib.nomod'",
         "p.yaml:6:83: stages.t.config.verifier.kind: verifier 'json.nomod:fn': no module named "
         "'json.nomod'",
+        "p.yaml:7:98: stages.u.config.verifier.kind: verifier 'json:nofn': module 'json' has no "
+        "function 'nofn'",
     ),
 )
 # the vLLM role's 6 GPUs (3:1 of 8) do not split into engines of tensor-parallel size 4
@@ -232,9 +236,16 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         ),
         "a module that is found but fails while importing is known only by running it",
     ),
-    ("stages/filter/rules.py", "predicate '{}': '{}' has no function"): environment(
-        "whether the module defines the function is known only by importing user code, which "
-        "plan never does (it checks that the module is there)"
+    ("stages/filter/rules.py", "predicate '{}': '{}' has no function"): plan(
+        Case(
+            'name: p\nstages:\n  f: {kind: filter, config: {input: x.jsonl, predicate: "keepers:short"}}\n',
+            (
+                "p.yaml:3:57: stages.f.config.predicate: predicate 'keepers:short': module "
+                "'keepers' has no function 'short'",
+            ),
+            files=(("keepers.py", "def keep(row):\n    return True\n"),),
+        ),
+        "a name bound to something that is not a function is known only by importing user code",
     ),
     ("stages/filter/run.py", "filter: no input"): plan(no_input("filter", "{}")),
     # --- shared by kinds -------------------------------------------------------------------
@@ -386,14 +397,18 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             name: p
             stages:
               r: {kind: rl, config: {input: x.jsonl, environment: {kind: "nomod:Env", max_turns: 2}}}
+              c: {kind: collect, config: {input: x.jsonl, backend: {kind: local, model: m}, environment: {kind: "my_env:MathEnv", max_turns: 2}}}
             """,
             (
                 "p.yaml:3:62: stages.r.config.environment.kind: environment 'nomod:Env': no "
                 "module named 'nomod'",
+                "p.yaml:4:101: stages.c.config.environment.kind: environment 'my_env:MathEnv': "
+                "module 'my_env' has no class 'MathEnv'",
             ),
+            files=(("my_env.py", "class MathEnvironment:\n    pass\n"),),
         ),
-        "a module that is found but fails while importing, or lacks the class, is known only "
-        "by importing user code",
+        "a module that is found but fails while importing (or whose source cannot settle the "
+        "class: a star import, a module __getattr__) is known only by importing user code",
     ),
     ("stages/lib/env/contract.py", "environment '{}': cannot build it with config"): environment(
         "whether Class(**config) accepts the options is known only by running user code"
@@ -435,8 +450,8 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ),
     ("stages/lib/verify.py", "verifier '{}': cannot load it"): plan(
         VERIFIERS,
-        "a module that is found but fails while importing, or lacks the function, is known "
-        "only by importing user code",
+        "a module that is found but fails while importing (or whose source cannot settle the "
+        "function: a star import, a module __getattr__) is known only by importing user code",
     ),
     ("stages/lib/vllm/server.py", "vLLM is not installed"): environment("vLLM on the worker"),
     ("stages/lib/vllm/server.py", "a vllm backend needs a 'model'"): plan(
@@ -641,9 +656,15 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 @pytest.mark.parametrize("verb", ["plan", "validate"])
-def test_plan_time_twin_refuses_the_same_condition(tmp_path: Path, verb: str, case: Case) -> None:
+def test_plan_time_twin_refuses_the_same_condition(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verb: str, case: Case
+) -> None:
     stub_checkpoint(tmp_path / "m")
     (tmp_path / "p.yaml").write_text(textwrap.dedent(case.yaml))
+    for name, text in case.files:
+        (tmp_path / name).write_text(text)
+    if case.files:
+        monkeypatch.syspath_prepend(str(tmp_path))
     args = [verb, "p.yaml", *(a for s in case.sets for a in ("--set", s))]
     if case.cluster:
         args += ["--cluster", case.cluster]
@@ -701,3 +722,51 @@ def test_a_user_module_is_found_where_the_run_imports_it_and_none_of_its_code_ru
         "'boom.nope'",
     ]
     assert "boom" not in sys.modules and "keepers" not in sys.modules
+
+
+def test_a_user_class_is_found_in_its_module_source_without_running_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An environment's class is looked up in its module's source, read and not run: a
+    `class`, an assignment or an import binding the name passes, a missing one is refused at
+    its line; a star import cannot say, so the run decides. A module without source (a
+    sourceless .pyc) is imported, as the run would."""
+    import py_compile
+    import sys
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "envs.py").write_text(
+        "raise RuntimeError('imported at plan time')\n"
+        "class MathEnv:\n    pass\n"
+        "Alias = MathEnv\n"
+        "from json import JSONDecoder as Decoder\n"
+    )
+    (tmp_path / "starred.py").write_text("from json import *\n")
+    source = tmp_path / "src.py"
+    source.write_text("class Compiled:\n    pass\n")
+    py_compile.compile(str(source), cfile=str(tmp_path / "compiled.pyc"))
+    source.unlink()
+    lines = [
+        ("a", "envs:MathEnv"),
+        ("b", "envs:Alias"),
+        ("c", "envs:Decoder"),
+        ("d", "envs:MathEnvironment"),
+        ("e", "starred:Anything"),
+        ("f", "compiled:Compiled"),
+        ("g", "compiled:Missing"),
+    ]
+    stages = "".join(
+        f'  {n}: {{kind: rl, config: {{input: x.jsonl, environment: {{kind: "{k}", '
+        "max_turns: 2}}}\n"
+        for n, k in lines
+    )
+    (tmp_path / "p.yaml").write_text(f"name: p\nstages:\n{stages}")
+    result = run_cli("validate", "p.yaml", cwd=tmp_path)
+    assert result.stderr.splitlines() == [
+        "p.yaml:6:62: stages.d.config.environment.kind: environment 'envs:MathEnvironment': "
+        "module 'envs' has no class 'MathEnvironment'",
+        "p.yaml:9:62: stages.g.config.environment.kind: environment 'compiled:Missing': "
+        "module 'compiled' has no class 'Missing'",
+    ]
+    assert "envs" not in sys.modules and "starred" not in sys.modules
+    sys.modules.pop("compiled", None)

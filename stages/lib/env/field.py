@@ -81,7 +81,7 @@ def check_environment(
     verifier_set = sorted(p for p in ctx.explicit if p == "verifier" or p.startswith("verifier."))
     user = env.url is not None or (env.kind is not None and env.kind not in ENVIRONMENT_KINDS)
     if env.kind is not None:
-        out += check_callable(ctx, f"{path}.kind", "environment", env.kind)
+        out += check_callable(ctx, f"{path}.kind", "environment", env.kind, noun="class")
     if user and env.max_turns is None:
         out.append(
             ctx.error(
