@@ -97,6 +97,7 @@ class _Run:
             gpus=st.resolved.gpus,
             workers=self.n_workers,
             outputs={k: absolute(v) for k, v in st.outputs.items()},
+            producers=producers(self.plan),
             slots=slots,
             run_id=self.report.run_id,
         )
@@ -128,6 +129,16 @@ class _Run:
         for key in self.devices(name):
             if self.busy.get(key) == name:
                 del self.busy[key]
+
+
+def producers(plan: Plan) -> dict[str, str]:
+    """Every output path of the plan's stages (absolute) -> the reference that names it,
+    without its '@': the stage for its main output, `stage.field` for another."""
+    out: dict[str, str] = {}
+    for name, st in plan.stages.items():
+        for i, (out_field, path) in enumerate(st.outputs.items()):
+            out.setdefault(absolute(path), name if i == 0 else f"{name}.{out_field}")
+    return out
 
 
 def held_gpus(slots: Any, worker: str | None) -> int:

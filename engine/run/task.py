@@ -57,6 +57,7 @@ class StagePayload:
     gpus: int
     workers: int
     outputs: dict[str, str] = field(default_factory=dict)
+    producers: dict[str, str] = field(default_factory=dict)  # StageContext.producers
     slots: tuple[Slot, ...] = ()
     node_rank: int = 0
     run_id: str = ""
@@ -223,6 +224,7 @@ def run_stage(payload: StagePayload) -> TaskResult:
             slots=payload.slots,
             node_rank=payload.node_rank,
             link=link,
+            producers=payload.producers,
         )
         where = f" (task {payload.node_rank} of {payload.tasks})" if link else ""
         logger.info(

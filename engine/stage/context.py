@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -77,6 +77,9 @@ class StageContext:
     slots: tuple[Slot, ...] = ()  # every slot of the stage, on every node, in node order
     node_rank: int = 0  # which of the stage's nodes this task runs on
     link: NodeLink | None = None  # set when the stage spans nodes
+    # every output path of the run's stages (absolute) -> the reference naming it, without
+    # '@' (`sft`, `data.test_output`): which stage made an input the config holds as a path
+    producers: Mapping[str, str] = field(default_factory=dict)
 
     def path(self, name: str) -> str:
         """A file inside this stage's folder."""

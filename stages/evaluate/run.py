@@ -4,8 +4,9 @@ Input: a resolved `EvaluateConfig` (`input` the held-out prompt JSONL, `checkpoi
 `baseline` absolute checkpoint directories, `backend` how to generate: `local` loads each
 checkpoint in this process, on the stage's GPU when it holds one; `vllm` serves each in turn
 on the stage's GPUs; `openai` asks the served model, which is then the only one evaluated).
-Output, in the folder of `cfg.output`: `report.json` (`{"baseline": NAME, "sampling": {...},
-"results": [{"checkpoint", "n", "accuracy", "mean_reward", "pass_at_k"}, ...]}`; `sampling`:
+Output, in the folder of `cfg.output`: `report.json` (`{"baseline": NAME, "checkpoints":
+{NAME: PATH}, "sampling": {...}, "results": [{"checkpoint", "n", "accuracy", "mean_reward",
+"pass_at_k"}, ...]}`; `sampling`:
 every sampling field each request carried, `stages.lib.api.sampling`), `report.md`,
 `report.png` and `generations.jsonl` (every sample with its reward), written by
 `stages.evaluate.report_files`. Returns the report plus the accuracy differences and, with a
@@ -19,18 +20,18 @@ adds `first_turn_accuracy`, `mean_turns`, `mean_total_reward` and `failed_episod
 `first_turn_accuracy_delta`.
 
 A result's figures (accuracy, pass@k, mean reward) are `stages.evaluate.scores`'. A
-checkpoint's NAME is its stage's name when it lives at `<run-dir>/<stage>/<dir>`, otherwise
-its folder name.
+checkpoint's NAME is the stage that made it (`@sft` -> `sft`: the engine hands the run's
+output paths and their stages over in `StageContext.producers`), otherwise its path
+(`checkpoint_names`); `checkpoints` maps each NAME to the path evaluated.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.evaluate.multiturn import Play
@@ -71,6 +72,8 @@ def run_evaluate(cfg: EvaluateConfig, ctx: StageContext) -> dict[str, Any]:
         make_verifier(cfg.verifier),
         ctx.run_dir,
         generate,
+        producers=ctx.producers,
+        pipeline_dir=ctx.pipeline_dir,
     )
     Metrics(ctx.stage_dir).log(0, tracked(report))
     return report
@@ -179,11 +182,15 @@ def evaluate_checkpoints(
     verify: Verify,
     run_dir: str,
     generate: Generator | None = None,
+    *,
+    producers: Mapping[str, str] | None = None,
+    pipeline_dir: str = "",
 ) -> dict[str, Any]:
-    """Generate, score and report; `cfg` gives the sampling settings and the output path."""
+    """Generate, score and report; `cfg` gives the sampling settings and the output path;
+    `producers` and `pipeline_dir` name the checkpoints (`checkpoint_names`)."""
     generate = generate or Generator(cfg)
     paths = _with_baseline(checkpoints, baseline)
-    names = checkpoint_names(paths, run_dir)
+    names = checkpoint_names(paths, run_dir, producers, pipeline_dir)
     precision = generate.set_precision(paths)
     # the environment is loaded before any checkpoint: a bad one fails at once
     play = (
@@ -205,7 +212,12 @@ def evaluate_checkpoints(
     # every backend samples with these: HTTP requests carry them all (`stages.lib.api.sampling`)
     vllm = not isinstance(cfg.backend, OpenAIBackend)  # an openai server: OpenAI's fields
     sampling = request_sampling(cfg.temperature, cfg.top_p, vllm)
-    report = {"baseline": names[0], "sampling": sampling, "results": results}
+    report = {
+        "baseline": names[0],
+        "checkpoints": dict(zip(names, paths, strict=True)),
+        "sampling": sampling,
+        "results": results,
+    }
     write_report(cfg.output, report, samples)
     out = {**report, "accuracy_delta": _deltas(results, "accuracy")}
     if precision is not None:  # the metrics' and settings.json's, not the report's
@@ -229,13 +241,30 @@ def _with_baseline(checkpoints: list[str], baseline: str | None) -> list[str]:
     return [same[0] if same else baseline, *rest]
 
 
-def checkpoint_names(paths: Sequence[str], run_dir: str) -> list[str]:
-    """Display names: the stage for `<run-dir>/<stage>/<dir>`, else the folder; made unique."""
-    root = Path(run_dir).resolve() if run_dir else None
+def checkpoint_names(
+    paths: Sequence[str],
+    run_dir: str,
+    producers: Mapping[str, str] | None = None,
+    pipeline_dir: str = "",
+) -> list[str]:
+    """Labels: the stage that made the checkpoint (`producers`, the run's output paths ->
+    their reference without '@': `@sft` -> `sft`; or its folder `<run-dir>/<stage>/<dir>`),
+    else its path: relative to the pipeline's folder when under it, else absolute (a hub id
+    or a served model's name as it is); made unique."""
+    made = {os.path.realpath(k): v for k, v in (producers or {}).items()}
+    root = os.path.realpath(run_dir) if run_dir else None
     names: list[str] = []
     for p in paths:
-        path = Path(p).resolve()
-        name = path.parent.name if root is not None and path.parent.parent == root else path.name
+        real = os.path.realpath(p) if os.path.isabs(p) else None
+        if real is None:
+            name = p
+        elif real in made:
+            name = made[real]
+        elif root is not None and os.path.dirname(os.path.dirname(real)) == root:
+            name = os.path.basename(os.path.dirname(real))
+        else:
+            rel = os.path.relpath(p, pipeline_dir) if pipeline_dir else ".."
+            name = os.path.normpath(p) if rel.startswith("..") else rel
         base, n = name, 2
         while name in names:
             name, n = f"{base}-{n}", n + 1

@@ -69,6 +69,7 @@ stages:
     config:
       input: "@data"
       model: "@warmup"
+      output: final/checkpoint  # labelled rl in the report, not by its folder's name
       environment: {kind: "myenv:Guess", max_turns: 2}
       num_repeats: 4
       rollout_batch_size: 4
@@ -111,5 +112,9 @@ def test_a_users_environment_in_collect_rl_and_evaluate(tmp_path: Path):
     assert [json.loads(m)["step"] for m in metrics] == [1, 2]
     evaluation = json.loads((run / "evaluate/report.json").read_text())
     assert [r["checkpoint"] for r in evaluation["results"]] == ["warmup", "rl"]
+    assert evaluation["checkpoints"] == {
+        "warmup": str(run / "warmup/checkpoint"),
+        "rl": str(run / "rl/final/checkpoint"),
+    }
     for r in evaluation["results"]:
         assert 0.0 <= r["first_turn_accuracy"] <= r["accuracy"] <= 1.0

@@ -66,8 +66,44 @@ def test_summary_of_known_rewards():
 def test_checkpoint_names_come_from_stage_folders(tmp_path: Path):
     run = tmp_path / "run"
     paths = [str(run / "warmup" / "checkpoint"), str(run / "rft" / "checkpoint"), "/models/base"]
-    assert checkpoint_names(paths, str(run)) == ["warmup", "rft", "base"]
-    assert checkpoint_names(["/a/ckpt", "/b/ckpt"], str(run)) == ["ckpt", "ckpt-2"]
+    assert checkpoint_names(paths, str(run)) == ["warmup", "rft", "/models/base"]
+    # two folders of one name are told apart by their paths, not `ckpt`, `ckpt-2`
+    assert checkpoint_names(["/a/ckpt", "/b/ckpt"], str(run)) == ["/a/ckpt", "/b/ckpt"]
+    assert checkpoint_names(["org/model"], str(run)) == ["org/model"]  # a hub id as written
+
+
+def test_checkpoints_are_labelled_by_the_stage_that_made_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`@sft` names sft's output wherever it is written (outside the run's folder, or nested
+    in another stage's name): the engine hands each output's stage to the run
+    (`StageContext.producers`); a folder no stage makes is named by its path from the
+    pipeline's folder."""
+    from engine.plan.dag import plan
+    from engine.plan.resolve import resolve
+    from engine.run.execute import producers
+    from engine.spec.load import load_pipeline
+    from tests.conftest import stub_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    stub_checkpoint(tmp_path / "models" / "base")
+    (tmp_path / "x.jsonl").write_text('{"prompt": "p", "answer": "a"}\n')
+    elsewhere = tmp_path / "elsewhere" / "checkpoint"
+    (tmp_path / "p.yaml").write_text(
+        "name: p\nstages:\n"
+        f"  sft: {{kind: train, config: {{input: x.jsonl, model: models/base, output: {elsewhere}}}}}\n"
+        "  rft: {kind: train, needs: [sft], config: {input: x.jsonl, model: '@sft', "
+        "output: ../other/checkpoint}}\n"
+        "  ev: {kind: evaluate, needs: [sft, rft], config: {input: x.jsonl, "
+        "checkpoints: ['@sft', '@rft', models/base]}}\n"
+    )
+    planned = plan(resolve(load_pipeline("p.yaml", ()), run_dir="runs/p"))
+    made = producers(planned)
+    assert made[str(elsewhere)] == "sft"
+    assert made[str(tmp_path / "runs/p/ev/report.json")] == "ev"
+    cfg = planned.stages["ev"].resolved.config
+    names = checkpoint_names(cfg.checkpoints, str(tmp_path / "runs/p"), made, str(tmp_path))
+    assert names == ["sft", "rft", "models/base"]  # rft's folder is runs/p/other/checkpoint
 
 
 def test_markdown_table_shows_differences_to_the_baseline():
@@ -150,6 +186,7 @@ def test_report_has_the_documented_shape_and_values(run_dir: Path):
     # the rigged models answer "77" and "" whatever they sample: 3 of 4 prompts want "77"
     assert report == {
         "baseline": "stops",
+        "checkpoints": {"stops": str(stops), "sevens": str(sevens)},
         "sampling": {
             "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
             "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,

@@ -69,6 +69,7 @@ def test_retry_episodes_report_success_first_turn_turns_and_reward(run_dir: Path
     assert report.pop("sampling")["temperature"] == 0.0  # greedy (test_evaluate: its shape)
     assert report == {
         "baseline": "stops",
+        "checkpoints": {"stops": str(stops), "sevens": str(sevens)},
         "results": [
             {"checkpoint": "stops", "n": 4, "accuracy": 0.0, "mean_reward": -0.5,
              "pass_at_k": {"1": 0.0}, "first_turn_accuracy": 0.0, "mean_turns": 2.0,
