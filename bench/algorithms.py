@@ -61,15 +61,9 @@ ARMS: dict[str, dict[str, Any]] = {
         "dynamic_sampling": True,
         "overlong_buffer": 4,
     },
-    # GSPO: the sequence ratio, its clip range (3e-4, 4e-4) and per-sequence mean loss
-    "gspo": {
-        "advantage": "grpo",
-        "ratio_level": "sequence",
-        "eps_clip": 0.0003,
-        "eps_clip_high": 0.0004,
-        "loss_agg": "seq_mean_token_mean",
-        **OFF,
-    },
+    # GSPO as users get it: ratio_level sequence brings its clip range (3e-4, 4e-4) and
+    # per-sequence mean loss (stages.rl.algo.combinations.gspo_defaults)
+    "gspo": {"advantage": "grpo", "ratio_level": "sequence", **OFF},
 }
 LOCK = threading.Lock()
 REPORT = False  # --report: read the arms' run folders, run nothing

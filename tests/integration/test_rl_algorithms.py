@@ -32,9 +32,8 @@ ARMS = {
     # the defaults otherwise: dynamic sampling resolves off, every group trains (issue 45)
     "reinforce_pp": "advantage: reinforce_pp\n          kl_coef: 0.05\n          train_batch_size: 16",
     # dynamic sampling too: this untrained model's groups seldom carry a signal
-    "gspo": "ratio_level: sequence\n          eps_clip: 0.0003\n          eps_clip_high: 0.0004\n"
-    "          loss_agg: seq_mean_token_mean\n          train_batch_size: 8\n"
-    "          dynamic_sampling: true",
+    # GSPO as users get it: its clip range and loss_agg resolve from ratio_level (issue 45)
+    "gspo": "ratio_level: sequence\n          train_batch_size: 8\n          dynamic_sampling: true",
     "dapo": "dynamic_sampling: true\n          overlong_buffer: 2\n          train_batch_size: 16",
 }
 

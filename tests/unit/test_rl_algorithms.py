@@ -143,6 +143,130 @@ def test_gspo_ratio_is_each_sequences_geometric_mean_clipped_as_one():
     assert new.grad is not None and new.grad[:2].abs().sum().item() == 0.0  # clipped: no grad
 
 
+def _planned_rl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: str) -> Any:
+    """The rl stage's config as `pipe plan` resolves it from `config` (defaults, derived)."""
+    from engine.plan.dag import plan
+    from engine.plan.resolve import resolve
+    from engine.spec.load import load_pipeline
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    (tmp_path / "p.yaml").write_text(
+        f"name: p\nstages:\n  rl:\n    kind: rl\n    config: {{input: d.jsonl, {config}}}\n"
+    )
+    return plan(resolve(load_pipeline("p.yaml", ()), run_dir="runs/p")).stages["rl"].resolved.config
+
+
+def _gspo_gradient(cfg: Any) -> list[float]:
+    """d(step loss)/d(new log-prob) per token, as the actor's update computes it from `cfg`
+    (`stages.rl.roles.policy_update`: token_scale, then masked_policy_terms over the step's
+    divisor): three sequences of 1, 2 and 1 tokens, old log-probs 0, new ones [0], [2e-4, 0],
+    [1e-3], advantages +1, -1, +1."""
+    new = torch.tensor([0.0, 2e-4, 0.0, 1e-3], dtype=torch.float64, requires_grad=True)
+    zero, ones = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    weights, divisor = token_scale(cfg.loss_agg, [(1, 1), (2, 2), (1, 1)], sequences=3, tokens=4)
+    scale = None if weights is None else torch.tensor(weights, dtype=torch.float64)
+    loss, _, _ = masked_policy_terms(
+        new,
+        zero,
+        adv,
+        ones,
+        cfg.eps_clip,
+        eps_clip_high=cfg.eps_clip_high,
+        lengths=[1, 2, 1] if cfg.ratio_level == "sequence" else None,
+        scale=scale,
+    )
+    (loss / divisor).backward()
+    assert new.grad is not None
+    return [float(g) for g in new.grad]
+
+
+def test_gspo_is_one_choice_that_brings_its_aggregation_and_clip_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`ratio_level: sequence` alone resolves GSPO's loss (Zheng et al., 2025, eq. 5): the
+    mean over G sequences of each one's token mean of -min(s A, clip(s, 1 - 3e-4, 1 + 4e-4) A),
+    s = exp(mean_t (new - old)). Worked by hand, with N = 3 sequences:
+    - [0], A = +1: s = 1, inside the range: loss -s, d/dnew = -(1/3)(s / 1) = -1/3;
+    - [2e-4, 0], A = -1: s = e^1e-4 = 1.0001, inside: each token's loss is s, the sequence's
+      mean s, d/dnew_t = (1/3) ds/dnew_t = (1/3)(s / 2) = s / 6 on both tokens;
+    - [1e-3], A = +1: s = e^1e-3 = 1.0010 > 1.0004: the clipped term is the min, gradient 0.
+    The same ratio with the plain defaults (token_mean over 4 tokens, clip 0.2) gives
+    -1/4, s/4, s/4 and -e^1e-3/4: every value differs."""
+    import math
+
+    cfg = _planned_rl(tmp_path, monkeypatch, "ratio_level: sequence")
+    assert (cfg.loss_agg, cfg.eps_clip, cfg.eps_clip_high) == ("seq_mean_token_mean", 3e-4, 4e-4)
+    s = math.exp(1e-4)
+    assert _gspo_gradient(cfg) == pytest.approx([-1 / 3, s / 6, s / 6, 0.0], abs=1e-12)
+    # each overridable: what the user sets is kept
+    own = _planned_rl(
+        tmp_path,
+        monkeypatch,
+        "ratio_level: sequence, loss_agg: token_mean, eps_clip: 0.2, eps_clip_high: 0.2",
+    )
+    assert (own.loss_agg, own.eps_clip, own.eps_clip_high) == ("token_mean", 0.2, 0.2)
+    expected = [-1 / 4, s / 4, s / 4, -math.exp(1e-3) / 4]
+    assert _gspo_gradient(own) == pytest.approx(expected, abs=1e-12)
+    # Dr. GRPO refuses seq_mean_token_mean: GSPO brings its clip range only
+    dr = _planned_rl(tmp_path, monkeypatch, "ratio_level: sequence, advantage: dr_grpo")
+    assert (dr.loss_agg, dr.eps_clip, dr.eps_clip_high) == ("token_mean", 3e-4, 4e-4)
+    # settings.json says why each is what it is
+    how = algorithm_settings(cfg)
+    assert how["loss_agg"][1].endswith(
+        "(GSPO's: with ratio_level sequence each sequence weighs the same, as the paper's)"
+    )
+    assert "(GSPO's range: a sequence's ratio, a geometric mean" in how["eps_clip"][1]
+    assert "(GSPO's range" in how["eps_clip_high"][1]
+    assert "GSPO" not in algorithm_settings(own)["loss_agg"][1]
+
+
+def test_plan_explains_gspo_s_settings_as_derived_and_warns_on_a_wide_clip(tmp_path: Path):
+    from tests.conftest import run_cli
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    (tmp_path / "p.yaml").write_text(
+        "name: p\nstages:\n  rl:\n    kind: rl\n    config: {input: d.jsonl, "
+        "ratio_level: sequence}\n"
+    )
+    out = run_cli("plan", "p.yaml", "--explain", cwd=tmp_path)
+    assert out.exit_code == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
+    rule = "<- rule: ratio_level sequence (GSPO, Zheng et al. 2025): "
+    assert lines["loss_agg"].split(None, 2)[1:] == [
+        '"seq_mean_token_mean"',
+        rule + "each sequence weighs the same, its loss the mean over its tokens, as the "
+        "paper's objective and verl's GSPO recipe (token_mean would weigh it by its length)",
+    ]
+    assert lines["eps_clip"].split(None, 2)[1:] == [
+        "0.0003",
+        rule + "a sequence's ratio is the geometric mean of its tokens', within about 1e-3 of "
+        "1, so the paper clips it at 1 - 0.0003 (0.2 would almost never bind)",
+    ]
+    assert lines["eps_clip_high"].split(None, 2)[1:] == [
+        "0.0004",
+        rule + "the paper's upper clip, 1 + 0.0004",
+    ]
+    # the async profile's clip-higher (0.28) is kept, with a warning: it cannot bind here
+    (tmp_path / "p.yaml").write_text(
+        "name: p\nprofile: max-throughput\nstages:\n  rl:\n    kind: rl\n"
+        "    config: {input: d.jsonl, ratio_level: sequence}\n"
+    )
+    out = run_cli("validate", "p.yaml", cwd=tmp_path)
+    assert out.exit_code == 0, out.stderr
+    warned = [w for w in out.stderr.splitlines() if "(GSPO) clips one ratio" in w]
+    assert len(warned) == 1 and warned[0].split(": ", 1)[1] == (
+        "warning: stages.rl.config.eps_clip_high: ratio_level sequence (GSPO) clips one ratio "
+        "per sequence, the geometric mean of its tokens', which seldom leaves 1 by more than "
+        "1e-3: eps_clip_high 0.28 (profile max-throughput: async batches train a weight "
+        "version after the one that sampled them, so the ratio leaves 1 and the clip binds: "
+        "DAPO's clip-higher (0.28) lets low-probability tokens that scored well rise instead "
+        "of being clipped at 1.2) almost never binds: GSPO's range is eps_clip 0.0003, "
+        "eps_clip_high 0.0004 (ratio_level sequence's default; set it over a preset's)"
+    )
+
+
 @pytest.mark.parametrize(
     ("agg", "expected"),
     [("token_mean", 3.0), ("seq_mean_token_sum", 4.5), ("seq_mean_token_mean", 3.5)],

@@ -32,10 +32,18 @@ def refills(cfg: Any) -> bool:
     return bool(cfg.dynamic_sampling) and cfg.algorithm == "grpo"
 
 
+# GSPO's clip range (Zheng et al., 2025, section 5.1; verl's GSPO recipe clip_ratio_low /
+# clip_ratio_high): a sequence's ratio is a geometric mean, within about 1e-3 of 1
+GSPO_CLIP = (3e-4, 4e-4)
+GSPO = "ratio_level sequence (GSPO, Zheng et al. 2025)"
+
+
 def derive_algorithm(cfg: Any) -> dict[str, Derived]:
     """Dynamic sampling's default per estimator: on where a group whose rewards agree has
     advantages of 0 and trains nothing (advantage grpo, dr_grpo, rloo: the default, true),
-    off where such a group trains (`pipe plan --explain` shows the rule)."""
+    off where such a group trains; and GSPO's loss as one choice (`gspo_defaults`). `pipe
+    plan --explain` shows each rule; a value the user or a preset set is kept."""
+    out = gspo_defaults(cfg) if cfg.ratio_level == "sequence" else {}
     if cfg.algorithm == "ppo":
         why = "algorithm ppo trains every group (the critic values a group whose rewards agree)"
     elif cfg.advantage == "reinforce_pp":
@@ -44,8 +52,32 @@ def derive_algorithm(cfg: Any) -> dict[str, Derived]:
             "whose rewards agree has advantages too, as in OpenRLHF"
         )
     else:
-        return {}
-    return {"dynamic_sampling": Derived(False, why)}
+        return out
+    return out | {"dynamic_sampling": Derived(False, why)}
+
+
+def gspo_defaults(cfg: Any) -> dict[str, Derived]:
+    """`ratio_level: sequence` is GSPO only with its aggregation and clip range: each
+    sequence weighs the same (the paper's `1/G sum_i` over sequences of the mean over its
+    tokens: `seq_mean_token_mean`; `token_mean` would weigh a sequence by its length), and a
+    clip of [1 - 3e-4, 1 + 4e-4] on a ratio that is a geometric mean (a 0.2 clip would almost
+    never bind). Not the aggregation with advantage dr_grpo, which refuses it."""
+    low, high = GSPO_CLIP
+    out = {
+        "eps_clip": Derived(
+            low,
+            f"{GSPO}: a sequence's ratio is the geometric mean of its tokens', within about "
+            f"1e-3 of 1, so the paper clips it at 1 - {low} (0.2 would almost never bind)",
+        ),
+        "eps_clip_high": Derived(high, f"{GSPO}: the paper's upper clip, 1 + {high}"),
+    }
+    if cfg.advantage != "dr_grpo":
+        out["loss_agg"] = Derived(
+            "seq_mean_token_mean",
+            f"{GSPO}: each sequence weighs the same, its loss the mean over its tokens, as the "
+            "paper's objective and verl's GSPO recipe (token_mean would weigh it by its length)",
+        )
+    return out
 
 
 def check_algorithm(cfg: AlgorithmOptions, ctx: ResolveContext, with_env: bool) -> list[Diagnostic]:
@@ -108,6 +140,22 @@ def check_algorithm(cfg: AlgorithmOptions, ctx: ResolveContext, with_env: bool) 
                 "a multi-turn episode's reward is the environment's over all its turns, and "
                 "each turn has its own max_output_tokens: leave overlong_buffer out",
             )
+    wide = [
+        p
+        for p in ("eps_clip", "eps_clip_high")
+        if p in explicit and (getattr(cfg, p) or 0.0) > 10 * GSPO_CLIP[1]
+    ]
+    if cfg.ratio_level == "sequence" and wide:
+        out.append(
+            ctx.warning(
+                wide[0],
+                f"ratio_level sequence (GSPO) clips one ratio per sequence, the geometric mean "
+                f"of its tokens', which seldom leaves 1 by more than 1e-3: {wide[0]} "
+                f"{getattr(cfg, wide[0])} ({ctx.source(wide[0])}) almost never binds: GSPO's "
+                f"range is eps_clip {GSPO_CLIP[0]}, eps_clip_high {GSPO_CLIP[1]} (ratio_level "
+                "sequence's default; set it over a preset's)",
+            )
+        )
     clip_set = [p for p in ("eps_clip_high", "ratio_level") if p in explicit]
     if clip_set and one_update(cfg):
         out.append(

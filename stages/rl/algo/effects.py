@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.rl.algo.combinations import one_update, refills
+from stages.rl.algo.combinations import GSPO_CLIP, one_update, refills
 
 A, S = "applied", "skipped"
 
@@ -25,6 +25,9 @@ AGGREGATIONS = {
     "seq_mean_token_mean": "each sequence's mean loss, averaged over the step's sequences",
 }
 
+GSPO_AGG = " (GSPO's: with ratio_level sequence each sequence weighs the same, as the paper's)"
+GSPO_RANGE = " (GSPO's range: a sequence's ratio, a geometric mean, stays within about 1e-3 of 1)"
+
 
 def algorithm_settings(cfg: Any) -> dict[str, tuple[str, str]]:
     """See the module docstring."""
@@ -36,6 +39,7 @@ def algorithm_settings(cfg: Any) -> dict[str, tuple[str, str]]:
         else ""
     )
     high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    gspo = cfg.ratio_level == "sequence"
     return {
         "algorithm": (A, "GRPO: advantages from each prompt's group, clipped ratio, no critic")
         if not ppo
@@ -44,12 +48,22 @@ def algorithm_settings(cfg: Any) -> dict[str, tuple[str, str]]:
         if ppo
         else (A, ESTIMATORS[cfg.advantage]),
         "std_normalize": _std(cfg),
-        "loss_agg": (A, AGGREGATIONS[cfg.loss_agg]),
-        "eps_clip": (A, f"the ratio kept at or above 1 - {cfg.eps_clip}{ratio_one}"),
+        "loss_agg": (
+            A,
+            AGGREGATIONS[cfg.loss_agg]
+            + (GSPO_AGG if gspo and cfg.loss_agg == "seq_mean_token_mean" else ""),
+        ),
+        "eps_clip": (
+            A,
+            f"the ratio kept at or above 1 - {cfg.eps_clip}"
+            + (GSPO_RANGE if gspo and cfg.eps_clip == GSPO_CLIP[0] else "")
+            + ratio_one,
+        ),
         "eps_clip_high": (
             A,
             f"the ratio kept at or below 1 + {high}"
             + (" (eps_clip: empty)" if cfg.eps_clip_high is None else " (clip-higher)")
+            + (GSPO_RANGE if gspo and cfg.eps_clip_high == GSPO_CLIP[1] else "")
             + ratio_one,
         ),
         "ratio_level": (A, "one ratio per token")

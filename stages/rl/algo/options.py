@@ -55,7 +55,8 @@ class AlgorithmOptions(StageConfig):
     ratio_level: Literal["token", "sequence"] = Field(
         "token",
         description="The importance ratio per token, or per sequence (GSPO: the geometric mean of "
-        "the sequence's token ratios, clipped as one).",
+        "the sequence's token ratios, clipped as one; it brings GSPO's loss_agg "
+        "seq_mean_token_mean and clip range eps_clip 3e-4, eps_clip_high 4e-4, each overridable).",
     )
     dynamic_sampling: bool = Field(
         True,
