@@ -79,6 +79,13 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
         20, gt=0, description="Score eval_input every this many steps (and at the end)."
     )
     eval_limit: int | None = Field(500, gt=0, description="Held-out prompts scored at most.")
+    log_samples_every: int = Field(
+        10,
+        ge=0,
+        description="Every this many steps, the first samples of the step's batch (text, ids, "
+        "loss mask, log-probabilities, reward, advantage) to samples.jsonl and the trackers; "
+        "0: none.",
+    )
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     save_dtype: Dtype = Field("auto", description=SAVE_DTYPE_HELP)
 

@@ -3,7 +3,8 @@
 Input: the worker spec written by `stages.train.run` (the resolved config,
 the model directory, device, trainer kind, ds_config, threads) and the rank
 in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
-Output: checkpoints and `loss.jsonl` in the stage folder; from rank 0 the
+Output: checkpoints, `loss.jsonl` and (a fresh start) `first_batch.jsonl`, the first step's
+sequences as text, ids and loss mask, in the stage folder; from rank 0 the
 final Hugging Face checkpoint at the config's `output` in the resolved save dtype
 (written to a temporary sibling, then renamed into place: `stages.lib.model.save`) and
 `train_result.json`.
@@ -40,6 +41,7 @@ from stages.lib.distributed.rank import (
     make_trainer,
     start_rank,
 )
+from stages.lib.io.audit import FIRST_BATCH, append_records, token_record
 
 log = logging.getLogger("pipe.train")
 
@@ -170,8 +172,10 @@ def run(spec: WorkerSpec) -> None:
     _record_rank(spec.stage_dir, rank, world, device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    loop, _ = _build_loop(spec, cfg, rank, world, device)
+    loop, tokenizer = _build_loop(spec, cfg, rank, world, device)
     resumed = _resume(loop, f"{spec.stage_dir}/checkpoints", rank)
+    if rank == 0 and resumed is None:
+        write_first_batch(loop, tokenizer, f"{spec.stage_dir}/{FIRST_BATCH}")
     log.info(
         "training %d %s on %d rank(s) with %s: %d steps (%d per epoch), ready in %.1fs",
         len(loop.data.units),
@@ -189,6 +193,26 @@ def run(spec: WorkerSpec) -> None:
     if rank == 0:
         with open(f"{spec.stage_dir}/train_result.json", "w", encoding="utf-8") as f:
             json.dump(_result(loop, resumed), f, indent=1)
+
+
+def write_first_batch(loop: Loop, tokenizer: Any, path: str) -> None:
+    """The first step's sequences, every rank's, as rendered text, ids and loss mask (DPO:
+    chosen then rejected, `unit` the pair)."""
+    if loop.plan.total_steps == 0:
+        return
+    rows = []
+    for unit in loop.plan.step(0).units:
+        for example in loop.data.units[unit]:
+            ex = loop.data.examples[example]
+            start = ex.prompt_len
+            mask = [0] * (len(ex.input_ids) - start)
+            for a, b in ex.trained():
+                for i in range(max(a, start), b):
+                    mask[i - start] = 1
+            rows.append({"unit": unit, **token_record(tokenizer, ex.input_ids, start, mask)})
+    if os.path.exists(path):
+        os.remove(path)
+    append_records(path, rows)
 
 
 def _record_rank(stage_dir: str, rank: int, world: int, device: str) -> None:

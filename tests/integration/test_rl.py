@@ -317,3 +317,65 @@ def test_async_batches_are_never_staler_than_the_queue_and_queue_zero_is_the_syn
     assert max(r["staleness"] for r in ahead) <= 1
     assert max(r["staleness"] for r in sync) == 0
     assert any(r["staleness"] == 1 for r in ahead if r["updates"])  # it did sample ahead
+
+
+AUDITED = """\
+    name: rl
+    cluster: {workers: 1}
+    stages:
+      data:
+        kind: dataset
+        config:
+          task: chain_sum
+          task_config: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}
+          size: 64
+          test_size: 16
+      warm:
+        kind: train
+        needs: [data]
+        config:
+          target: answer
+          model: {hidden_size: 32, num_layers: 1, num_heads: 2, vocab_size: 300}
+          train_batch_size: 4
+          micro_train_batch_size: 4
+          max_steps: 1
+          num_threads: 1
+      rl:
+        kind: rl
+        needs: [data, warm]
+        config:
+          input: "@data"
+          model: "@warm"
+          verifier: {kind: regex, pattern: "[0-9]"}
+          num_repeats: 4
+          rollout_batch_size: 2
+          train_batch_size: 8
+          micro_train_batch_size: 8
+          max_steps: 2
+          max_output_tokens: 4
+          log_samples_every: 1
+"""
+
+
+def test_an_rl_run_leaves_samples_stop_ids_and_trains_first_batch_to_audit(tmp_path: Path):
+    (tmp_path / "p.yaml").write_text(textwrap.dedent(AUDITED))
+    result = pipe(tmp_path, "run", "p.yaml")
+    assert result.returncode == 0, result.stderr[-3000:]
+    stage = tmp_path / "runs/rl/rl"
+    rows = [json.loads(line) for line in (stage / "samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [1, 2]
+    assert all(sum(r["step"] == s for r in rows) == 4 for s in (1, 2))
+    for row in rows:
+        n = len(row["completion_ids"])
+        assert n and len(row["loss_mask"]) == len(row["behaviour_logprobs"]) == n
+        assert row["prompt"] and isinstance(row["completion"], str)
+        assert isinstance(row["reward"], float) and isinstance(row["advantage"], float)
+    tokens = json.loads((stage / "settings.json").read_text())["max_output_tokens"]
+    assert tokens["stop_ids"] and all(isinstance(i, int) for i in tokens["stop_ids"])
+    assert str(tokens["stop_ids"]) in tokens["how"]
+    warm = tmp_path / "runs/rl/warm/first_batch.jsonl"
+    batch = [json.loads(line) for line in warm.read_text().splitlines()]
+    assert len(batch) == 4  # train_batch_size
+    for row in batch:
+        assert row["prompt"] and row["completion"]
+        assert len(row["loss_mask"]) == len(row["completion_ids"]) and 1 in row["loss_mask"]

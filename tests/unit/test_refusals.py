@@ -263,6 +263,9 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/api/client.py", "status_error(resp.status"): transient(
         "an HTTP error status from the server: retried when retryable"
     ),
+    ("stages/lib/io/audit.py", "{} mask values for {} completion ids"): internal(
+        "a sample's loss mask has one value per completion token by construction"
+    ),
     ("stages/lib/io/jsonl.py", "{}:{}: expected a JSON object"): data("a malformed JSONL line"),
     ("stages/lib/io/jsonl.py", "{}:{}: not valid JSON"): data("a malformed JSONL line"),
     ("stages/lib/distributed/spawn.py", "ranks {}-{} stopped"): environment(

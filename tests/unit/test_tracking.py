@@ -92,6 +92,7 @@ def test_the_writer_feeds_tensorboard_and_survives_a_tracker_that_is_down(tmp_pa
         recorder.scan()
         Metrics(a.stage_dir).log(2, {"loss": 0.25, "nested": {"x": 1}})
         (run_dir / "a" / "report.json").write_text('{"rows": 3}\n')
+        (run_dir / "a" / "samples.jsonl").write_text('{"step": 1, "prompt": "1+2="}\n')
         a.status, a.metrics = "succeeded", {"rows": 3, "flag": True}
         links = recorder.close()
     assert links == {"tensorboard": f"tensorboard --logdir {tb}"}  # not mlflow: it failed
@@ -105,7 +106,7 @@ def test_the_writer_feeds_tensorboard_and_survives_a_tracker_that_is_down(tmp_pa
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 0.5), (2, 0.25)]
     assert [(e.step, e.value) for e in acc.Scalars("nested/x")] == [(2, 1.0)]
     assert [(e.step, e.value) for e in acc.Scalars("result/rows")] == [(0, 3.0)]
-    assert {"stage", "status", "report.json"} <= set(acc.Tags()["tensors"])
+    assert {"stage", "status", "report.json", "samples.jsonl"} <= set(acc.Tags()["tensors"])
     cached = EventAccumulator(str(tb / "run-1" / "b"))
     cached.Reload()
     assert cached.Tags()["scalars"] == []

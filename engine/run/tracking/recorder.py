@@ -40,7 +40,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pipe.tracking")
 EVENTS = "track.jsonl"  # stages.lib.io.metrics.EVENTS
-ARTIFACTS = ("*.png", "*.md", "report.json", "*_report.json", "metrics.json")
+# plots, reports, and the records to audit a run by (`stages.lib.io.audit`)
+ARTIFACTS = (
+    "*.png",
+    "*.md",
+    "report.json",
+    "*_report.json",
+    "metrics.json",
+    "samples.jsonl",
+    "first_batch.jsonl",
+)
 RAN = ("running", "succeeded", "failed", "cancelled")
 NEVER_RAN = ("cached", "not-selected", "skipped", "not-run")
 POLL_S = 1.0

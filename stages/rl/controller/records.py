@@ -2,9 +2,11 @@
 
 Input: per-step records, held-out scores, and what each setting did at run time.
 Output, in the stage's folder: `metrics.jsonl` (one line per step, appended as it
-ends; trimmed back to the checkpoint on resume), `rl.png` (reward and held-out
-accuracy against step), and `settings.json`: every field of the resolved config with
-its value and whether it was applied (and how) or skipped (and why) in this run.
+ends; trimmed back to the checkpoint on resume), `samples.jsonl` (the first
+`SAMPLES_PER_STEP` samples of every `log_samples_every`-th step, as text and ids), `rl.png`
+(reward and held-out accuracy against step), and `settings.json`: every field of the
+resolved config with its value and whether it was applied (and how) or skipped (and why)
+in this run (`max_output_tokens` with the stop ids every answer could end at: `stop_ids`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from typing import Any
 
+from stages.lib.io.audit import SAMPLES, token_record
 from stages.lib.io.jsonl import atomic_path, atomic_write, write_json
 from stages.lib.io.metrics import Metrics
+
+SAMPLES_PER_STEP = 4
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -37,6 +43,28 @@ def append_metrics(path: str, record: dict[str, Any]) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
     Metrics(os.path.dirname(path)).log(int(record.get("step", 0)), {**record, "step": None})
+
+
+def sample_records(step: int, samples: Sequence[Any], tokenizer: Any) -> list[dict[str, Any]]:
+    """The first `SAMPLES_PER_STEP` of a step's batch as it goes to the actor: text and ids,
+    loss mask, the engine's (behaviour) log-probabilities and the reference's where the step
+    has them (one per completion id, else empty), reward and advantage (PPO: per token)."""
+    out = []
+    for index, s in enumerate(samples[:SAMPLES_PER_STEP]):
+        out.append(
+            {
+                "step": step,
+                "index": index,
+                "version": s.version,
+                **token_record(tokenizer, s.ids, s.prompt_len, s.mask),
+                "behaviour_logprobs": [round(x, 6) for x in s.old_logprobs],
+                "ref_logprobs": [round(x, 6) for x in s.ref_logprobs],
+                "reward": s.reward,
+                "advantage": s.advantage,
+                "advantages": [round(x, 6) for x in s.advantages],
+            }
+        )
+    return out
 
 
 def plot(records: list[dict[str, Any]], path: str, title: str) -> str | None:
@@ -82,8 +110,17 @@ def settings_record(config: Any, how: dict[str, tuple[str, str]]) -> dict[str, A
     return {key: {"value": data[key], "status": how[key][0], "how": how[key][1]} for key in data}
 
 
-def write_settings(path: str, config: Any, how: dict[str, tuple[str, str]]) -> None:
-    write_json(path, settings_record(config, how))
+def write_settings(
+    path: str, config: Any, how: dict[str, tuple[str, str]], stop_ids: Sequence[int] = ()
+) -> None:
+    """`settings_record`; `max_output_tokens` also names the stop ids that end an answer
+    earlier (`stop_ids`: what the engine sent or stopped at, from the checkpoint)."""
+    record = settings_record(config, how)
+    if "max_output_tokens" in record:
+        entry = record["max_output_tokens"]
+        entry["how"] += f"; an answer ends earlier at any of the stop ids {list(stop_ids)}"
+        entry["stop_ids"] = [int(i) for i in stop_ids]
+    write_json(path, record)
 
 
 def resume_point(
@@ -101,12 +138,13 @@ def resume_point(
             with open(state_path, encoding="utf-8") as f:
                 state = json.load(f)
             if state.get("resume_key") == resume_key:
-                trim_metrics(f"{stage_dir}/metrics.jsonl", int(state["step"]))
+                for name in ("metrics.jsonl", SAMPLES):
+                    trim_metrics(f"{stage_dir}/{name}", int(state["step"]))
                 log.info("resuming from %s (step %d)", tag, state["step"])
                 return tag, int(state["step"]), int(state.get("version", state["step"]))
         log.warning("checkpoint %s is from another config or input: starting over", tag)
     shutil.rmtree(root, ignore_errors=True)
-    for name in ("metrics.jsonl", "settings.json"):
+    for name in ("metrics.jsonl", "settings.json", SAMPLES):
         if os.path.exists(f"{stage_dir}/{name}"):
             os.remove(f"{stage_dir}/{name}")
     return None, 0, 0

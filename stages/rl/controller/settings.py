@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from stages.lib.api.sampling import request_sampling
 from stages.lib.distributed.sleep import sleep_method
 from stages.rl.algo.effects import algorithm_settings
+from stages.rl.controller.records import SAMPLES_PER_STEP
 from stages.rl.sync.choice import SyncChoice
 
 if TYPE_CHECKING:
@@ -101,6 +102,13 @@ def account(
         "eval_limit": (A, "held-out prompts scored at most")
         if cfg.eval_input
         else (S, "no held-out prompts given"),
+        "log_samples_every": (
+            A,
+            f"every {cfg.log_samples_every} step(s), the first {SAMPLES_PER_STEP} samples of the "
+            "step's batch to samples.jsonl (uploaded to the trackers when the stage ends)",
+        )
+        if cfg.log_samples_every
+        else (S, "0: no samples logged"),
         "seed": (A, "data order, sampling and the actor's initialisation"),
         "zero_stage": (A, f"ZeRO stage {cfg.zero_stage} in the actor's ds_config") if ds else no_ds,
         "adam_offload": (

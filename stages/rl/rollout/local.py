@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stages.lib.chat.prompt import Prompt
-from stages.lib.chat.tokens import pad_id
+from stages.lib.chat.tokens import eos_ids, pad_id
 from stages.lib.model.generate import Generation, generate_with
 from stages.rl.algo.logprobs import Sample, completion_logprobs
 
@@ -64,6 +64,12 @@ class LocalEngine:
     @property
     def pad_id(self) -> int:
         return pad_id(self.tokenizer, self.model.config)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """The ids that end an answer here (`stages.lib.model.generate` stops at each)."""
+        model = self.model
+        return eos_ids(self.tokenizer, model.config, getattr(model, "generation_config", None))
 
     def generate(
         self, prompts: Sequence[Prompt], *, batch_size: int, **sampling: Unpack[Sampling]

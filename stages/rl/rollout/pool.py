@@ -71,6 +71,10 @@ class EnginePool:
         return self.local.pad_id
 
     @property
+    def stop_ids(self) -> list[int]:
+        return self.local.stop_ids
+
+    @property
     def stats(self) -> dict[str, Any]:
         """This worker's engine's latest step (the others' stay on their workers)."""
         return dict(getattr(self.local, "stats", None) or {})

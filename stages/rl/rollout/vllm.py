@@ -184,6 +184,11 @@ class VLLMEngine:
     def pad_id(self) -> int:
         return pad_id(self.tokenizer)
 
+    @property
+    def stop_ids(self) -> list[int]:
+        """The `stop_token_ids` every request sends."""
+        return list(self.requests.stops)
+
     def close(self) -> None:
         self._stack.close()
 
