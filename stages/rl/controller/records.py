@@ -72,6 +72,9 @@ def plot(records: list[dict[str, Any]], path: str, title: str) -> str | None:
     return path
 
 
+DATE_HOW = "the run's date: chat templates that read the date render this day"
+
+
 def settings_record(config: Any, how: dict[str, tuple[str, str]]) -> dict[str, Any]:
     """Every field: `{"value", "status": applied|skipped, "how"}`; a field nobody accounted
     for is an error (a setting must act, or say why it did not)."""
@@ -82,8 +85,13 @@ def settings_record(config: Any, how: dict[str, tuple[str, str]]) -> dict[str, A
     return {key: {"value": data[key], "status": how[key][0], "how": how[key][1]} for key in data}
 
 
-def write_settings(path: str, config: Any, how: dict[str, tuple[str, str]]) -> None:
-    write_json(path, settings_record(config, how))
+def write_settings(path: str, config: Any, how: dict[str, tuple[str, str]], date: str = "") -> None:
+    """The settings record, and the run's date (`date`, what chat templates that read the
+    date rendered: `stages.lib.chat.clock`) where there is one."""
+    record: dict[str, Any] = settings_record(config, how)
+    if date:
+        record["date"] = {"value": date, "status": "applied", "how": DATE_HOW}
+    write_json(path, record)
 
 
 def resume_point(
