@@ -3,7 +3,9 @@
 The graph comes from `needs:` (cycles were rejected at load). Each stage's
 static key hashes its resolved config and its kind's code version; execution
 adds the hashes of its inputs (upstream keys and external file contents).
-`Plan.as_dict()` is what `pipe plan --format json|yaml` prints and what
+Every stage renders the run's date (`Plan.date`, `engine.plan.dated`): a stage whose model's
+chat template reads the date has it in its static key (`PlannedStage.reads_date` names the
+model field). `Plan.as_dict()` is what `pipe plan --format json|yaml` prints and what
 `pipe run` writes as `plan.lock.yaml`; `engine.plan.explain` adds each value's source.
 """
 
@@ -13,10 +15,12 @@ import hashlib
 import io
 import json
 from dataclasses import dataclass
+from datetime import date
 from typing import Any
 
 from engine.errors import Diagnostic, PipeError
 from engine.plan.budget import Grow, Grown, check_memory
+from engine.plan.dated import reads_date, run_date
 from engine.plan.memory import Estimate
 from engine.plan.paths import shown_config
 from engine.plan.placement import (
@@ -41,6 +45,7 @@ class PlannedStage:
     resolved: ResolvedStage
     config_hash: str
     code_version: str
+    reads_date: str | None = None  # the model field whose chat template reads the date
 
     @property
     def name(self) -> str:
@@ -62,6 +67,8 @@ class Plan:
     cluster: ClusterView | None = None
     placement: Placement | None = None
     memory: dict[str, dict[str, Estimate]] | None = None
+    date: date | None = None  # the day every stage's chat template renders
+    date_source: str = ""
 
     @property
     def name(self) -> str:
@@ -79,12 +86,14 @@ class Plan:
             "name": spec.name,
             "profile": spec.profile,
             "memory": spec.memory,
+            **({"date": self.date.isoformat()} if self.date is not None else {}),
             "stages": {
                 n: {
                     "kind": s.resolved.kind,
                     "needs": list(s.resolved.needs),
                     "resources": {"role": s.resolved.role, "gpus": s.resolved.gpus},
                     "config": shown_config(s.resolved.config),
+                    **({"date_in_key": s.reads_date} if s.reads_date else {}),
                 }
                 for n, s in self.stages.items()
             },
@@ -115,10 +124,12 @@ class Plan:
         return buf.getvalue()
 
 
-def config_hash(stage: ResolvedStage) -> str:
-    """Hash of the resolved config, paths as shown (so a moved project keeps its cache)."""
+def config_hash(stage: ResolvedStage, day: date | None = None) -> str:
+    """Hash of the resolved config, paths as shown (so a moved project keeps its cache), and
+    the run's date where given (a stage whose model's chat template reads it)."""
     text = json.dumps(shown_config(stage.config), sort_keys=True)
-    return hashlib.sha256(f"{stage.kind}\n{text}".encode()).hexdigest()[:16]
+    dated = f"\ndate={day.isoformat()}" if day is not None else ""
+    return hashlib.sha256(f"{stage.kind}\n{text}{dated}".encode()).hexdigest()[:16]
 
 
 def plan(resolved: ResolvedPipeline, cluster: ClusterView | None = None) -> Plan:
@@ -126,14 +137,17 @@ def plan(resolved: ResolvedPipeline, cluster: ClusterView | None = None) -> Plan
     live), place every GPU stage (`PipeError` with located messages when they do not fit)."""
     order = tuple(topological(resolved.loaded.spec))
     registry = kinds()
-    stages = {
-        name: PlannedStage(
-            resolved.stages[name],
-            config_hash(resolved.stages[name]),
-            registry[resolved.stages[name].kind].code_version(),
+    day, day_source = run_date(resolved.loaded.spec.date, resolved.run_dir)
+    stages = {}
+    for name in order:
+        stage = resolved.stages[name]
+        field = reads_date(stage.config)
+        stages[name] = PlannedStage(
+            stage,
+            config_hash(stage, day if field else None),
+            registry[stage.kind].code_version(),
+            field,
         )
-        for name in order
-    }
     placement = place(resolved, order, cluster) if cluster is not None else None
     if resolved.gpus_auto is not None:
         resolved.notes.append(auto_note(resolved, placement))
@@ -141,7 +155,7 @@ def plan(resolved: ResolvedPipeline, cluster: ClusterView | None = None) -> Plan
     if placement is not None and cluster is not None:
         memory, warnings = check_memory(resolved, placement, cluster, _grower(resolved, cluster))
         resolved.notes.extend(warnings)
-    return Plan(resolved, order, stages, cluster, placement, memory)
+    return Plan(resolved, order, stages, cluster, placement, memory, day, day_source)
 
 
 def auto_note(resolved: ResolvedPipeline, placement: Placement | None) -> Diagnostic:

@@ -23,6 +23,8 @@ from engine.errors import Diagnostic, Location, PipeError, did_you_mean
 from engine.fsio import atomic_write_text, makedirs
 from engine.plan.cluster import view_from_workers
 from engine.plan.dag import Plan, plan
+from engine.plan.dated import keep as keep_date
+from engine.plan.dated import release as release_date
 from engine.plan.resolve import resolve
 from engine.run.execute import execute
 from engine.run.report import RunReport, new_run_id
@@ -196,6 +198,8 @@ def _execute(
     history = report.history(run_dir)
     makedirs(history)
     atomic_write_text(f"{history}/plan.lock.yaml", planned.to_yaml())
+    if planned.date is not None:  # a resume after midnight renders this run's date
+        keep_date(run_dir, planned.date)
     handler = logging.FileHandler(f"{history}/driver.log") if "://" not in history else None
     root = logging.getLogger("pipe")
     if handler is not None:
@@ -213,6 +217,8 @@ def _execute(
             elif pending and cluster is not None:
                 _run_on(cluster, planned, req, report, keys, pending)
             report.finish()
+            if all(r.status in ("succeeded", "cached") for r in report.stages.values()):
+                release_date(run_dir)
         finally:
             if recorder is not None:
                 report.tracking = recorder.close()

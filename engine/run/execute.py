@@ -100,6 +100,7 @@ class _Run:
             producers=producers(self.plan),
             slots=slots,
             run_id=self.report.run_id,
+            date=self.plan.date.isoformat() if self.plan.date is not None else "",
         )
         tasks: list[tuple[str | None, str | None]] = [(None, None)]
         if slots:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.fsio import atomic_write_text, exists, makedirs, remove
-from engine.stage import STAGE_END, Slot, StageConfig, StageContext, StageKind
+from engine.stage import DATE_ENV, STAGE_END, Slot, StageConfig, StageContext, StageKind
 
 STAMP = ".pipe-stage.json"
 LOG_TOPIC = "pipe-log"
@@ -61,6 +61,7 @@ class StagePayload:
     slots: tuple[Slot, ...] = ()
     node_rank: int = 0
     run_id: str = ""
+    date: str = ""  # the run's date, ISO (engine.plan.dated)
 
     @property
     def tasks(self) -> int:
@@ -225,7 +226,10 @@ def run_stage(payload: StagePayload) -> TaskResult:
             node_rank=payload.node_rank,
             link=link,
             producers=payload.producers,
+            date=payload.date,
         )
+        if payload.date:  # the processes the stage starts render the same date
+            os.environ[DATE_ENV] = payload.date
         where = f" (task {payload.node_rank} of {payload.tasks})" if link else ""
         logger.info(
             "stage %s (%s) attempt %d starts%s",

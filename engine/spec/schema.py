@@ -12,6 +12,8 @@ in any stage at once. Every pydantic error is mapped back to `file:line:col`
 from __future__ import annotations
 
 import re
+from datetime import date as Date
+from datetime import datetime
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -193,11 +195,29 @@ class PipelineSpec(Model):
         "(applied to the stages that have them).",
     )
     stages: dict[str, StageSpec] = Field(min_length=1, description="The stages, by name.")
+    date: Date | None = Field(
+        None,
+        description="The day chat templates that read the date (strftime_now) render, "
+        "YYYY-MM-DD; unset, the day the run was planned (a resumed run keeps its own).",
+        strict=False,
+    )
     tracking: TrackingSpec = Field(
         default_factory=TrackingSpec,
         description="Experiment trackers "
         "(tensorboard, mlflow, wandb; any subset, none by default).",
     )
+
+    @field_validator("date", mode="before")
+    @classmethod
+    def _date(cls, value: Any) -> Any:
+        if value is None or (isinstance(value, Date) and not isinstance(value, datetime)):
+            return value
+        if isinstance(value, str):
+            try:
+                return Date.fromisoformat(value)
+            except ValueError:
+                pass
+        raise ValueError(f"expected a day as YYYY-MM-DD, found '{value}'")
 
     @field_validator("name")
     @classmethod

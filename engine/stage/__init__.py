@@ -30,6 +30,7 @@ running stage knows: `StageContext`, `Slot`, `at_stage_end`) and `registry` (`@s
 """
 
 from engine.stage.context import (
+    DATE_ENV,
     STAGE_END,
     NodeLink,
     Slot,
@@ -57,6 +58,7 @@ from engine.stage.registry import (
 )
 
 __all__ = [
+    "DATE_ENV",
     "ENTRY_POINT_GROUP",
     "STAGE_END",
     "Derived",

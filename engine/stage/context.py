@@ -34,6 +34,8 @@ class Slot:
         }
 
 
+DATE_ENV = "PIPE_DATE"  # the run's date for the processes a stage starts
+
 # what stage code registered to release when the stage running in this process ends
 STAGE_END: list[Callable[[], None]] = []
 
@@ -80,6 +82,9 @@ class StageContext:
     # every output path of the run's stages (absolute) -> the reference naming it, without
     # '@' (`sft`, `data.test_output`): which stage made an input the config holds as a path
     producers: Mapping[str, str] = field(default_factory=dict)
+    # the run's date, ISO: the day chat templates that read the clock render (the processes
+    # the stage starts find it in `PIPE_DATE`); empty outside a run
+    date: str = ""
 
     def path(self, name: str) -> str:
         """A file inside this stage's folder."""

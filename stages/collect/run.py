@@ -38,11 +38,13 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     metrics = _collect(cfg, ctx)
     if isinstance(cfg.backend, LocalBackend):  # the precision its checkpoint was loaded in
         from stages.collect.local import precision
+        from stages.lib.chat.clock import dated
         from stages.lib.io.jsonl import write_json
 
         dtype, why = precision(cfg)
         metrics["precision"] = {"dtype": dtype, "why": why}
-        write_json(f"{ctx.stage_dir}/settings.json", {"backend.precision": metrics["precision"]})
+        settings = {"backend.precision": metrics["precision"]}
+        write_json(f"{ctx.stage_dir}/settings.json", {**settings, **dated(ctx)})
     if not metrics.get("up_to_date"):  # what every request carried; the local engine the same
         vllm = not isinstance(cfg.backend, OpenAIBackend)  # local: the same neutral rest
         metrics["sampling"] = request_sampling(cfg.temperature, cfg.top_p, vllm)

@@ -105,13 +105,15 @@ class Generator:
         dtype and why (None: another backend, which loads nothing here)."""
         if not isinstance(self.cfg.backend, LocalBackend):
             return None
+        from stages.lib.chat.clock import dated
         from stages.lib.model.dtypes import resolve_precision
 
         self.dtype, why = resolve_precision(self.cfg.backend.precision, paths)
         log.info("every checkpoint loaded in %s (%s)", self.dtype, why)
         record = {"dtype": self.dtype, "why": why}
         if self.ctx is not None:
-            write_json(f"{self.ctx.stage_dir}/settings.json", {"backend.precision": record})
+            settings = {"backend.precision": record, **dated(self.ctx)}
+            write_json(f"{self.ctx.stage_dir}/settings.json", settings)
         return record
 
     def __call__(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,7 @@ def test_second_run_is_all_cache_hits_and_touches_nothing(tmp_path: Path):
     write(tmp_path, CHAIN)
     first = pipe(tmp_path, "run", "p.yaml")
     assert first.returncode == 0, first.stderr
+    assert not (tmp_path / "runs" / "p" / ".pipe-date").exists()  # finished: date released
     before = _files(tmp_path)
     second = pipe(tmp_path, "run", "p.yaml")
     assert second.returncode == 0, second.stderr
@@ -181,6 +183,9 @@ def test_retries_failures_and_keep_going(tmp_path: Path):
     assert stages["other"]["status"] == "succeeded"
     assert "broken: failed after 2 attempt(s): RuntimeError: broken always fails" in result.stderr
     assert "skipping after, later" in result.stderr
+    # unfinished: the next run (a resume, maybe after midnight) renders this run's date
+    kept = (tmp_path / "runs" / "p" / ".pipe-date").read_text()
+    assert kept == f"{date.today().isoformat()}\n"
     assert "Traceback" not in result.stderr
 
 

@@ -36,7 +36,7 @@ def test_json_shape_every_value_resolved(path: Path):
     result = run_cli("plan", f"pipelines/{path.name}", "--format", "json", cwd=ROOT)
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
-    assert set(data) == {"name", "profile", "memory", "stages", "roles"}
+    assert set(data) == {"name", "profile", "memory", "date", "stages", "roles"}
     for stage in data["stages"].values():
         assert set(stage) == {"kind", "needs", "resources", "config"}
         assert set(stage["resources"]) == {"role", "gpus"}

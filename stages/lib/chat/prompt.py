@@ -11,7 +11,8 @@ The tiny models' chat template is deliberately plain:
 through the tokenizer's own chat template (any Hugging Face checkpoint with
 one works the same way); training appends the target and the template's closing
 token (`stages.lib.chat.tokens.answer_end`), generation continues from it. Tokenize its output with
-`add_special_tokens=False` (the template already holds the BOS token).
+`add_special_tokens=False` (the template already holds the BOS token). A template that reads
+the date renders the run's (`stages.lib.chat.clock`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from stages.lib.chat.clock import render
 from stages.lib.chat.tokens import answer_end
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
@@ -59,10 +61,7 @@ def as_messages(prompt: Prompt) -> list[dict[str, str]]:
 
 def format_prompt(tokenizer: Any, prompt: Prompt) -> str:
     """The text a model sees before its answer, through the tokenizer's chat template."""
-    text = tokenizer.apply_chat_template(
-        as_messages(prompt), tokenize=False, add_generation_prompt=True
-    )
-    return str(text)
+    return render(tokenizer, as_messages(prompt), add_generation_prompt=True)
 
 
 def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
@@ -84,7 +83,7 @@ def continuation_ids(
     rendering of the longer conversation does not extend the shorter one's (some strip
     earlier turns' reasoning) falls back to `new` rendered on its own, without the BOS."""
     rest = answer_end(tokenizer).rest
-    before = str(tokenizer.apply_chat_template(list(messages), tokenize=False))
+    before = render(tokenizer, messages)
     after = format_prompt(tokenizer, [*messages, *new])
     if after.startswith(before):
         delta = after[len(before) :]

@@ -36,6 +36,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from stages.lib.chat.clock import render
+
 _SENTINEL = "PIPEANSWERSENTINEL7"
 _CACHE: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], AnswerEnd]] = (
     weakref.WeakKeyDictionary()
@@ -86,7 +88,7 @@ def _rendered_end(tokenizer: Any) -> str | None:
         {"role": "assistant", "content": _SENTINEL},
     ]
     try:
-        text = str(tokenizer.apply_chat_template(messages, tokenize=False))
+        text = render(tokenizer, messages)
     except Exception:  # a template that refuses the probe conversation: eos_token decides
         return None
     at = text.rfind(_SENTINEL)

@@ -46,10 +46,12 @@ is logged at DEBUG); callers make it with `vllm_auth.new_secret()` per stage run
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -246,6 +248,7 @@ def vllm_servers(
     binds = cpu_binds(len(slices)) if gpus == 0 else [None] * len(slices)
     started = time.monotonic()
     with ExitStack() as stack:
+        extra_args = [*extra_args, *dated_template_args(backend.model, stack)]
         servers = []
         for i, devices in enumerate(slices):
             port = backend.port + i if backend.port else free_port(host)
@@ -269,6 +272,36 @@ def vllm_servers(
         for server in servers:
             wait_healthy(server, backend.startup_timeout_s, log, secret=secret, since=started)
         yield [server.url for server in servers]
+
+
+def dated_template_args(model: str | None, stack: ExitStack) -> list[str]:
+    """`--chat-template FILE` when the checkpoint's template reads the date: the server
+    renders the run's date as local rendering does (`stages.lib.chat.clock`), not its clock;
+    the file lives until `stack` closes. Nothing otherwise."""
+    from stages.lib.chat.clock import fixed_template, run_date
+
+    day = run_date()
+    if day is None or model is None or not os.path.isdir(model):
+        return []
+    template = _folder_template(model)
+    if template is None or "strftime_now" not in template:
+        return []
+    handle, path = tempfile.mkstemp(prefix="pipe-template-", suffix=".jinja")
+    with os.fdopen(handle, "w", encoding="utf-8") as f:
+        f.write(fixed_template(template, day))
+    stack.callback(os.remove, path)
+    return ["--chat-template", path]
+
+
+def _folder_template(model: str) -> str | None:
+    jinja = Path(model) / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = Path(model) / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
 
 
 @contextmanager

@@ -151,7 +151,7 @@ class Controller:
     def run(self, start: int, began: float) -> dict[str, Any]:
         """The steps after `start` (the controller started at `began`), then the records."""
         stops = getattr(self.engine, "stop_ids", [])
-        write_settings(f"{self.dir}/settings.json", self.cfg, self.how, stops)
+        write_settings(f"{self.dir}/settings.json", self.cfg, self.how, stops, self.ctx.date)
         first_eval = self.evaluate() if start == 0 else None
         first_turn_start = self.first_turn
         records = run_steps(self, start, first_eval)

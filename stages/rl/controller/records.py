@@ -100,6 +100,9 @@ def plot(records: list[dict[str, Any]], path: str, title: str) -> str | None:
     return path
 
 
+DATE_HOW = "the run's date: chat templates that read the date render this day"
+
+
 def settings_record(config: Any, how: dict[str, tuple[str, str]]) -> dict[str, Any]:
     """Every field: `{"value", "status": applied|skipped, "how"}`; a field nobody accounted
     for is an error (a setting must act, or say why it did not)."""
@@ -111,15 +114,23 @@ def settings_record(config: Any, how: dict[str, tuple[str, str]]) -> dict[str, A
 
 
 def write_settings(
-    path: str, config: Any, how: dict[str, tuple[str, str]], stop_ids: Sequence[int] = ()
+    path: str,
+    config: Any,
+    how: dict[str, tuple[str, str]],
+    stop_ids: Sequence[int] = (),
+    date: str = "",
 ) -> None:
     """`settings_record`; `max_output_tokens` also names the stop ids that end an answer
-    earlier (`stop_ids`: what the engine sent or stopped at, from the checkpoint)."""
-    record = settings_record(config, how)
+    earlier (`stop_ids`: what the engine sent or stopped at, from the checkpoint), and the
+    run's date (`date`, what chat templates that read the date rendered:
+    `stages.lib.chat.clock`) where there is one."""
+    record: dict[str, Any] = settings_record(config, how)
     if "max_output_tokens" in record:
         entry = record["max_output_tokens"]
         entry["how"] += f"; an answer ends earlier at any of the stop ids {list(stop_ids)}"
         entry["stop_ids"] = [int(i) for i in stop_ids]
+    if date:
+        record["date"] = {"value": date, "status": "applied", "how": DATE_HOW}
     write_json(path, record)
 
 
