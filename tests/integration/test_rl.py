@@ -100,6 +100,8 @@ def test_grpo_runs_and_the_engine_scores_like_the_actor_after_every_update(tmp_p
     settings = json.loads((stage / "settings.json").read_text())
     from stages.rl import RLConfig
 
+    # every setting, and the run's date (what templates that read the date rendered)
+    assert settings.pop("date")["status"] == "applied"
     assert sorted(settings) == sorted(RLConfig.model_fields)
     assert {s["status"] for s in settings.values()} <= {"applied", "skipped"}
 
@@ -235,9 +237,12 @@ def test_every_resolved_setting_is_applied_or_skipped_with_a_reason(
     planned = pipe(tmp_path, "plan", "p.yaml", "--format", "json")
     assert planned.returncode == 0, planned.stderr
     resolved = json.loads(planned.stdout)["stages"]["rl"]["config"]
+    date = json.loads(planned.stdout)["date"]
     result = pipe(tmp_path, "run", "p.yaml")
     assert result.returncode == 0, result.stderr[-3000:]
     settings = json.loads((tmp_path / "runs/rl/rl/settings.json").read_text())
+    # every resolved setting, and the run's date, the one the plan fixed
+    assert settings.pop("date")["value"] == date
     assert sorted(settings) == sorted(resolved)
     for key, value in resolved.items():
         if not isinstance(value, str) or not value.startswith("runs/"):
