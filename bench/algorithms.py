@@ -18,6 +18,12 @@ With --trl: the target of issue 39 on bench/rl.py's comparison (8 prompts x 4 sa
 accuracy after 100 steps, and the first step (of every 10) at which our default settings
 reach it, per sampling seed.
 
+With --equal-cost: the default judged at equal cost (issue 45): `grpo` (dynamic sampling off)
+against `dynamic` (on), every task, seeds 0-2, held-out accuracy every 10 steps; each pair
+(task, seed) compared at the generated tokens of the cheaper arm's last step and at its wall
+time (each arm's accuracy at its last evaluation within that budget), and at equal steps.
+Written: bench/out/algos/equal_cost.json and equal_cost.png (accuracy against tokens).
+
 `pipe run` caches each arm's stage in its run folder, so running the bench again prints the
 table without re-running an arm whose settings and code did not change; `--report` prints
 and plots from the run folders as they are, running nothing.
@@ -194,6 +200,11 @@ def main() -> None:
     p.add_argument("--parallel", type=int, default=2, help="arms run at once (one core each)")
     p.add_argument("--seeds", default="0", help="the rl stage's seeds per arm; tables show means")
     p.add_argument("--trl", action="store_true", help="the 8 x 4 target against TRL instead")
+    p.add_argument(
+        "--equal-cost",
+        action="store_true",
+        help="grpo against dynamic at equal generated tokens and wall time (tasks, seeds 0-2)",
+    )
     p.add_argument("--trl-seeds", default="0,1,2")
     p.add_argument(
         "--report",
@@ -208,8 +219,12 @@ def main() -> None:
         names = args.arms.split(",") if args.arms != ",".join(ARMS) else ["default"]
         return trl_target([int(s) for s in args.trl_seeds.split(",")], names)
     tasks, names = args.tasks.split(","), args.arms.split(",")
-    bases = {t: base(t) for t in tasks}
     seeds = [int(x) for x in args.seeds.split(",")]
+    if args.equal_cost:
+        tasks = tasks if args.tasks != "quickstart,variant" else list(TASKS)
+        seeds = seeds if args.seeds != "0" else [0, 1, 2]
+        return equal_cost(tasks, seeds, args.steps, args.parallel)
+    bases = {t: base(t) for t in tasks}
     jobs = [(t, n, sd) for t in tasks for n in names for sd in seeds]
     done: dict[tuple[str, str, int], dict[str, Any]] = {}
     began = time.perf_counter()
@@ -242,6 +257,130 @@ def main() -> None:
     (OUT / "results.json").write_text(json.dumps(ordered, indent=1))
     plot(ordered, OUT / "algorithms.png")
     print(f"\nwrote {OUT / 'results.json'} and {OUT / 'algorithms.png'}")
+
+
+def curve(rows: list[dict[str, Any]]) -> list[tuple[float, float, int, float]]:
+    """An arm's held-out evaluations as (generated tokens, wall seconds, step, accuracy), the
+    cost summed over the steps up to each; step 0 costs nothing."""
+    tokens = seconds = 0.0
+    points = []
+    for r in rows:
+        if r["step"] > 0:
+            tokens += r.get("tokens_generated") or r["tokens_per_s"] * r["gen_s"]
+            seconds += r["step_s"]
+        if r.get("eval_accuracy") is not None:
+            points.append((tokens, seconds, r["step"], r["eval_accuracy"]))
+    return points
+
+
+def at_budget(points: list[tuple[float, float, int, float]], axis: int, budget: float) -> float:
+    """Accuracy at the last evaluation whose cost on `axis` (0 tokens, 1 seconds, 2 steps) is
+    within `budget`."""
+    return [p[3] for p in points if p[axis] <= budget * (1 + 1e-9)][-1]
+
+
+def equal_cost(tasks: list[str], seeds: list[int], steps: int, parallel: int) -> None:
+    """`grpo` (dynamic sampling off) against `dynamic` (on), every task and seed: held-out
+    accuracy at equal generated tokens, equal wall time and equal steps, side by side."""
+    names = ["grpo", "dynamic"]
+    bases = {t: base(t) for t in tasks}
+    jobs = [(t, sd, n) for t in tasks for sd in seeds for n in names]  # each pair together
+    points: dict[tuple[str, int, str], list[tuple[float, float, int, float]]] = {}
+    began = time.perf_counter()
+
+    def one(job: tuple[str, int, str]) -> None:
+        t, sd, n = job
+        rows = arm(t, n, bases[t], steps, {"eval_every": 10}, sd)
+        with LOCK:
+            points[job] = curve(rows)
+            spent = time.perf_counter() - began
+            last = points[job][-1]
+            print(
+                f"[{len(points)}/{len(jobs)}] {t} seed {sd} {n}: {last[3]:.1%} after {last[2]} "
+                f"steps, {last[0]:,.0f} tokens, {last[1]:.0f} s ({spent / len(points):.0f} s "
+                f"per arm, eta {spent / len(points) * (len(jobs) - len(points)):.0f} s)",
+                flush=True,
+            )
+
+    with ThreadPoolExecutor(parallel) as pool:
+        list(pool.map(one, jobs))
+    results: dict[str, Any] = {}
+    for t in tasks:
+        per_seed = []
+        for sd in seeds:
+            a, b = (points[(t, sd, n)] for n in names)
+            row = {"seed": sd, "start": a[0][3]}
+            for label, axis in (("tokens", 0), ("seconds", 1), ("steps", 2)):
+                budget = min(a[-1][axis], b[-1][axis])
+                row[label] = {
+                    "budget": budget,
+                    **{n: at_budget(points[(t, sd, n)], axis, budget) for n in names},
+                }
+            per_seed.append(row)
+        results[t] = per_seed
+        print(f"\n{t} ({json.dumps(TASKS[t]) if TASKS[t] else 'the quickstart task'}):")
+        print(
+            "| seed | start | "
+            + " | ".join(
+                f"{n} @ equal {lab}" for lab in ("tokens", "seconds", "steps") for n in names
+            )
+            + " |"
+        )
+        print("|" + "---|" * (2 + 3 * len(names)))
+        for r in per_seed:
+            cells = [f"{r[lab][n]:.1%}" for lab in ("tokens", "seconds", "steps") for n in names]
+            print(f"| {r['seed']} | {r['start']:.1%} | " + " | ".join(cells) + " |")
+        means = {
+            lab: {n: sum(r[lab][n] for r in per_seed) / len(per_seed) for n in names}
+            for lab in ("tokens", "seconds", "steps")
+        }
+        cells = [f"{means[lab][n]:.1%}" for lab in ("tokens", "seconds", "steps") for n in names]
+        print(
+            "| mean | "
+            + f"{sum(r['start'] for r in per_seed) / len(per_seed):.1%} | "
+            + " | ".join(cells)
+            + " |"
+        )
+        for lab in ("tokens", "seconds"):
+            lead = max(names, key=lambda n: means[lab][n])
+            print(
+                f"  at equal {lab}: {lead} leads by "
+                f"{100 * abs(means[lab]['dynamic'] - means[lab]['grpo']):.1f} points (mean)"
+            )
+    (OUT / "equal_cost.json").write_text(json.dumps(results, indent=1))
+    plot_cost(points, tasks, seeds, names, OUT / "equal_cost.png")
+    print(f"\nwrote {OUT / 'equal_cost.json'} and {OUT / 'equal_cost.png'}")
+
+
+def plot_cost(
+    points: dict, tasks: list[str], seeds: list[int], names: list[str], path: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.2), squeeze=False)
+    for ax, t in zip(axes[0], tasks, strict=True):
+        for color, n in zip(("tab:blue", "tab:orange"), names, strict=False):
+            for sd in seeds:
+                pts = points[(t, sd, n)]
+                ax.plot(
+                    [p[0] / 1e3 for p in pts],
+                    [100 * p[3] for p in pts],
+                    color=color,
+                    alpha=0.8,
+                    label=n if sd == seeds[0] else None,
+                )
+        ax.set(
+            title=f"{t}: held-out accuracy",
+            xlabel="generated tokens (thousands)",
+            ylabel="accuracy (%)",
+        )
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def trl_target(seeds: list[int], names: list[str]) -> None:

@@ -8,11 +8,17 @@ removed here, so no stage, and no process a stage starts, can read them. Other v
 stay (a collect stage against a hosted API needs its `OPENAI_API_KEY`; fsspec reads its
 storage credentials). Workers of an existing cluster are started by their owner: `dask
 worker ADDR --preload engine.cluster.worker_setup` does the same there.
+
+The run's output is pipe's own (its stage lines and progress with a rate): the progress bars
+of Hugging Face's libraries (transformers' "Loading weights" and "Writing model shards", the
+hub's downloads) are turned off here, by `HF_HUB_DISABLE_PROGRESS_BARS`, which both read as
+they are imported, so the processes a stage starts (ranks, engines) inherit it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 # what the trackers' libraries read (engine.run.tracking): W&B's key, MLflow's HTTP auth
@@ -27,6 +33,12 @@ PRELOAD = __name__
 
 
 def dask_setup(worker: Any) -> None:
-    """Drop the tracker credentials from this worker's environment."""
+    """Drop the tracker credentials from this worker's environment; turn off the Hugging
+    Face libraries' progress bars."""
     for name in CREDENTIALS:
         os.environ.pop(name, None)
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "transformers" in sys.modules:  # imported before this ran (a preload of the user's)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]

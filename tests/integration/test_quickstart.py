@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SHRINK = [
     "stages.data.config.size=96",
     "stages.data.config.test_size=24",
+    "stages.data.config.val_size=8",
     "stages.warmup.config.max_steps=6",
     "stages.warmup.config.train_batch_size=16",
     "stages.warmup.config.micro_train_batch_size=16",
@@ -81,6 +82,9 @@ def test_quickstart_shrunk_end_to_end(tmp_path: Path):
     assert out[-3].split() == ["checkpoint", "n", "accuracy", "pass@1", "mean_reward", "delta"]
     assert [line.split()[0] for line in out[-2:]] == ["warmup", "rft"]
     assert "dashboard" not in proc.stderr  # no tracker set: no dashboard, no bokeh import
+    # the output is pipe's own: no progress bars of transformers from the workers
+    for bar in ("Loading weights", "Writing model shards", "it/s]"):
+        assert bar not in proc.stdout + proc.stderr
     assert (run_dir / "evaluate" / "report.md").exists()
     # a second run is all cache hits
     again = _pipe(args, timeout=300)

@@ -71,5 +71,7 @@ def test_each_algorithm_runs_and_records_how_its_settings_acted(tmp_path: Path, 
             assert 1 <= r["gen_rounds"] <= 3
             assert r["prompts_drawn"] <= 4 * r["gen_rounds"]  # a refill: 4 prompts at most
             assert (r["prompts_drawn"] > 4) == (r["gen_rounds"] > 1)
+            # the cost: every answer drawn, dropped groups' included (4 samples a prompt)
+            assert r["tokens_generated"] >= 4 * r["prompts_drawn"]
             assert r["groups_kept"] <= 4
             assert r["overlong_penalty_mean"] is not None and r["overlong_penalty_mean"] <= 0

@@ -219,6 +219,7 @@ def _row(
         "sync_bytes": int(sync.get("sync_bytes", 0)),
         "probe_diff": sync["probe_diff"],
         "probe_logprob": sync["probe_logprob"],  # the engine's, after the sync
+        "tokens_generated": batch.tokens,  # every round's, dropped groups' included: the cost
         "tokens_per_s": round(batch.tokens / max(batch.gen_s, 1e-9), 1),
         # vLLM engines: requests in flight (mean, peak, the bound), the servers' queue wait
         **{k: batch.engine.get(k) for k in ENGINE_FIELDS},
