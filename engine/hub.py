@@ -251,26 +251,36 @@ def fetch(value: str, log: logging.Logger | None = None, repo_type: str = "model
     """The local snapshot folder of the pinned hub id `value` (`org/name@<sha>`): from the cache
     when it is complete there, else downloaded (huggingface_hub's progress bar, and a line in
     `log` before and after) by one process of the node while the others wait on the lock."""
-    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     hub = parse(value)
     if hub is None:
         raise HubError(f"'{value}' is not a hub id (org/name@revision)")
-    cache = hub_cache()
-    kwargs = {"repo_type": repo_type, "revision": hub.revision, "cache_dir": cache}
     with contextlib.suppress(LocalEntryNotFoundError):
-        return str(snapshot_download(hub.repo, local_files_only=True, **kwargs))
+        return _snapshot(hub, repo_type, local=True)
     if offline():
         raise HubError(not_cached(hub, repo_type))
-    lock = os.path.join(cache, ".locks", f"pipe-{os.path.basename(repo_folder(hub.repo))}.lock")
-    with _locked(lock):
+    name = os.path.basename(repo_folder(hub.repo, repo_type))
+    with _locked(os.path.join(hub_cache(), ".locks", f"pipe-{name}.lock")):
         with contextlib.suppress(LocalEntryNotFoundError):  # another process got it meanwhile
-            return str(snapshot_download(hub.repo, local_files_only=True, **kwargs))
+            return _snapshot(hub, repo_type, local=True)
         if log is not None:
-            log.info("downloading %s from %s into %s", value, endpoint(), cache)
+            log.info("downloading %s from %s into %s", value, endpoint(), hub_cache())
         start = time.monotonic()
-        folder = str(snapshot_download(hub.repo, endpoint=endpoint(), **kwargs))
+        folder = _snapshot(hub, repo_type, local=False)
         if log is not None:
             log.info("downloaded %s in %.1f s: %s", value, time.monotonic() - start, folder)
         return folder
+
+
+def _snapshot(hub: HubId, repo_type: str, local: bool) -> str:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(
+        hub.repo,
+        repo_type=repo_type,
+        revision=hub.revision,
+        cache_dir=hub_cache(),
+        endpoint=endpoint(),
+        local_files_only=local,
+    )

@@ -103,6 +103,17 @@ def _key(tmp_path: Path, stage: str) -> str:
     return stage_keys(planned, HashCache(str(tmp_path / "hashes.json")))[stage]
 
 
+def test_a_baseline_written_as_a_checkpoints_hub_id_is_pinned_with_it(tmp_path: Path, hub: FakeHub):
+    _write(
+        tmp_path,
+        "evaluate:\n  kind: evaluate\n"
+        "  config: {input: prompts.jsonl, checkpoints: [org/tiny], baseline: org/tiny}\n",
+    )
+    sha = hub.repos["model", "org/tiny"].refs["main"]
+    config = _plan(tmp_path)["stages"]["evaluate"]["config"]
+    assert (config["checkpoints"], config["baseline"]) == ([f"org/tiny@{sha}"], f"org/tiny@{sha}")
+
+
 def test_a_moved_main_changes_the_cache_key_of_the_stage_that_reads_it(
     tmp_path: Path, hub: FakeHub
 ):

@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import run_cli
 
+
 def _write(tmp_path: Path, stages: str) -> Path:
     text = "name: p\nstages:\n" + textwrap.indent(textwrap.dedent(stages), "  ")
     (tmp_path / "p.yaml").write_text(text)
