@@ -63,10 +63,13 @@ def build_plan(
     run_dir: str | None = None,
     notes: bool = True,
     cluster: str | None = None,
+    network: bool = True,
 ) -> Plan:
     """load -> resolve -> plan (placed on a declared `cluster` when given); warnings and notes
-    go to stderr (unless `notes` is off)."""
+    go to stderr (unless `notes` is off). `network` off (`pipe validate`): hub ids are pinned
+    from the local cache only, the hub is never asked."""
     from engine.plan.dag import plan
+    from engine.plan.pins import Pinning
     from engine.plan.resolve import resolve
     from engine.spec.load import load_pipeline
 
@@ -78,7 +81,9 @@ def build_plan(
     with _gc_paused():
         loaded = load_pipeline(path, overrides)
         gpus, source, view = auto_gpus(loaded, view, cluster)
-        result = plan(resolve(loaded, run_dir=run_dir, gpus=gpus, gpus_from=source), view)
+        pinning = Pinning(network=network)
+        resolved = resolve(loaded, run_dir=run_dir, gpus=gpus, gpus_from=source, pinning=pinning)
+        result = plan(resolved, view)
     for note in result.resolved.notes if notes else ():
         click.echo(note.render(), err=True)
     return result

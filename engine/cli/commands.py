@@ -52,11 +52,12 @@ def format_option(*choices: str) -> Callable[[F], F]:
 @cluster_option
 @guard
 def validate(pipelines: tuple[str, ...], overrides: tuple[str, ...], cluster: str | None) -> None:
-    """Load, resolve and plan each PIPELINE (placed on a declared --cluster); start nothing."""
+    """Load, resolve and plan each PIPELINE (placed on a declared --cluster); start nothing and
+    ask no model hub (hub ids are pinned by `pipe plan` and `pipe run`)."""
     errors = []
     for path in pipelines:
         try:
-            result = build_plan(path, overrides, cluster=cluster)
+            result = build_plan(path, overrides, cluster=cluster, network=False)
         except PipeError as exc:
             errors.extend(exc.diagnostics)
             continue

@@ -123,7 +123,9 @@ def request(planned: Plan) -> SlurmRequest:
         tuple(Worker(None, f"node{i}", tuple(range(per_job))) for i in range(nodes)), per_job
     )
     gpus = total if spec.gpus == "auto" else None
-    placed = plan(resolve(loaded, run_dir=run_dir, gpus=gpus), view)
+    placed = plan(
+        resolve(loaded, run_dir=run_dir, gpus=gpus, pinning=planned.resolved.pinning), view
+    )
     used: set[str] = set()
     if placed.placement is not None:
         groups = [*placed.placement.stages.values(), *placed.placement.pools.values()]

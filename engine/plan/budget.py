@@ -302,7 +302,12 @@ def _preset_fixes(
         doc = Document(loaded.doc.name, data, loaded.doc.values, loaded.doc.keys)
         gpus = len(cluster.devices()) if loaded.spec.cluster.gpus == "auto" else None
         try:
-            other = resolve(validate_document(doc, loaded.path), resolved.run_dir, gpus)
+            other = resolve(
+                validate_document(doc, loaded.path),
+                resolved.run_dir,
+                gpus,
+                pinning=resolved.pinning,
+            )
         except PipeError:
             continue
         if st.name not in other.stages:

@@ -94,6 +94,11 @@ class Plan:
                     "resources": {"role": s.resolved.role, "gpus": s.resolved.gpus},
                     "config": shown_config(s.resolved.config),
                     **({"date_in_key": s.reads_date} if s.reads_date else {}),
+                    **(
+                        {"hub": [{"field": p.field, **p.as_dict()} for p in s.resolved.pins]}
+                        if s.resolved.pins
+                        else {}
+                    ),
                 }
                 for n, s in self.stages.items()
             },
@@ -212,7 +217,9 @@ def _grown(resolved: ResolvedPipeline, cluster: ClusterView, k: int) -> Grown | 
         gpus = len(bigger.devices())
     doc = Document(loaded.doc.name, data, loaded.doc.values, loaded.doc.keys)
     try:
-        other = resolve(validate_document(doc, loaded.path), resolved.run_dir, gpus)
+        other = resolve(
+            validate_document(doc, loaded.path), resolved.run_dir, gpus, pinning=resolved.pinning
+        )
         return other, place(other, tuple(topological(other.loaded.spec)), bigger), bigger
     except PipeError:
         return None

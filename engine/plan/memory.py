@@ -74,6 +74,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.hub import cached_file
 from engine.stage import MemoryNeed
 
 GB = 10**9
@@ -152,6 +153,8 @@ def read_shape(model: Any) -> ModelShape | None:
         )
     path = os.path.join(str(model), "config.json")
     if not os.path.isfile(path):
+        path = cached_file(str(model), "config.json") or ""  # a hub id the cache holds
+    if not path:
         return None
     with open(path, encoding="utf-8") as f:
         return shape_from_config(json.load(f))

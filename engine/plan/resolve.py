@@ -11,15 +11,16 @@ Conflict rules, always reported:
 - an explicit user value wins over any preset: a note where it contradicts the memory preset.
 
 Then `@stage` references and relative paths are resolved (inputs against the pipeline's folder,
-outputs inside `<run-dir>/<stage>/`, both made absolute), GPU roles are allocated
-(`engine.plan.resources`), the kind derives what it derives from the rest (its `derive` hook:
-values nobody set), and the stage is checked: stage GPUs within the cluster here, the kind's own
-rules (engines x tensor-parallel size, batch sizes that divide, ...) through its `check` hook.
+outputs inside `<run-dir>/<stage>/`, both made absolute), hub ids are pinned to a commit, GPU
+roles are allocated (`engine.plan.resources`), the kind derives what it derives from the rest
+(its `derive` hook: values nobody set), and the stage is checked: stage GPUs within the cluster
+here, the kind's own rules (engines x tensor-parallel size, batch sizes that divide, ...)
+through its `check` hook.
 
 This module runs those steps, stage after stage in the order of `needs`; each is a module:
 `layers` (the merge and its conflicts, with provenance), `roles` (the GPUs of roles and
 stages), `paths` (references and paths), `checks` (validation, derived values and checks);
-the stage under way is a `Draft` (`resolved`).
+`pins` (hub ids pinned to a commit); the stage under way is a `Draft` (`resolved`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from engine.errors import Diagnostic, PipeError
 from engine.plan.checks import check, context, derive, located, validated
 from engine.plan.layers import Layers
 from engine.plan.paths import resolve_paths
+from engine.plan.pins import Pinning, pin_hub_inputs
 from engine.plan.resolved import GpusAuto, ResolvedPipeline, ResolvedStage
 from engine.plan.roles import Roles
 from engine.spec.load import LoadedPipeline
@@ -52,16 +54,23 @@ class _State:
     errors: list[Diagnostic] = field(default_factory=list)
     notes: list[Diagnostic] = field(default_factory=list)
     done: dict[str, ResolvedStage] = field(default_factory=dict)  # the stages resolved so far
+    pinning: Pinning = field(default_factory=Pinning)
 
 
 def resolve(
-    loaded: LoadedPipeline, run_dir: str | None = None, gpus: int | None = None, gpus_from: str = ""
+    loaded: LoadedPipeline,
+    run_dir: str | None = None,
+    gpus: int | None = None,
+    gpus_from: str = "",
+    pinning: Pinning | None = None,
 ) -> ResolvedPipeline:
     """Resolve presets, references, paths and resources; raise `PipeError` with every problem.
     `gpus` is what `cluster.gpus: auto` came to, `gpus_from` where from (none: a stand-in
-    count); read as 0, the stages' GPU requests (`resources.gpus`, roles) are dropped: CPU."""
+    count); read as 0, the stages' GPU requests (`resources.gpus`, roles) are dropped: CPU.
+    `pinning`: how hub ids are pinned and the commits read so far (none: asking the hub)."""
     spec = loaded.spec
     state = _State(loaded, loaded.doc, run_dir or default_run_dir(loaded))
+    state.pinning = pinning or Pinning()
     layers = Layers.load(loaded, state.notes)
     colocate, colocate_source = layers.colocation()
     total = gpus if gpus is not None else spec.cluster.gpus
@@ -83,7 +92,15 @@ def resolve(
         wanting = tuple(n for n in ordered if n in roles.wanting or ordered[n].gpus)
         auto = GpusAuto(total, gpus_from, wanting)
     return ResolvedPipeline(
-        loaded, state.run_dir, colocate, colocate_source, roles.alloc, ordered, state.notes, auto
+        loaded,
+        state.run_dir,
+        colocate,
+        colocate_source,
+        roles.alloc,
+        ordered,
+        state.notes,
+        auto,
+        state.pinning,
     )
 
 
@@ -98,6 +115,11 @@ def _stage(state: _State, layers: Layers, roles: Roles, name: str) -> ResolvedSt
     config = validated(kind.config, draft.merged, view, state.errors)
     if config is None:
         return None
+    pins = pin_hub_inputs(config, draft, view, state.pinning, state.errors)
+    if pins:  # the hub ids now name their commits
+        config = validated(kind.config, draft.merged, view, state.errors)
+        if config is None:
+            return None
     ctx = context(state.loaded, draft, gpus, roles.alloc, view, state.done)
     final = derive(config, ctx, draft, state.doc, state.errors)
     if final is None:
@@ -105,7 +127,16 @@ def _stage(state: _State, layers: Layers, roles: Roles, name: str) -> ResolvedSt
     res = st.resources
     held = () if res.role or res.gpus is not None else roles.kind_roles(name)
     resolved = ResolvedStage(
-        name, st.kind, tuple(st.needs), res.role, gpus, st.retries, final, draft.sources, held
+        name,
+        st.kind,
+        tuple(st.needs),
+        res.role,
+        gpus,
+        st.retries,
+        final,
+        draft.sources,
+        held,
+        tuple(pins),
     )
     for diag in check(state.loaded, resolved, ctx):
         (state.errors if diag.severity == "error" else state.notes).append(diag)

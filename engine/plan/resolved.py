@@ -51,6 +51,7 @@ class ResolvedStage:
     config: StageConfig
     sources: dict[str, Source]
     roles: tuple[str, ...] = ()  # roles held besides `role` (a kind's roles_used)
+    pins: tuple[Any, ...] = ()  # its hub ids pinned to a commit (`engine.plan.pins.Pinned`)
 
     def source(self, dotted: str) -> Source:
         return self.sources.get(dotted, DEFAULT)
@@ -78,6 +79,7 @@ class ResolvedPipeline:
     stages: dict[str, ResolvedStage]
     notes: list[Diagnostic] = field(default_factory=list)
     gpus_auto: GpusAuto | None = None
+    pinning: Any = None  # the commits hub ids were pinned to (`engine.plan.pins.Pinning`)
 
     @property
     def name(self) -> str:

@@ -7,7 +7,9 @@ content hash is remembered per (path, size, mtime) in `<run-dir>/.pipe-hashes.js
 so unchanged large inputs are not read again. A folder (a checkpoint) is keyed by
 its files (`engine.fsio.folder_key`: names, sizes, mtimes, and the bytes of the
 small ones), never by the folder's own size and mtime, which a file rewritten in
-place leaves alone. A stage is up to date when its
+place leaves alone. A model or dataset named by hub id is keyed by the commit the
+plan pinned it to: the config holds `org/name@<sha>` (`engine.plan.pins`), so a
+moved branch changes the config's hash. A stage is up to date when its
 stamp holds the same key and all its outputs exist.
 """
 

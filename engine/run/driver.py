@@ -25,6 +25,7 @@ from engine.plan.cluster import view_from_workers
 from engine.plan.dag import Plan, plan
 from engine.plan.dated import keep as keep_date
 from engine.plan.dated import release as release_date
+from engine.plan.pins import Pinning
 from engine.plan.resolve import resolve
 from engine.run.execute import execute
 from engine.run.report import RunReport, new_run_id
@@ -110,7 +111,10 @@ def _run_pipeline(req: RunRequest) -> RunReport:
     _check_names(loaded, req.options)
     address = scheduler_address(req.scheduler, loaded.spec.cluster.scheduler)
     gpus, source = _declared(loaded, address)
-    planned = plan(resolve(loaded, run_dir=req.run_dir, gpus=gpus, gpus_from=source))
+    pinning = Pinning()  # one pin per hub id for the run, whichever plan uses it
+    planned = plan(
+        resolve(loaded, run_dir=req.run_dir, gpus=gpus, gpus_from=source, pinning=pinning)
+    )
     connection = _Connection(address, loaded.spec.cluster.workers, _slurm(address, planned))
     connection.dashboard = req.dashboard or wants_dashboard(loaded.spec.tracking)
     if (loaded.spec.cluster.gpus != "auto" or (source and not gpus)) and not any(
@@ -122,7 +126,10 @@ def _run_pipeline(req: RunRequest) -> RunReport:
         gpus, source = None, ""
         if loaded.spec.cluster.gpus == "auto":
             gpus, source = len(view.devices()), "from the workers' resources"
-        placed = plan(resolve(loaded, run_dir=req.run_dir, gpus=gpus, gpus_from=source), view)
+        placed = plan(
+            resolve(loaded, run_dir=req.run_dir, gpus=gpus, gpus_from=source, pinning=pinning),
+            view,
+        )
         if placed.placement is not None and placed.placement.stages:
             log.info("placement:\n%s", placed.placement.render_text(view).rstrip())
         return _execute(placed, req, connection, cluster)

@@ -3,10 +3,11 @@
 Input: a `StagePayload` (the kind, its resolved, frozen config with absolute paths, folders,
 the cache key, and the stage's placement: its slots and which of its tasks this is); Dask
 pickles it, the config stays typed. Output: a `TaskResult` (metrics, worker, start and end).
-The stage's log goes to `<stage_dir>/log.txt` and, as Dask events on the topic `pipe-log`,
-to the driver. A stamp `<stage_dir>/.pipe-stage.json` holding the cache key is written only
-after the stage succeeded and removed before it starts, so a killed stage never looks
-complete.
+Models the config names by hub id are fetched on the worker first (`engine.run.snapshots`): the
+stage runs on their local snapshot folders. The stage's log goes to `<stage_dir>/log.txt` and,
+as Dask events on the topic `pipe-log`, to the driver. A stamp `<stage_dir>/.pipe-stage.json`
+holding the cache key is written only after the stage succeeded and removed before it starts,
+so a killed stage never looks complete.
 
 A stage placed on several workers runs as one task per worker (rank order of
 its slots); they reach each other through a `DaskLink` (Dask variables named
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.fsio import atomic_write_text, exists, makedirs, remove
+from engine.run.snapshots import local_models
 from engine.stage import DATE_ENV, STAGE_END, Slot, StageConfig, StageContext, StageKind
 
 STAMP = ".pipe-stage.json"
@@ -212,6 +214,7 @@ def run_stage(payload: StagePayload) -> TaskResult:
     link = DaskLink(payload.link_prefix) if payload.tasks > 1 else None
     start = time.time()
     try:
+        config, hub_names = local_models(payload.config, logger)
         ctx = StageContext(
             name=payload.name,
             kind=payload.kind.name,
@@ -225,7 +228,7 @@ def run_stage(payload: StagePayload) -> TaskResult:
             slots=payload.slots,
             node_rank=payload.node_rank,
             link=link,
-            producers=payload.producers,
+            producers={**payload.producers, **hub_names},
             date=payload.date,
         )
         if payload.date:  # the processes the stage starts render the same date
@@ -239,7 +242,7 @@ def run_stage(payload: StagePayload) -> TaskResult:
             where,
         )
         try:
-            metrics = payload.kind.call(payload.config, ctx) or {}
+            metrics = payload.kind.call(config, ctx) or {}
         except BaseException as exc:
             if link is not None:
                 link.abort(f"task {payload.node_rank} on {_address(worker)} failed: {exc}")
@@ -259,7 +262,9 @@ def run_stage(payload: StagePayload) -> TaskResult:
             f"{payload.stage_dir.rstrip('/')}/metrics.json",
             json.dumps(metrics, indent=2, default=str) + "\n",
         )
-        record = {"key": payload.key, "outputs": payload.outputs, "finished": end}
+        record: dict[str, Any] = {"key": payload.key, "outputs": payload.outputs, "finished": end}
+        if hub_names:  # the snapshot folders read (their paths name the commits)
+            record["hub"] = {folder: name for folder, name in hub_names.items()}
         atomic_write_text(stamp, json.dumps(record, indent=2) + "\n")
         logger.info("stage %s done in %.2f s", payload.name, end - start)
     except BaseException as exc:

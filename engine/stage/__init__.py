@@ -17,6 +17,8 @@ names no kind and no kind's field:
 
 - `INPUTS` / `OUTPUTS` / `MODEL_INPUTS` / `INPUT_TYPES` / `OUTPUT_TYPES`: which
   (dotted) fields read and write files, and what they hold;
+- `hub_inputs()`: which of those fields may name a Hugging Face hub repository
+  (`org/name[@revision]`, pinned to a commit by the plan), and whether a model or a dataset;
 - `preset_path(key, data)`: where a preset setting lands in this kind's config;
 - `derive(ctx)`: values derived from others (`Derived(value, reason)`), applied
   where neither the user nor a preset set one;

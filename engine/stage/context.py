@@ -80,7 +80,8 @@ class StageContext:
     node_rank: int = 0  # which of the stage's nodes this task runs on
     link: NodeLink | None = None  # set when the stage spans nodes
     # every output path of the run's stages (absolute) -> the reference naming it, without
-    # '@' (`sft`, `data.test_output`): which stage made an input the config holds as a path
+    # '@' (`sft`, `data.test_output`): which stage made an input the config holds as a path;
+    # and the snapshot folder of each hub model it reads -> its hub id (`org/name`)
     producers: Mapping[str, str] = field(default_factory=dict)
     # the run's date, ISO: the day chat templates that read the clock render (the processes
     # the stage starts find it in `PIPE_DATE`); empty outside a run

@@ -103,7 +103,8 @@ class StageConfig(BaseModel):
     `INPUTS` name the (dotted) fields that read an upstream file or directory (a
     relative path resolves against the pipeline's folder; left empty, the first
     upstream stage's main output); `MODEL_INPUTS` those of them that may also be
-    a hub id (kept as written when no such local path exists). `OUTPUTS` name
+    a hub id (kept as written when no such local path exists; `hub_inputs` says which are
+    read from the hub and how). `OUTPUTS` name
     the fields the stage writes (relative paths resolve inside the stage's
     folder in the run directory); the first is its main output. `SPANS_NODES`
     says the kind's body can run as one task per worker of its placement (its
@@ -143,6 +144,15 @@ class StageConfig(BaseModel):
         """GPU roles a stage written as `data` holds besides its `resources.role` (an online-RL
         stage: its engines, actor, reference, ...); they take part in the ratio split."""
         return ()
+
+    def hub_inputs(self) -> dict[str, str]:
+        """The (dotted) fields that may name a Hugging Face hub repository (`org/name`,
+        `org/name@revision`), with its type: model or dataset. The plan pins each such value
+        to a commit (`org/name@<sha>`, in the config and so in the cache key); when the stage
+        runs, a model's value is its local snapshot folder (fetched on the stage's node), a
+        dataset's stays `org/name@<sha>` for the stage to read at that revision. By default
+        the `MODEL_INPUTS`, as models."""
+        return dict.fromkeys(self.MODEL_INPUTS, "model")
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """Values derived from others, by dotted path."""

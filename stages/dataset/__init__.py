@@ -25,7 +25,9 @@ class DatasetConfig(StageConfig):
         description="reasoning_gym: the task's own settings, e.g. {min_terms: 2, max_terms: 2}.",
     )
     path: str | None = Field(
-        None, description="jsonl/parquet: the file; huggingface: the dataset id."
+        None,
+        description="jsonl/parquet: the file; huggingface: the dataset id (org/name, or "
+        "org/name@revision), pinned to a commit by the plan.",
     )
     split: str = Field("train", description="huggingface: the split to read.")
     size: int = Field(1000, gt=0, description="Number of training prompts to write.")
@@ -45,6 +47,10 @@ class DatasetConfig(StageConfig):
     val_output: str = Field(
         "val.jsonl", description="Validation prompts written (empty unless val_size)."
     )
+
+    def hub_inputs(self) -> dict[str, str]:
+        """A Hugging Face dataset's id, pinned by the plan and read at that commit."""
+        return {"path": "dataset"} if self.source == "huggingface" else {}
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         """A source names what it reads: reasoning-gym a task, the others a path."""

@@ -202,7 +202,10 @@ def _read_parquet(path: str) -> Iterator[dict[str, Any]]:
     yield from pq.read_table(path).to_pylist()
 
 
-def _read_huggingface(name: str, split: str) -> Iterator[dict[str, Any]]:
+def _read_huggingface(path: str, split: str) -> Iterator[dict[str, Any]]:
+    """The split's rows of the dataset `path` names: `org/name@<sha>` as the plan pinned it
+    (read at that commit), or an id as written."""
+    name, _, revision = path.partition("@")
     try:
         import datasets
     except ImportError as e:
@@ -210,10 +213,10 @@ def _read_huggingface(name: str, split: str) -> Iterator[dict[str, Any]]:
             "source 'huggingface' needs the 'datasets' package (pip install datasets)"
         ) from e
     try:
-        data = datasets.load_dataset(name, split=split)
+        data = datasets.load_dataset(name, split=split, revision=revision or None)
     except Exception as e:  # network errors, unknown ids: all end here, named
         raise RuntimeError(
-            f"could not load Hugging Face dataset '{name}' (split '{split}'): {e}"
+            f"could not load Hugging Face dataset '{path}' (split '{split}'): {e}"
         ) from e
     yield from data
 

@@ -72,6 +72,12 @@ class EvaluateConfig(BackendStageConfig):
         """Evaluation samples from the whole distribution (or greedily at temperature 0)."""
         return 1.0
 
+    def hub_inputs(self) -> dict[str, str]:
+        """The checkpoints, and a baseline written as one of them (pinned to the same commit,
+        read from the same folder)."""
+        out = super().hub_inputs()
+        return {**out, "baseline": "model"} if out else out
+
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         return derive_backend(self.backend, ctx, self.num_samples)
 

@@ -279,6 +279,10 @@ class BackendStageConfig(StageConfig):
         """vLLM settings go to a `backend: {kind: vllm}` block; the rest to top-level fields."""
         return super().preset_path(key, data) or backend_preset_path(key, data)
 
+    def hub_inputs(self) -> dict[str, str]:
+        """An openai backend's model is the name its server knows, not a hub repository."""
+        return {} if isinstance(self.backend, OpenAIBackend) else super().hub_inputs()
+
 
 def check_verifier(
     verifier: Verifier, ctx: ResolveContext, path: str = "verifier"

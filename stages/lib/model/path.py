@@ -1,9 +1,9 @@
 """The plan-time check of a checkpoint path (`model:`, `checkpoints`, `backend.model`).
 
 Input: the resolved (absolute, or kept as written) path and the stage's `ResolveContext`.
-Output: located diagnostics: a folder that does not exist, or holds no `config.json`; a hub id,
-named as such (runs are offline: nothing is fetched from a model hub). An earlier stage's
-output (made when it runs) and a remote URL pass.
+Output: located diagnostics: a folder that does not exist, or holds no `config.json`. An
+earlier stage's output (made when it runs), a remote URL and a hub id pass: the plan pins a hub
+id to a commit and names what is wrong with it (`engine.plan.pins`).
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from typing import Any
 from engine.errors import Diagnostic
 from engine.stage import ResolveContext
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
 def check_checkpoint(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:
     """A checkpoint path as runs read it: a local folder holding `config.json`, or an output
-    of an earlier stage (made when that stage runs). Runs are offline (nothing is fetched from
-    a model hub), so a hub id is named as such and refused; a remote URL (`s3://...`) is read
-    through fsspec at run time and not checked here."""
-    if ctx.is_produced(value) or "://" in value:
+    of an earlier stage (made when that stage runs). A hub id (`org/name[@revision]`, kept as
+    written when no such folder exists) is the plan's to pin and check; a remote URL
+    (`s3://...`) is read through fsspec at run time and not checked here."""
+    if ctx.is_produced(value) or "://" in value or HUB_ID.match(value):
         return []
     if os.path.isdir(value):
         if os.path.isfile(os.path.join(value, "config.json")):
@@ -34,14 +34,8 @@ def check_checkpoint(ctx: ResolveContext, field: str, value: str) -> list[Diagno
                 f"'{value}' holds no config.json: not a Hugging Face checkpoint folder",
             )
         ]
-    hub = (
-        f"; as a Hugging Face hub id it would need a download, and runs are offline: fetch it "
-        f"first (`huggingface-cli download {value} --local-dir DIR`) and point {field} at DIR"
-        if HUB_ID.match(value)
-        else ""
-    )
     where = "" if value.startswith("/") else " (relative to the pipeline's folder)"
-    return [ctx.error(field, f"no checkpoint folder '{value}'{where}{hub}")]
+    return [ctx.error(field, f"no checkpoint folder '{value}'{where}")]
 
 
 def check_model_ref(ctx: ResolveContext, field: str, model: Any) -> list[Diagnostic]:
