@@ -227,7 +227,7 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
         """LoRA on the actor (`stages.lib.model.lora`): not with a critic, whose own weights
         would train in full beside it, nor on a 4-bit base, which the engines (full precision)
         would not sample like."""
-        from stages.lib.model.lora import check_lora
+        from stages.lib.model.lora import check_lora, lora_path
 
         if self.lora is None:
             return []
@@ -236,7 +236,7 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
         if self.algorithm == "ppo":
             out.append(
                 ctx.error(
-                    "lora",
+                    lora_path(self.lora),
                     f"LoRA trains the actor's adapters only, and algorithm ppo "
                     f"({ctx.source('algorithm')}) trains a critic whose weights would all train "
                     "beside it; use algorithm grpo, or leave lora out",

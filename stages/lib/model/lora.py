@@ -107,7 +107,7 @@ def check_lora(
     if cfg.zero_stage == 3:
         out.append(
             ctx.error(
-                "lora",
+                lora_path(lora),
                 f"LoRA under ZeRO-3 ({ctx.source('zero_stage')}) is not supported: {who}adapters "
                 "are made after the partitioned model and would train unpartitioned, and the "
                 "frozen base needs no optimizer states to shard; use zero_stage 0, 1 or 2",
@@ -144,6 +144,12 @@ def check_lora(
             )
         )
     return out
+
+
+def lora_path(lora: LoraBlock) -> str:
+    """Where a refusal of the whole block points: the first key the user wrote in it (a
+    block's own line has no recorded place; its keys do)."""
+    return next((f"lora.{k}" for k in LoraBlock.model_fields if k in lora.model_fields_set), "lora")
 
 
 # -- run time ---------------------------------------------------------------------------------
