@@ -29,9 +29,8 @@ model's weights (`single_partition_of_fp32_groups`, `fp32_partitioned_groups_fla
 whatever the model's dtype), so the optimizer there is 12P/N as in mixed precision; only
 ZeRO-0 steps the model's own fp32 weights (8P).
 
-With LoRA (`MemoryNeed.lora_rank`) the base is frozen: its weights are held whole on every
-rank (ZeRO-3 is refused with LoRA) and the table's gradients and optimizer states count the
-adapters' parameters only (`lora_params`: `rank x (in + out)` per adapted projection).
+With LoRA (`MemoryNeed.lora_rank`) the frozen base is whole on every rank, and the table's
+gradients and optimizer states count the adapters only (`engine.plan.adapters`).
 
 Buffers (DeepSpeed's working memory beside the model states, not in its estimators): the
 gradient communication buffers while backward runs, or the optimizer step's temporaries,
@@ -78,6 +77,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.plan.adapters import lora_params
 from engine.stage import MemoryNeed
 
 GB = 10**9
@@ -124,26 +124,6 @@ def shape_from_dims(
     params = layers * per_layer + embed * (1 if tied else 2) + hidden
     largest = max(embed, per_layer)
     return ModelShape(params, layers, hidden, inter, heads, kv, vocab, tied, largest, d)
-
-
-def lora_params(shape: ModelShape, rank: int, targets: Sequence[str]) -> tuple[int, int]:
-    """LoRA's parameters on the decoder projections named in `targets` (others count none):
-    `rank x (in + out)` per adapted linear layer; and the largest adapter tensor."""
-    h, d = shape.hidden, shape.head_dim or shape.hidden // max(shape.heads, 1)
-    q, kv, inter = shape.heads * d, shape.kv_heads * d, shape.intermediate
-    dims = {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, inter),
-        "up_proj": (h, inter),
-        "down_proj": (inter, h),
-    }
-    adapted = [dims[t] for t in dict.fromkeys(targets) if t in dims]
-    per_layer = sum(rank * (i + o) for i, o in adapted)
-    largest = max((rank * max(i, o) for i, o in adapted), default=0)
-    return shape.layers * per_layer, largest
 
 
 def shape_from_config(config: Mapping[str, Any]) -> ModelShape:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from engine.plan.memory import MemoryNeed, estimate, lora_params, shape_from_config
+from engine.plan.adapters import lora_params
+from engine.plan.memory import MemoryNeed, estimate, shape_from_config
 from stages.lib.model.lora import PROJECTIONS, LoraBlock
 from tests.conftest import run_cli
 
@@ -146,10 +147,8 @@ def test_the_servers_start_with_vllms_lora_support():
 
     args = server_args(False, False, None, lora_rank=4)
     at = args.index("--enable-lora")
-    assert args[at:] == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"] + [
-        "--max-cpu-loras",
-        "2",
-    ]
+    flags = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--max-cpu-loras"]
+    assert args[at:] == [*flags, "2"]
     assert "--enable-lora" not in server_args(False, False, None)
     assert [lora_rank_arg(r) for r in (1, 8, 9, 64, 300)] == [1, 8, 16, 64, 320]
 
