@@ -29,6 +29,9 @@ model's weights (`single_partition_of_fp32_groups`, `fp32_partitioned_groups_fla
 whatever the model's dtype), so the optimizer there is 12P/N as in mixed precision; only
 ZeRO-0 steps the model's own fp32 weights (8P).
 
+With LoRA (`MemoryNeed.lora_rank`) the frozen base is whole on every rank, and the table's
+gradients and optimizer states count the adapters only (`engine.plan.adapters`).
+
 Buffers (DeepSpeed's working memory beside the model states, not in its estimators): the
 gradient communication buffers while backward runs, or the optimizer step's temporaries,
 whichever is larger (they are not alive at the same time). Communication: ZeRO-0 flattens
@@ -75,6 +78,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.hub import cached_file
+from engine.plan.adapters import lora_params
 from engine.stage import MemoryNeed
 
 GB = 10**9
@@ -95,6 +99,7 @@ class ModelShape:
     vocab: int
     tied: bool
     largest_layer_params: int
+    head_dim: int = 0  # 0: hidden // heads
 
 
 def shape_from_dims(
@@ -118,7 +123,8 @@ def shape_from_dims(
     per_layer = attn + 3 * hidden * inter + 2 * hidden
     embed = vocab * hidden
     params = layers * per_layer + embed * (1 if tied else 2) + hidden
-    return ModelShape(params, layers, hidden, inter, heads, kv, vocab, tied, max(embed, per_layer))
+    largest = max(embed, per_layer)
+    return ModelShape(params, layers, hidden, inter, heads, kv, vocab, tied, largest, d)
 
 
 def shape_from_config(config: Mapping[str, Any]) -> ModelShape:
@@ -315,6 +321,8 @@ def estimate(need: MemoryNeed, dp: int, per_node: int, device_bytes: int | None)
 def _trainer_parts(
     need: MemoryNeed, shape: ModelShape, dp: int, per_node: int, cpu: bool
 ) -> tuple[dict[str, int], int]:
+    if need.lora_rank:
+        return _lora_parts(need, shape, dp, per_node, cpu)
     parts, host = model_states(
         shape.params,
         shape.largest_layer_params,
@@ -329,6 +337,28 @@ def _trainer_parts(
     )
     parts["buffers"] = buffers(
         shape, need.zero_stage, dp, need.adam_offload, need.bf16, need.overlap_comm, cpu
+    )
+    return parts, host
+
+
+def _lora_parts(
+    need: MemoryNeed, shape: ModelShape, dp: int, per_node: int, cpu: bool
+) -> tuple[dict[str, int], int]:
+    """A LoRA trainer: the frozen base whole on every rank in the training dtype, and the model
+    states of the table for the adapters alone (their gradients, fp32 master and Adam's m, v:
+    the base has none); buffers sized on the adapters, activations as the full model's."""
+    adapters, largest = lora_params(shape, need.lora_rank, need.lora_targets)
+    parts, host = model_states(
+        adapters, largest, need.zero_stage, dp, per_node, need.adam_offload, need.bf16
+    )
+    w = 2 if need.bf16 else 4
+    parts["weights"] = w * (shape.params + adapters)
+    parts["activations"] = activations(
+        shape, need.micro_batch, need.seq_len, need.gradient_checkpointing, need.bf16
+    )
+    small = replace(shape, params=adapters, largest_layer_params=largest)
+    parts["buffers"] = buffers(
+        small, need.zero_stage, dp, need.adam_offload, need.bf16, need.overlap_comm, cpu
     )
     return parts, host
 

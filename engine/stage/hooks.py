@@ -59,6 +59,9 @@ class MemoryNeed:
     utilization: float = 0.9  # engine: vllm_gpu_memory_utilization
     sleep: bool = False  # trainer: deepspeed_enable_sleep; engine: vllm_enable_sleep
     overlap_comm: bool = False  # trainer: two reduce buckets instead of one
+    # trainer: LoRA adapters of this rank on these modules train, the base stays frozen
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
     # the role whose processes load it when its own role has no devices ("stage": the stage's
     # own ranks, whatever role it is placed as)
     inside: str = ""

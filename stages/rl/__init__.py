@@ -209,7 +209,7 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
                     f"larger than a step's {self.rollout_batch_size * self.num_repeats} samples",
                 )
             )
-        out += self._check_sync(ctx) + self._note_sleep(ctx)
+        out += self._check_sync(ctx) + self._note_sleep(ctx) + self._check_lora(ctx)
         # refusals of the run path known from the config alone (tests/unit/test_refusals.py)
         out += check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
         if self.environment is not None and self.algorithm == "ppo":
@@ -219,6 +219,36 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
                     f"multi-turn episodes train with GRPO only; algorithm is ppo "
                     f"({ctx.source('algorithm')}), whose critic would value observation tokens "
                     "the model did not write: use algorithm grpo, or leave environment out",
+                )
+            )
+        return out
+
+    def _check_lora(self, ctx: ResolveContext) -> list[Diagnostic]:
+        """LoRA on the actor (`stages.lib.model.lora`): not with a critic, whose own weights
+        would train in full beside it, nor on a 4-bit base, which the engines (full precision)
+        would not sample like."""
+        from stages.lib.model.lora import check_lora, lora_path
+
+        if self.lora is None:
+            return []
+        actor = ctx.roles.get("actor")
+        out = check_lora(self.lora, ctx, self, actor.gpus if actor else 0, "actor")
+        if self.algorithm == "ppo":
+            out.append(
+                ctx.error(
+                    lora_path(self.lora),
+                    f"LoRA trains the actor's adapters only, and algorithm ppo "
+                    f"({ctx.source('algorithm')}) trains a critic whose weights would all train "
+                    "beside it; use algorithm grpo, or leave lora out",
+                )
+            )
+        if self.lora.load_in_4bit:
+            out.append(
+                ctx.error(
+                    "lora.load_in_4bit",
+                    "the engines generate with the full-precision base and the adapters, which "
+                    "a 4-bit actor does not score like (the probe after every sync would fail); "
+                    "4-bit loading is for the train stage",
                 )
             )
         return out

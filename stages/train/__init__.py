@@ -15,6 +15,7 @@ from stages.lib.config import Verifier, check_verifier
 from stages.lib.distributed.ds_config import trainer_memory, trainer_memory_changes
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
+from stages.lib.model.lora import LORA_HELP, LoraBlock, check_lora
 from stages.lib.model.path import check_model_ref
 
 
@@ -129,6 +130,7 @@ class TrainConfig(StageConfig):
         default_factory=Verifier, description="How held-out answers are scored."
     )
     seed: int = Field(0, description="Seed for data order and initialisation.")
+    lora: LoraBlock | None = Field(None, description=LORA_HELP)
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         """Batch sizes that divide over the ranks (one per GPU, or num_processes on CPU);
@@ -137,6 +139,7 @@ class TrainConfig(StageConfig):
 
         out = check_deepspeed(self, ctx, ctx.gpus or self.num_processes)
         out += check_model_ref(ctx, "model", self.model)
+        out += check_lora(self.lora, ctx, self, ctx.gpus)
         if self.target_accuracy is not None and self.eval_input is None:
             out.append(
                 ctx.error(
@@ -151,9 +154,9 @@ class TrainConfig(StageConfig):
     def memory_needs(self) -> list[MemoryNeed]:
         """The trainer's weights, gradients, optimizer states and activations; with DPO the
         frozen reference too, whole and in fp32 on every rank's device, as the ranks load it
-        (`stages.train.worker`)."""
+        (`stages.train.worker`; with LoRA the reference is the policy's own base)."""
         needs = [trainer_memory(self, self.model, self.max_length)]
-        if self.algorithm == "dpo":
+        if self.algorithm == "dpo" and self.lora is None:
             model = self.model if isinstance(self.model, str) else self.model.model_dump()
             needs.append(MemoryNeed("dpo_reference", "frozen", model, inside="stage"))
         return needs

@@ -140,12 +140,16 @@ class Loop:
         return torch.tensor(order, device=self.device)
 
     def _reference(self, micro: Micro, batch: Batch, order: torch.Tensor) -> torch.Tensor:
-        """The frozen reference model's (chosen, rejected) log-probabilities, cached per pair."""
+        """The frozen reference model's (chosen, rejected) log-probabilities, cached per pair
+        (with LoRA the policy's own base, its adapters disabled, as TRL does with peft)."""
         if any(u not in self._ref_cache for u in micro.units):
-            assert self.reference is not None
             scored = batch.scored(self.device)
-            with torch.no_grad(), scored_only(self.reference, scored):
-                logits = self.reference(**batch.model_inputs(self.device)).logits
+            model, frozen = self.reference, contextlib.nullcontext()
+            if model is None:  # LoRA: the reference is the frozen base, the adapters off
+                model = self.trainer.module
+                frozen = model.disable_adapter()
+            with torch.no_grad(), frozen, scored_only(model, scored):
+                logits = model(**batch.model_inputs(self.device)).logits
                 lp = sequence_logprobs(logits, batch.at(scored))[order].detach()
             for k, u in enumerate(micro.units):
                 self._ref_cache[u] = lp[2 * k : 2 * k + 2]

@@ -50,8 +50,9 @@ def trainer_kind(cfg: TrainConfig) -> Literal["deepspeed", "torch"]:
     has_ds = importlib.util.find_spec("deepspeed") is not None
     if cfg.trainer == "deepspeed" and not has_ds:
         raise RuntimeError("trainer 'deepspeed' asked for, but deepspeed is not installed")
-    if cfg.trainer == "auto":
-        return "deepspeed" if has_ds else "torch"
+    if cfg.trainer == "auto":  # a 4-bit base trains with torch (`stages.lib.model.lora`)
+        four_bit = cfg.lora is not None and cfg.lora.load_in_4bit
+        return "deepspeed" if has_ds and not four_bit else "torch"
     return cfg.trainer
 
 

@@ -46,22 +46,29 @@ from stages.lib.io.audit import FIRST_BATCH, append_records, token_record
 log = logging.getLogger("pipe.train")
 
 
-def _load(model_dir: str, ds_config: dict[str, Any] | None) -> tuple[Any, Any]:
+def _load(spec: WorkerSpec) -> tuple[Any, Any]:
+    """The tokenizer and the model to train: the checkpoint's, with adapters when `lora` is
+    set (`stages.lib.model.lora`)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir), load_model(model_dir, ds_config)
+    from stages.lib.model.lora import load_trained
+
+    model = load_trained(spec.model_dir, spec.ds_config, spec.config.lora, spec.config.bf16)
+    return AutoTokenizer.from_pretrained(spec.model_dir), model
 
 
 def _save_final(trainer: Any, spec: WorkerSpec, rank: int) -> None:
     """Rank 0 writes the Hugging Face checkpoint at the config's `output` in the resolved
-    save dtype, beside the input's files (`stages.lib.model.save`)."""
+    save dtype, beside the input's files (`stages.lib.model.save`; with LoRA merged, or the
+    adapter alone: `stages.lib.model.lora.write_output`)."""
     import torch.distributed as dist
 
-    from stages.lib.model.save import write_checkpoint
+    from stages.lib.model.lora import write_output
 
     state = trainer.full_state_dict()  # every rank takes part under ZeRO-3
     if rank == 0:
-        write_checkpoint(trainer.module, state, spec.model_dir, spec.config.output, spec.save_dtype)
+        cfg = spec.config
+        write_output(trainer.module, state, cfg.lora, spec.model_dir, cfg.output, spec.save_dtype)
     if dist.is_initialized():
         dist.barrier()
 
@@ -135,14 +142,14 @@ def _build_loop(
     from stages.train.loop import Loop
     from stages.train.threads import ThreadTuner
 
-    tokenizer, model = _load(spec.model_dir, spec.ds_config)
+    tokenizer, model = _load(spec)
     rows = read_rows(str(cfg.input))
     data = training_set(
         rows, tokenizer, algorithm=cfg.algorithm, target=cfg.target, max_length=cfg.max_length
     )
     plan = plan_for(cfg, data, world)
     reference = None
-    if cfg.algorithm == "dpo":
+    if cfg.algorithm == "dpo" and cfg.lora is None:  # with LoRA: the base, adapters off
         reference = load_model(spec.model_dir, None).to(device).eval().requires_grad_(False)
     loop = Loop(
         cfg=cfg,

@@ -328,6 +328,25 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
+    ("stages/lib/distributed/trainer.py", "checkpoint {}/{} does not fit the model: "): data(
+        "a resumable checkpoint on disk whose weights are not this model's"
+    ),
+    ("stages/lib/model/lora.py", "adapter weights that fit no module of the base: {}"): internal(
+        "the adapters were made on this base with the same settings"
+    ),
+    ("stages/lib/model/lora.py", "expected 'all-linear' or at least one module name, "): plan(
+        Case(
+            """\
+            name: p
+            stages:
+              t: {kind: train, config: {input: x.jsonl, lora: {target_modules: []}}}
+            """,
+            (
+                "p.yaml:3:68: stages.t.config.lora.target_modules: expected 'all-linear' or at "
+                "least one module name, found []",
+            ),
+        )
+    ),
     ("stages/lib/distributed/trainer.py", "deepspeed could not load the checkpoint"): data(
         "a checkpoint on disk that DeepSpeed cannot read"
     ),

@@ -101,7 +101,9 @@ def check_deepspeed(cfg: DeepSpeedSettings, ctx: ResolveContext, ranks: int) -> 
 
 
 def trainer_memory(cfg: Any, model: Any, seq_len: int, role: str = "") -> MemoryNeed:
-    """What a trainer configured by `cfg` needs memory for (engine.plan.memory estimates it)."""
+    """What a trainer configured by `cfg` needs memory for (engine.plan.memory estimates it);
+    with `cfg.lora` its adapters alone have gradients and optimizer states."""
+    lora = getattr(cfg, "lora", None)
     return MemoryNeed(
         role=role,
         profile="trainer",
@@ -114,6 +116,8 @@ def trainer_memory(cfg: Any, model: Any, seq_len: int, role: str = "") -> Memory
         seq_len=seq_len,
         sleep=cfg.deepspeed_enable_sleep,
         overlap_comm=cfg.overlap_comm,
+        lora_rank=lora.rank if lora is not None else 0,
+        lora_targets=lora.targets() if lora is not None else (),
     )
 
 

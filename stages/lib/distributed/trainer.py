@@ -78,10 +78,30 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
         if p.requires_grad:
             ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partition is flat
             (plain if ndim < 2 or "norm" in name else decay).append(p)
-    return [
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": plain, "weight_decay": 0.0},
     ]
+    # no empty group (LoRA adapters are all matrices): DeepSpeed drops one, and the scheduler,
+    # made before, would then step more groups than the optimizer has
+    return [g for g in groups if g["params"]]
+
+
+def has_frozen(model: torch.nn.Module) -> bool:
+    """Whether some weights do not train (a LoRA base): checkpoints then hold the rest only."""
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """Every name a frozen weight is saved under, a tied one's second name too."""
+    params = model.named_parameters(remove_duplicate=False)
+    return {n for n, p in params if not p.requires_grad}
+
+
+def trained_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict without its frozen weights (all of it when none is frozen)."""
+    frozen = frozen_names(model)
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
 
 
 class Sleeper:
@@ -148,6 +168,7 @@ class TorchTrainer(Sleeper):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.sleep = sleep_method("torch", 0, False, device)
         self.host = HostStates(pin=device.startswith("cuda"))
+        self.frozen = has_frozen(model)
 
     def begin_micro(self, boundary: bool) -> None:
         """Nothing to do: gradients are reduced in `step`."""
@@ -199,7 +220,7 @@ class TorchTrainer(Sleeper):
     def _save(self, root: str, tag: str) -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
             state = {
-                "model": self.module.state_dict(),
+                "model": trained_state(self.module),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
             }
@@ -208,7 +229,13 @@ class TorchTrainer(Sleeper):
 
     def load(self, root: str, tag: str) -> None:
         state = torch.load(os.path.join(root, tag, "torch_state.pt"), map_location=self.device)
-        self.module.load_state_dict(state["model"])
+        found = self.module.load_state_dict(state["model"], strict=not self.frozen)
+        lost = set(found.missing_keys) - frozen_names(self.module)
+        if lost or found.unexpected_keys:  # only frozen weights may be absent (a LoRA base)
+            raise RuntimeError(
+                f"checkpoint {root}/{tag} does not fit the model: missing {sorted(lost)[:3]}, "
+                f"unexpected {found.unexpected_keys[:3]}"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -245,6 +272,17 @@ class DeepSpeedTrainer(Sleeper):
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
         self.module = self.engine.module
+        self.frozen = has_frozen(model)
+        if self.frozen:
+            # DeepSpeed's exclude_frozen_parameters drops each frozen weight's first name only
+            # (runtime/engine.py `module_state_dict`): a tied output head would be saved whole
+            whole = self.engine.module_state_dict
+            drop = frozen_names(self.module)
+
+            def trained(*args: Any, **kwargs: Any) -> Any:
+                return {k: v for k, v in whole(*args, **kwargs).items() if k not in drop}
+
+            self.engine.module_state_dict = trained
         self.zero3 = cfg.zero_stage == 3
         self.sleep = sleep_method("deepspeed", cfg.zero_stage, cfg.adam_offload, device)
         self.host = HostStates(pin=device.startswith("cuda"))
@@ -304,7 +342,10 @@ class DeepSpeedTrainer(Sleeper):
 
     def save(self, root: str, tag: str) -> None:
         with self.awake():
-            self.engine.save_checkpoint(root, tag=tag, save_latest=False)
+            # frozen weights (a LoRA base) come from the input checkpoint when it resumes
+            self.engine.save_checkpoint(
+                root, tag=tag, save_latest=False, exclude_frozen_parameters=self.frozen
+            )
 
     def _offload(self) -> int:
         """By `self.sleep.method` (`stages.lib.distributed.sleep`: what DeepSpeed 0.19 offers
@@ -334,7 +375,7 @@ class DeepSpeedTrainer(Sleeper):
         return self.host.reload()
 
     def load(self, root: str, tag: str) -> None:
-        path, _ = self.engine.load_checkpoint(root, tag=tag)
+        path, _ = self.engine.load_checkpoint(root, tag=tag, load_module_strict=not self.frozen)
         if path is None:
             raise RuntimeError(f"deepspeed could not load the checkpoint {root}/{tag}")
 

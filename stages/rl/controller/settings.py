@@ -16,7 +16,7 @@ from stages.lib.api.sampling import request_sampling
 from stages.lib.distributed.sleep import sleep_method
 from stages.rl.algo.effects import algorithm_settings
 from stages.rl.controller.records import SAMPLES_PER_STEP
-from stages.rl.sync.choice import SyncChoice
+from stages.rl.sync.choice import LORA_SYNC, SyncChoice
 
 if TYPE_CHECKING:
     from stages.rl import RLConfig
@@ -38,6 +38,8 @@ def account(
     each engine started; `saved`: the final checkpoint's dtype and why,
     `stages.lib.model.dtypes.resolve_save_dtype`)."""
     ds = trainer == "deepspeed"
+    lora_vllm = cfg.lora is not None and cfg.backend.kind == "vllm"
+    adapter_files = (S, f"lora on vLLM: {LORA_SYNC}") if lora_vllm else None
     no_ds = (S, "plain torch trains the actor (deepspeed is not installed or trainer: torch)")
     how: dict[str, tuple[str, str]] = {
         "input": (A, "the prompts sampled each step"),
@@ -146,11 +148,12 @@ def account(
         "deepspeed_enable_sleep": _sleep(cfg, trainer, device),
         "bf16": _bf16(cfg, ds),
         "save_dtype": (A, f"the final checkpoint in {saved[0]} ({saved[1]})"),
-        "vllm_sync_backend": _sync(sync, cfg.bf16),
+        "lora": _lora(cfg),
+        "vllm_sync_backend": adapter_files or _sync(sync, cfg.bf16),
         "sync_timeout_s": (A, "a weight sync past it fails the step"),
         "sync_bucket_mb": (A, f"weights broadcast in buckets of {cfg.sync_bucket_mb} MiB")
-        if sync.backend != "disk"
-        else (S, "disk: one file, no buckets"),
+        if sync.backend != "disk" and not adapter_files
+        else adapter_files or (S, "disk: one file, no buckets"),
         "num_processes": (A, f"{world} actor rank(s) on the CPU")
         if device == "cpu"
         else (S, f"one actor rank per GPU: {world}"),
@@ -295,4 +298,19 @@ def _environment(cfg: RLConfig) -> tuple[str, str]:
     return A, (
         f"each sample is an episode with {what}, at most {max_turns(env)} turns; the loss "
         "covers the model's own tokens only"
+    )
+
+
+def _lora(cfg: RLConfig) -> tuple[str, str]:
+    lora = cfg.lora
+    if lora is None:
+        return (S, "no adapters: every weight of the actor trains")
+    out = "merged into the final checkpoint" if lora.save == "merged" else "saved alone"
+    targets = lora.target_modules
+    on = targets if isinstance(targets, str) else ", ".join(targets)
+    return (
+        A,
+        f"the actor trains rank-{lora.rank} adapters (alpha {lora.scale_alpha:g}) on {on}, the "
+        f"base frozen; the engines generate with them and each sync sends the adapters alone; "
+        f"{out}",
     )

@@ -166,7 +166,7 @@ def start(c: Controller) -> int:
     else:
         from stages.rl.rollout.pool import start_pool
 
-        local = LocalEngine(model_dir, engine_device, bf16=cfg.bf16)
+        local = LocalEngine(model_dir, engine_device, bf16=cfg.bf16, lora=cfg.lora)
         c.engine = start_pool(c.ctx, local, join, c.roles.remote_alive)
     tok = c.engine.tokenizer
     row = c.data.rows[0]
@@ -180,15 +180,17 @@ def start(c: Controller) -> int:
 
 def _vllm_engine(c: Controller, model_dir: str, sync_path: str) -> Any:
     from stages.rl.rollout.vllm import start_vllm
-    from stages.rl.sync.vllm import VLLMDiskReceiver, VLLMGroupReceiver
+    from stages.rl.sync.vllm import VLLMDiskReceiver, VLLMGroupReceiver, VLLMLoraReceiver
 
     engine = start_vllm(c.cfg, c.ctx, model_dir, f"{c.dir}/vllm.log")
     try:
-        c.receiver = (
-            VLLMDiskReceiver(engine, sync_path)
-            if c.sync_kind == "disk"
-            else VLLMGroupReceiver(engine, c.host, c.cfg.sync_timeout_s, nccl=c.sync_kind == "nccl")
-        )
+        if c.cfg.lora is not None:  # the adapters alone, through vLLM's LoRA support
+            c.receiver = VLLMLoraReceiver(engine, os.path.dirname(sync_path))
+        elif c.sync_kind == "disk":
+            c.receiver = VLLMDiskReceiver(engine, sync_path)
+        else:
+            nccl = c.sync_kind == "nccl"
+            c.receiver = VLLMGroupReceiver(engine, c.host, c.cfg.sync_timeout_s, nccl=nccl)
     except BaseException:
         engine.close()
         raise

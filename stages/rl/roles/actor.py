@@ -6,7 +6,9 @@ Output: answers to the stage's requests, in order: `train` (the clipped GRPO upd
 a rollout batch, `ppo_epochs` passes, one optimizer step per `train_batch_size` samples;
 returns its statistics), `sync` (publish the weights to the engine, then score the probe),
 `probe`, `save` (a resumable checkpoint), `offload`/`reload` (the optimizer states, for
-the hybrid engine), `final` (the Hugging Face checkpoint at `output`), `stop`.
+the hybrid engine), `final` (the Hugging Face checkpoint at `output`), `stop`. With `lora` the
+actor trains adapters on a frozen base (`stages.lib.model.lora`) and a sync sends the adapters
+alone.
 
 Rank 0 talks to the stage and passes each request on to the other ranks (through the
 rendezvous store, not a collective: they may wait for hours, `stages.lib.distributed.serve`; the
@@ -22,7 +24,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from stages.lib.distributed.rank import exit_now, load_model
+from stages.lib.distributed.rank import exit_now
+from stages.lib.model.lora import load_trained
 from stages.rl.roles.trained import TrainedRank
 
 log = logging.getLogger("pipe.rl")
@@ -32,7 +35,9 @@ class Actor(TrainedRank):
     """The model, its trainer and reference, and what each request does."""
 
     def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
-        super().__init__(spec, rank, world, device, load_model(spec.model_dir, spec.ds_config))
+        cfg = spec.config
+        model = load_trained(spec.model_dir, spec.ds_config, cfg.lora, cfg.bf16)
+        super().__init__(spec, rank, world, device, model)
         self.reference: Any = None  # here when the ref role has no devices of its own
         if self.cfg.kl_coef > 0 and spec.ref_in_actor:
             from stages.rl.roles.frozen import load_reference
@@ -54,11 +59,21 @@ class Actor(TrainedRank):
 
         return train(self, payload)
 
+    def synced(self) -> list[tuple[str, Any]]:
+        """What a sync sends: every parameter, or with LoRA the adapters alone (the engines
+        hold the same frozen base)."""
+        module = self.trainer.module
+        if self.cfg.lora is not None:
+            from stages.lib.model.lora import adapter_params
+
+            return adapter_params(module)
+        return list(module.named_parameters())
+
     def params(self) -> Iterator[tuple[str, Any]]:
-        """The full parameters one at a time (under ZeRO-3 each is gathered on every rank for
-        the moment it is sent, then released)."""
+        """The synced parameters one at a time (under ZeRO-3 each is gathered on every rank
+        for the moment it is sent, then released)."""
         zero3 = getattr(self.trainer, "zero3", False)
-        for name, param in self.trainer.module.named_parameters():
+        for name, param in self.synced():
             if not zero3:
                 yield name, param.data
                 continue
@@ -72,6 +87,8 @@ class Actor(TrainedRank):
         from stages.rl.sync.transports import make_publisher, sync_file, tied_aliases, wire_dtype
 
         start = time.perf_counter()
+        if "adapter_dir" in payload:  # LoRA into vLLM servers: the adapters as peft files
+            return self._sync_adapter(payload, start)
         if self.rank == 0 and self.publisher is None:
             spec = self.spec
             self.publisher = make_publisher(  # vLLM's group: its address and size come now
@@ -93,12 +110,20 @@ class Actor(TrainedRank):
         stats = self.publisher.stats if self.rank == 0 else {}
         return {"probe": probe, "seconds": time.perf_counter() - start, **stats}
 
+    def _sync_adapter(self, payload: dict[str, Any], start: float) -> dict[str, Any]:
+        """Rank 0 writes the adapters to the folder the servers load next
+        (`stages.rl.sync.vllm.VLLMLoraReceiver`), then every rank scores the probe."""
+        stats: dict[str, float] = {}
+        if self.rank == 0:
+            from stages.lib.model.lora import write_sync_adapter
+
+            stats = write_sync_adapter(self.trainer.module, payload["adapter_dir"])
+        probe = self.probe(payload["probe"])
+        return {"probe": probe, "seconds": time.perf_counter() - start, **stats}
+
     def shapes(self) -> list[tuple[str, list[int]]]:
         """Each parameter's full shape, in `params` order (ZeRO-3 keeps it as `ds_shape`)."""
-        return [
-            (name, list(getattr(p, "ds_shape", p.shape)))
-            for name, p in self.trainer.module.named_parameters()
-        ]
+        return [(name, list(getattr(p, "ds_shape", p.shape))) for name, p in self.synced()]
 
     def ref_logprobs(self, payload: dict[str, Any]) -> list[list[float]]:
         """The frozen reference's log-probabilities of each sample's completion, when it
@@ -141,14 +166,13 @@ class Actor(TrainedRank):
     def final(self, payload: dict[str, Any]) -> str:
         """The Hugging Face checkpoint at `output` in the resolved save dtype, beside the
         input's files (written beside it, then renamed in: `stages.lib.model.save`)."""
-        from stages.lib.model.save import write_checkpoint
+        from stages.lib.model.lora import write_output
 
-        output = self.cfg.output
+        output, spec = self.cfg.output, self.spec
         state = self.trainer.full_state_dict()  # under ZeRO-3 on rank 0 only, module by module
         if self.rank == 0:
-            write_checkpoint(
-                self.trainer.module, state, self.spec.model_dir, output, self.spec.save_dtype
-            )
+            module, lora = self.trainer.module, self.cfg.lora
+            write_output(module, state, lora, spec.model_dir, output, spec.save_dtype)
         return str(output)
 
 

@@ -5,9 +5,11 @@ Input: the model directory (architecture and tokenizer), the actor's compute dty
 prompts. Output: samples with their token ids and the behaviour policy's per-token
 log-probabilities (the shared batched generator, prompt KV cache shared by a group's
 samples, rows leaving the batch as they finish), greedy answers for held-out scoring, and
-the probe's log-probabilities after a sync. `sleep` frees the weights (the hybrid engine,
-while the actor trains); `wake_weights` allocates them again, to be filled by the next sync;
-the KV cache is allocated per generation call, so `wake_cache` has nothing to reserve here.
+the probe's log-probabilities after a sync. With the actor's LoRA the engine generates with
+its own copy of the adapters (unmerged), which each sync refills. `sleep` frees the weights
+(the hybrid engine, while the actor trains); `wake_weights` allocates them again, to be filled
+by the next sync; the KV cache is allocated per generation call, so `wake_cache` has nothing to
+reserve here.
 
 One name, two sides of one concept (the `local` engine, generation in the stage's own process:
 collect's backend; this file: rl's rollout engine; `stages/collect/local.py` the other side).
@@ -39,10 +41,14 @@ class LocalEngine:
 
     name = "local-0"
 
-    def __init__(self, model_dir: str, device: str = "cpu", bf16: bool = False) -> None:
+    def __init__(
+        self, model_dir: str, device: str = "cpu", bf16: bool = False, lora: Any = None
+    ) -> None:
         """The policy of `model_dir` on `device` in the actor's compute dtype (bfloat16 when
         the actor trains in bf16, as the reference loads: the probe compares the two sides'
-        log-probabilities; float32 otherwise), whatever dtype the checkpoint was saved in."""
+        log-probabilities; float32 otherwise), whatever dtype the checkpoint was saved in;
+        with the actor's `lora` adapters on it (`stages.lib.model.lora`: a sync fills them,
+        the base stays as loaded)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -53,6 +59,10 @@ class LocalEngine:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         dtype = torch.bfloat16 if bf16 else torch.float32
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        if lora is not None:
+            from stages.lib.model.lora import with_lora
+
+            model = with_lora(model, lora, inference=True)
         model.eval()
         if device != "cpu":
             model.to(device)

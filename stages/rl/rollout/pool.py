@@ -181,7 +181,7 @@ def host_engine(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     node, worker = ctx.tasks[ctx.node_rank]
     spec = json.loads(ctx.link.lookup(f"engine-{node}-{worker}", timeout_s=SPEC_TIMEOUT_S))
     device = torch_device(ctx, "vllm")
-    engine = LocalEngine(spec["model_dir"], device, bf16=cfg.bf16)
+    engine = LocalEngine(spec["model_dir"], device, bf16=cfg.bf16, lora=cfg.lora)
     engine.name = spec["name"]
     receiver = make_receiver(
         spec["kind"],

@@ -28,7 +28,8 @@ min-p and the penalties neutral (`stages.lib.api.sampling`), so a checkpoint's
 vocabulary. The probe is scored from `prompt_logprobs` (the raw model),
 so both sides score it at temperature 1. Sleep (`vllm_enable_sleep`, GPU only):
 `/sleep?level=1` while the actor trains, then `/wake_up` for the weights before the
-sync and for the KV cache after it.
+sync and for the KV cache after it. With the actor's LoRA the servers run with vLLM's LoRA
+support and every request names the newest adapter (`serve`; the sync: `VLLMLoraReceiver`).
 
 One name, two sides of one concept (the rl stage's vLLM engines: the rollouts they generate;
 `stages/rl/sync/vllm.py`: the weights synced into them).
@@ -102,6 +103,7 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
         remote=remote,
         max_model_len=context_len(cfg),
         parallel=cfg.num_samples_in_parallel,
+        lora_rank=cfg.lora.rank if cfg.lora is not None else 0,
     )
 
 
@@ -128,6 +130,7 @@ class VLLMEngine:
         remote: Callable[[], list[dict[str, Any]]] | None = None,
         max_model_len: int | None = None,
         parallel: int | str = "auto",
+        lora_rank: int = 0,
     ) -> None:
         """Start this worker's servers on `devices`, then take the URLs of the servers the
         role's other workers started (`remote()`: their records, each with `urls`); every
@@ -157,6 +160,7 @@ class VLLMEngine:
                     log_file=log_file,
                     secret=secret,
                     max_model_len=max_model_len,
+                    lora_rank=lora_rank,
                 )
             )
             places = [{**(where or {}), "urls": urls}, *(remote() if remote else [])]
@@ -249,6 +253,11 @@ class VLLMEngine:
                 if k >= sample.prompt_len
             ]
         return out
+
+    def serve(self, name: str) -> None:
+        """Requests (generation and the probe) name `name` from now on: a LoRA adapter the
+        servers loaded (`stages.rl.sync.vllm.VLLMLoraReceiver`), or the base model."""
+        self.served = self.requests.served = name
 
     def reload(self, weights_dir: str) -> None:
         """Every server takes the weights in `weights_dir` (safetensors, the model's names)."""

@@ -48,16 +48,30 @@ def context_len(cfg: RLConfig) -> int:
     return cfg.max_length + cfg.max_output_tokens
 
 
-def server_args(bf16: bool, gpu: bool, max_model_len: int | None) -> list[str]:
+# the ranks vLLM's LoRA support accepts for --max-lora-rank (vllm/config/lora.py `MaxLoRARanks`)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # /v1/load_lora_adapter exists then
+
+
+def lora_rank_arg(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds adapters of `rank`."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+
+
+def server_args(bf16: bool, gpu: bool, max_model_len: int | None, lora_rank: int = 0) -> list[str]:
     """What the rl stage adds to each server's command line: the training precision,
-    sampled log-probabilities under the temperature, the weight-sync worker extension, and
-    on GPUs the context length."""
+    sampled log-probabilities under the temperature, the weight-sync worker extension, on
+    GPUs the context length, and with the actor's LoRA vLLM's LoRA support (one adapter
+    serving at a time, the previous one kept in host memory until it is unloaded)."""
     from stages.lib.vllm.worker_ext import EXTENSION
 
     args = ["--dtype", "bfloat16" if bf16 else "float32"]
     args += ["--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION]
     if gpu and max_model_len:
         args += ["--max-model-len", str(max_model_len)]
+    if lora_rank:
+        args += ["--enable-lora", "--max-lora-rank", str(lora_rank_arg(lora_rank))]
+        args += ["--max-loras", "1", "--max-cpu-loras", "2"]
     return args
 
 
@@ -72,6 +86,7 @@ def start_servers(
     secret: str,
     host: str | None = None,
     max_model_len: int | None = None,
+    lora_rank: int = 0,
 ) -> Iterator[list[str]]:
     """This worker's servers of the `vllm` role: one per tensor-parallel slice of `devices`
     (the backend's `vllm_num_engines` on a CPU run); yields their base URLs. Devices a
@@ -92,8 +107,9 @@ def start_servers(
         if not torch.cuda.is_available():
             update["vllm_tensor_parallel_size"] = 1
             devices = []
-    args = server_args(bf16, bool(devices), max_model_len)
+    args = server_args(bf16, bool(devices), max_model_len, lora_rank)
     fp32_gpu = bool(devices) and not bf16
+    env = {**(FP32_EXACT_ENV if fp32_gpu else {}), **(LORA_ENV if lora_rank else {})}
     with vllm_servers(
         backend.model_copy(update=update),
         gpus=len(devices),
@@ -104,7 +120,7 @@ def start_servers(
         dev_mode=True,
         secret=secret,
         host=host or "127.0.0.1",
-        extra_env=FP32_EXACT_ENV if fp32_gpu else None,
+        extra_env=env or None,
     ) as urls:
         yield urls
 
@@ -128,6 +144,7 @@ def host_servers(cfg: RLConfig, ctx: StageContext) -> None:
         secret=spec["secret"],
         host=worker_host(worker),
         max_model_len=context_len(cfg),
+        lora_rank=cfg.lora.rank if cfg.lora is not None else 0,
     ) as urls:
         place = {"node": node, "worker": worker, "devices": devices, "urls": urls}
         ctx.link.publish(f"vllm-{node}-{worker}", json.dumps(place))

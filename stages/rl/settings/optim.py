@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from engine.stage import StageConfig
+from stages.lib.model.lora import LORA_HELP, LoraBlock
 
 
 class OptimSettings(StageConfig):
@@ -38,3 +39,6 @@ class OptimSettings(StageConfig):
         False, description="Form micro batches by a token budget instead of a sample count."
     )
     bf16: bool = Field(False, description="Train in bfloat16 (fp32 otherwise).")
+    lora: LoraBlock | None = Field(
+        None, description=f"The actor's adapters; the engines generate with them. {LORA_HELP}"
+    )

@@ -9,6 +9,8 @@ the engines are on GPUs, and whether actor rank 0 shares a GPU with an engine. O
   engines (into vLLM's own workers through our worker extension), `disk` the explicit
   choice of a file; never a silent fallback to it.
 - `nccl` needs a GPU at both ends; otherwise `gloo`.
+- LoRA with vLLM servers: the adapters travel as files through vLLM's own LoRA support
+  (`LORA_SYNC`, `stages.rl.sync.vllm.VLLMLoraReceiver`); the backend asked for is not used.
 - `nccl` with actor rank 0 and an engine on one GPU (`colocate` putting the local engine
   with the actor, as the high-performance profile does): NCCL refuses two ranks of one
   communicator on one device ("Duplicate GPU detected", ncclInvalidUsage; seen on an H100),
@@ -28,6 +30,13 @@ SAME_GPU = (
     "actor rank 0 and the engine share one GPU (colocate), and NCCL refuses two ranks of one "
     "group on one device ('Duplicate GPU detected'), so gloo carries the weights through "
     "host memory; for NCCL give the vllm role GPUs of its own (colocate: none)"
+)
+
+
+LORA_SYNC = (
+    "each sync writes the actor's adapters (peft files, no base weights) to a new folder that "
+    "every server loads as a new LoRA adapter (/v1/load_lora_adapter), the previous one "
+    "unloaded; requests name the newest"
 )
 
 

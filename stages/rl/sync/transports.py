@@ -211,7 +211,8 @@ class DiskPublisher:
 
 
 class DiskReceiver:
-    """The engine reloads the file parameter by parameter, once the actor has written it."""
+    """The engine reloads the file parameter by parameter, once the actor has written it
+    (every parameter, or with LoRA the adapters: those the file holds)."""
 
     pulls = True
 
@@ -223,9 +224,12 @@ class DiskReceiver:
         from safetensors import safe_open
 
         start = time.perf_counter()
+        params = dict(model.named_parameters(remove_duplicate=False))
         with torch.no_grad(), safe_open(self.path, framework="pt") as f:  # type: ignore[no-untyped-call]
-            for name, param in model.named_parameters():
-                param.copy_(f.get_tensor(name))
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                if name not in params:
+                    raise SyncFailed(f"engine '{self.name}': no parameter '{name}'")
+                params[name].copy_(f.get_tensor(name))
         self.stats = {"load_s": time.perf_counter() - start}
 
 

@@ -11,6 +11,8 @@ holding the actor's weights, and what the sync cost (`stats`).
   ends: that sync is the stage's start); each sync then broadcasts the weights once, in
   buckets, to all engines at the same time (`stages.lib.distributed.weight_group`), each
   worker loading them in place, and the prefix caches are dropped. No file is written.
+- `VLLMLoraReceiver` (LoRA): the actor's adapters alone, as peft files each server loads
+  as a new LoRA adapter; the base weights never move.
 - `VLLMDiskReceiver` (`disk`, the explicit choice): actor rank 0 writes
   `<stage>/sync/model.safetensors`, then every server reloads it (`reload_weights`).
 
@@ -50,6 +52,9 @@ class VLLMEngine(Protocol):
 
     def reload(self, weights_dir: str) -> None:
         """Every server loads the weights saved in `weights_dir`."""
+
+    def serve(self, name: str) -> None:
+        """Requests name the model (or LoRA adapter) `name` from now on."""
 
 
 WATCH_S = 2.0  # how often a server is checked while its workers receive
@@ -156,6 +161,51 @@ class VLLMGroupReceiver:
             "load_s": max((w.get("load_s", 0.0) for w in workers), default=loaded),
             "recv_s": max((w.get("recv_s", 0.0) for w in workers), default=0.0),
         }
+
+
+class VLLMLoraReceiver:
+    """LoRA on vLLM servers (`stages.rl.sync.choice.LORA_SYNC`): before each sync the actor is
+    told a new folder (`group`), where rank 0 writes its adapters in peft's format; every
+    server then loads it as a new adapter named after its version, through vLLM's runtime
+    LoRA route (servers started with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING`:
+    `stages.rl.rollout.vllm_servers`), the previous one is unloaded, and the engine's requests
+    name the new one. A fresh name per version: vLLM caches an adapter by name."""
+
+    pulls = True  # the servers read the folder once the actor has written it
+
+    def __init__(self, engine: VLLMEngine, root: str) -> None:
+        self.engine, self.root = engine, root.rstrip("/")
+        self.name = engine.name
+        self.version = 0
+        self.loaded: str | None = None
+        self.stats: dict[str, float] = {}
+
+    @property
+    def group(self) -> dict[str, str]:
+        """What the actor's `sync` request carries: the folder to write this sync's adapters."""
+        return {"adapter_dir": self.folder(self.version + 1)}
+
+    def folder(self, version: int) -> str:
+        return f"{self.root}/lora-{version:06d}"
+
+    def apply(self, model: Any) -> None:
+        start = time.perf_counter()
+        version = self.version + 1
+        name, path = f"pipe-lora-{version}", self.folder(version)
+        load = {"lora_name": name, "lora_path": path}
+        route = "v1/load_lora_adapter"
+        each_server(self.engine, lambda _, url: self.engine.post(f"{url}/{route}", load))
+        old, self.loaded, self.version = self.loaded, name, version
+        self.engine.serve(name)
+        if old is not None:
+            gone = {"lora_name": old}
+            each_server(
+                self.engine, lambda _, url: self.engine.post(f"{url}/v1/unload_lora_adapter", gone)
+            )
+            import shutil
+
+            shutil.rmtree(self.folder(version - 1), ignore_errors=True)
+        self.stats = {"load_s": time.perf_counter() - start}
 
 
 class VLLMDiskReceiver:
