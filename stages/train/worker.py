@@ -7,7 +7,8 @@ Output: checkpoints, `loss.jsonl` and (a fresh start) `first_batch.jsonl`, the f
 sequences as text, ids and loss mask, in the stage folder; from rank 0 the
 final Hugging Face checkpoint at the config's `output` in the resolved save dtype
 (written to a temporary sibling, then renamed into place: `stages.lib.model.save`) and
-`train_result.json`.
+`train_result.json`; a reward model (`algorithm: rm`) with held-out pairs also leaves
+`heldout_scores.jsonl`, each held-out pair's final scores.
 
 DeepSpeed keeps process-global state (its accelerator, communication
 backend, ZeRO hooks), so every run gets fresh processes: the stage launches
@@ -44,24 +45,39 @@ from stages.lib.distributed.rank import (
 from stages.lib.io.audit import FIRST_BATCH, append_records, token_record
 
 log = logging.getLogger("pipe.train")
+HELDOUT_SCORES = "heldout_scores.jsonl"  # rm: every held-out pair's final scores
 
 
-def _load(model_dir: str, ds_config: dict[str, Any] | None) -> tuple[Any, Any]:
+def _load(model_dir: str, ds_config: dict[str, Any] | None, reward: bool) -> tuple[Any, Any]:
+    """The tokenizer and the model (a reward model: its pad id the one its scores are read
+    with, `stages.lib.model.reward.score_pad_id`, saved with it)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir), load_model(model_dir, ds_config)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir, ds_config, reward=reward)
+    if reward:
+        from stages.lib.model.reward import score_pad_id
+
+        model.config.pad_token_id = score_pad_id(tokenizer, model.config)
+    return tokenizer, model
 
 
 def _save_final(trainer: Any, spec: WorkerSpec, rank: int) -> None:
     """Rank 0 writes the Hugging Face checkpoint at the config's `output` in the resolved
-    save dtype, beside the input's files (`stages.lib.model.save`)."""
+    save dtype, beside the input's files (`stages.lib.model.save`); a reward model's config
+    names its head, one label and its pad id (`stages.lib.model.reward.reward_config`)."""
     import torch.distributed as dist
 
+    from stages.lib.model.reward import reward_config
     from stages.lib.model.save import write_checkpoint
 
     state = trainer.full_state_dict()  # every rank takes part under ZeRO-3
     if rank == 0:
-        write_checkpoint(trainer.module, state, spec.model_dir, spec.config.output, spec.save_dtype)
+        module = trainer.module
+        fields = None
+        if spec.config.algorithm == "rm":
+            fields = reward_config(module, int(module.config.pad_token_id))
+        write_checkpoint(module, state, spec.model_dir, spec.config.output, spec.save_dtype, fields)
     if dist.is_initialized():
         dist.barrier()
 
@@ -133,14 +149,27 @@ def _build_loop(
     from stages.train.data import read_rows, training_set
     from stages.train.heldout import HeldOut
     from stages.train.loop import Loop
+    from stages.train.reward import HeldOutPairs, preference_pairs, reward_set
     from stages.train.threads import ThreadTuner
 
-    tokenizer, model = _load(spec.model_dir, spec.ds_config)
+    reward = cfg.algorithm == "rm"
+    tokenizer, model = _load(spec.model_dir, spec.ds_config, reward)
     rows = read_rows(str(cfg.input))
-    data = training_set(
-        rows, tokenizer, algorithm=cfg.algorithm, target=cfg.target, max_length=cfg.max_length
-    )
+    if reward:
+        pairs = preference_pairs(rows, cfg.margin, str(cfg.input))
+        data = reward_set(pairs, tokenizer, cfg.max_length)
+    else:
+        data = training_set(
+            rows, tokenizer, algorithm=cfg.algorithm, target=cfg.target, max_length=cfg.max_length
+        )
     plan = plan_for(cfg, data, world)
+    # a reward model's scores read the last non-pad token: its pads are the config's
+    pad = int(model.config.pad_token_id) if reward else pad_id(tokenizer, model.config)
+    held_out: HeldOut | HeldOutPairs | None = None
+    if cfg.eval_input and reward:
+        held_out = HeldOutPairs(cfg, tokenizer, pad, device)
+    elif cfg.eval_input:
+        held_out = HeldOut(cfg, tokenizer)
     reference = None
     if cfg.algorithm == "dpo":
         reference = load_model(spec.model_dir, None).to(device).eval().requires_grad_(False)
@@ -150,14 +179,14 @@ def _build_loop(
         plan=plan,
         data=data,
         device=device,
-        pad_id=pad_id(tokenizer, model.config),
+        pad_id=pad,
         stage_dir=spec.stage_dir,
         rank=rank,
         world=world,
         reference=reference,
         resume_key=spec.resume_key,
         threads=ThreadTuner(spec.threads) if spec.tune_threads else None,
-        held_out=HeldOut(cfg, tokenizer) if cfg.eval_input else None,
+        held_out=held_out,
     )
     return loop, tokenizer
 
@@ -179,7 +208,7 @@ def run(spec: WorkerSpec) -> None:
     log.info(
         "training %d %s on %d rank(s) with %s: %d steps (%d per epoch), ready in %.1fs",
         len(loop.data.units),
-        "pairs" if cfg.algorithm == "dpo" else "samples",
+        "samples" if cfg.algorithm == "sft" else "pairs",
         world,
         loop.trainer.name,
         loop.plan.total_steps,
@@ -187,6 +216,10 @@ def run(spec: WorkerSpec) -> None:
         time.perf_counter() - started,
     )
     loop.run()
+    from stages.train.reward import HeldOutPairs
+
+    if isinstance(loop.held_out, HeldOutPairs) and loop.held_out.last:
+        loop.held_out.write_scores(f"{spec.stage_dir}/{HELDOUT_SCORES}", rank, world)
     t = time.perf_counter()
     _save_final(loop.trainer, spec, rank)
     log.info("wrote %s in %.2fs", cfg.output, time.perf_counter() - t)
