@@ -13,7 +13,7 @@ turn (its content and closing token); the system, user and environment
 messages between them are masked out like a prompt. For `algorithm: dpo`,
 `dpo_pairs` names the (chosen, rejected) rows. A failed episode (`end: failed`)
 is left out: its conversation broke off. `algorithm: rm` reads its pairs in
-`stages.train.reward` (rollouts paired as DPO pairs them, with `dpo_pairs`).
+`stages.train.pairwise` (rollouts paired as DPO pairs them, with `dpo_pairs`).
 
 The prompt goes through the shared chat template (`stages.lib.chat.prompt.format_prompt`),
 so training sees exactly the text generation will continue from; the messages
@@ -294,7 +294,7 @@ def training_set(
     rows: Sequence[Row], tokenizer: Any, *, algorithm: str, target: str, max_length: int
 ) -> TrainingSet:
     """The examples and units of `rows` for `algorithm` (sft or dpo; rm:
-    `stages.train.reward.reward_set`)."""
+    `stages.train.pairwise.reward_set`)."""
     if algorithm == "dpo":
         pairs = dpo_pairs(rows)
         if not pairs:

@@ -33,7 +33,7 @@ from stages.train.batch_plan import BatchPlan, Micro, Step
 from stages.train.data import TrainingSet
 from stages.train.heldout import HeldOut
 from stages.train.loss import Batch, collate, dpo_terms, sequence_logprobs, sft_loss_sum
-from stages.train.reward import HeldOutPairs, reward_loss
+from stages.train.pairwise import HeldOutPairs, reward_loss
 from stages.train.threads import ThreadTuner
 
 if TYPE_CHECKING:

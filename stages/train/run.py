@@ -67,7 +67,7 @@ def threads_per_rank(cfg: TrainConfig, world: int) -> int:
 def _texts(rows: list[dict[str, Any]], cfg: TrainConfig) -> list[str]:
     """Prompts and targets as plain text, to train a fresh tokenizer on."""
     if cfg.algorithm == "rm":
-        from stages.train.reward import pair_texts, preference_pairs
+        from stages.train.pairwise import pair_texts, preference_pairs
 
         return pair_texts(preference_pairs(rows, cfg.margin))
     out = []
@@ -115,7 +115,7 @@ def _check_data(cfg: TrainConfig) -> list[dict[str, Any]]:
     """The input rows, once every one is known to be usable (else `DataError`)."""
     rows = read_rows(str(cfg.input))
     if cfg.algorithm == "rm":
-        from stages.train.reward import check_reward_data
+        from stages.train.pairwise import check_reward_data
 
         check_reward_data(cfg, rows)
         return rows

@@ -50,13 +50,13 @@ HELDOUT_SCORES = "heldout_scores.jsonl"  # rm: every held-out pair's final score
 
 def _load(model_dir: str, ds_config: dict[str, Any] | None, reward: bool) -> tuple[Any, Any]:
     """The tokenizer and the model (a reward model: its pad id the one its scores are read
-    with, `stages.lib.model.reward.score_pad_id`, saved with it)."""
+    with, `stages.lib.model.reward_model.score_pad_id`, saved with it)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_model(model_dir, ds_config, reward=reward)
     if reward:
-        from stages.lib.model.reward import score_pad_id
+        from stages.lib.model.reward_model import score_pad_id
 
         model.config.pad_token_id = score_pad_id(tokenizer, model.config)
     return tokenizer, model
@@ -65,10 +65,10 @@ def _load(model_dir: str, ds_config: dict[str, Any] | None, reward: bool) -> tup
 def _save_final(trainer: Any, spec: WorkerSpec, rank: int) -> None:
     """Rank 0 writes the Hugging Face checkpoint at the config's `output` in the resolved
     save dtype, beside the input's files (`stages.lib.model.save`); a reward model's config
-    names its head, one label and its pad id (`stages.lib.model.reward.reward_config`)."""
+    names its head, one label and its pad id (`stages.lib.model.reward_model.reward_config`)."""
     import torch.distributed as dist
 
-    from stages.lib.model.reward import reward_config
+    from stages.lib.model.reward_model import reward_config
     from stages.lib.model.save import write_checkpoint
 
     state = trainer.full_state_dict()  # every rank takes part under ZeRO-3
@@ -149,7 +149,7 @@ def _build_loop(
     from stages.train.data import read_rows, training_set
     from stages.train.heldout import HeldOut
     from stages.train.loop import Loop
-    from stages.train.reward import HeldOutPairs, preference_pairs, reward_set
+    from stages.train.pairwise import HeldOutPairs, preference_pairs, reward_set
     from stages.train.threads import ThreadTuner
 
     reward = cfg.algorithm == "rm"
@@ -216,7 +216,7 @@ def run(spec: WorkerSpec) -> None:
         time.perf_counter() - started,
     )
     loop.run()
-    from stages.train.reward import HeldOutPairs
+    from stages.train.pairwise import HeldOutPairs
 
     if isinstance(loop.held_out, HeldOutPairs) and loop.held_out.last:
         loop.held_out.write_scores(f"{spec.stage_dir}/{HELDOUT_SCORES}", rank, world)

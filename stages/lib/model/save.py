@@ -7,7 +7,7 @@ Output: a Hugging Face checkpoint at `output` (written to a temporary sibling, t
 into place): the weights cast to the save dtype (tied weights stay one tensor), the input's
 `config.json` with only its dtype changed (fields the run flips to train, such as
 `use_cache`, come out as they went in; a reward model's head, labels and pad id are the
-`fields` the caller gives: `stages.lib.model.reward.reward_config`), and every other file of
+`fields` the caller gives: `stages.lib.model.reward_model.reward_config`), and every other file of
 the input that is not weights (tokenizer files, chat template, generation_config.json) copied
 through unchanged.
 """

@@ -6,7 +6,7 @@ with a `reward`, paired as DPO pairs them: `stages.train.data.dpo_pairs`), the t
 on the ranks the model being trained: a `...ForSequenceClassification` with one label (a
 scalar head on the causal LM, `stages.lib.distributed.rank.load_model`).
 Output: a `TrainingSet` (`reward_set`: each pair's chosen and rejected sequence as a reward
-model scores them, `stages.lib.model.reward.score_ids`, and its margin), a micro batch's
+model scores them, `stages.lib.model.reward_model.score_ids`, and its margin), a micro batch's
 summed loss and its right-order count and summed gap (`reward_loss`), and the held-out
 pairwise accuracy (`HeldOutPairs`, with the final scores of every held-out pair in
 `<stage_dir>/heldout_scores.jsonl`).
@@ -110,7 +110,7 @@ def reward_set(pairs: Sequence[Pair], tokenizer: Any, max_length: int) -> Traini
     """Chosen and rejected sequences as a reward model scores them, each an `Example` whose
     one trained token is its last (where the score is read); a pair whose two sequences come
     out the same (cut to `max_length` before they differ) is dropped."""
-    from stages.lib.model.reward import score_ids
+    from stages.lib.model.reward_model import score_ids
 
     examples: list[Example] = []
     margins: list[float] = []
@@ -196,7 +196,7 @@ class HeldOutPairs:
     one. The same interface as `stages.train.heldout.HeldOut`."""
 
     def __init__(self, cfg: TrainConfig, tokenizer: Any, pad: int, device: str) -> None:
-        from stages.lib.model.reward import score_ids
+        from stages.lib.model.reward_model import score_ids
 
         assert cfg.eval_input is not None
         pairs = preference_pairs(read_rows(cfg.eval_input), 0.0, cfg.eval_input)[: cfg.eval_limit]
@@ -214,7 +214,7 @@ class HeldOutPairs:
         """Pairs in the right order and pairs scored by this rank of `world`: every world-th
         pair from `rank` on, as many on every rank (a short share repeats its first,
         unscored) and in as many forward passes, so ZeRO-3's ranks gather together."""
-        from stages.lib.model.reward import score_batches
+        from stages.lib.model.reward_model import score_batches
 
         mine = list(range(rank, len(self.seqs), world))
         share = -(-len(self.seqs) // world)
