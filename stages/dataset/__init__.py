@@ -79,9 +79,11 @@ class DatasetConfig(StageConfig):
                 )
             ]
         if self.source == "jsonl":
+            import os
+
             from stages.lib.io.preference import check_pairs_file
 
-            return check_pairs_file(ctx, "path", self.path)
+            return check_pairs_file(ctx, "path", os.path.join(ctx.pipeline_dir, str(self.path)))
         return []
 
     @classmethod
