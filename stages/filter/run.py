@@ -108,6 +108,8 @@ def run_filter(cfg: FilterConfig, ctx: StageContext) -> dict[str, Any]:
             os.remove(out_tmp)
     seconds = time.perf_counter() - start
     report = build_report(cfg, counts, mode=mode, partitions=parts, contiguous=contiguous)
+    if cfg.pairs:
+        report["pairs"] = counts.pairs
     report["seconds"] = round(seconds, 3)
     report["rows_per_s"] = round(counts.rows_in / seconds, 1) if seconds > 0 else None
     report["histogram"] = plot_histogram(counts, ctx.path(HISTOGRAM))
@@ -143,7 +145,6 @@ def build_report(
         "groups_kept": counts.groups_kept,
         "length_unit": cfg.length_unit,
         "length_fallback_rows": counts.length_fallback,
-        "pairs": counts.pairs if cfg.pairs else None,
         "reward_in": counts.rewards_in.summary(),
         "reward_kept": counts.rewards_kept.summary(),
         "input_contiguous": contiguous,

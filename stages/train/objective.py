@@ -1,6 +1,6 @@
 """Which train settings act under which algorithm: the plan-time refusals of the rest.
 
-Input: a resolved `TrainConfig` and its `ResolveContext` (what the user or a preset set:
+Input: a resolved `TrainConfig` (as `Objective`) and its `ResolveContext` (what the user or a preset set:
 `ctx.explicit`). Output: located diagnostics for settings set where they act on nothing,
 and for a reward model's data files that exist now and hold rows it cannot read.
 
@@ -14,14 +14,24 @@ and for a reward model's data files that exist now and hold rows it cannot read.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.errors import Diagnostic
 from engine.stage import ResolveContext
 from stages.lib.io.preference import check_pairs_file
 
-if TYPE_CHECKING:
-    from stages.train import TrainConfig
+
+class Objective(Protocol):
+    """The fields of `stages.train.TrainConfig` these checks read (the config imports this
+    module, so it is not imported back)."""
+
+    @property
+    def algorithm(self) -> str: ...
+    @property
+    def input(self) -> str | None: ...
+    @property
+    def eval_input(self) -> str | None: ...
+
 
 RM_IDLE = {
     "target": "a reward model scores whole responses (chosen and rejected), so there is no "
@@ -34,7 +44,7 @@ RM_IDLE = {
 }
 
 
-def check_objective(cfg: TrainConfig, ctx: ResolveContext) -> list[Diagnostic]:
+def check_objective(cfg: Objective, ctx: ResolveContext) -> list[Diagnostic]:
     """See the module docstring."""
     out: list[Diagnostic] = []
     set_here = sorted(ctx.explicit)

@@ -71,11 +71,9 @@ def preference_pairs(
             raise DataError(str(e)) from None
         out = []
         for n, row in enumerate(rows, start=1):
-            m = margin
-            if isinstance(margin, str):
-                m = row.get(margin)
-                if not isinstance(m, int | float) or isinstance(m, bool):
-                    raise DataError(f"{path}: row {n} has no numeric '{margin}' (margin: {margin})")
+            m: Any = row.get(margin) if isinstance(margin, str) else margin
+            if not isinstance(m, int | float) or isinstance(m, bool):
+                raise DataError(f"{path}: row {n} has no numeric '{margin}' (margin: {margin})")
             out.append((*pair_parts(row), float(m)))
         return out
     if isinstance(margin, str):
