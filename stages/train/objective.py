@@ -1,8 +1,8 @@
 """Which train settings act under which algorithm: the plan-time refusals of the rest.
 
-Input: a resolved `TrainConfig` (as `Objective`) and its `ResolveContext` (what the user or a preset set:
-`ctx.explicit`). Output: located diagnostics for settings set where they act on nothing,
-and for a reward model's data files that exist now and hold rows it cannot read.
+Input: a resolved `TrainConfig` (as `Objective`) and its `ResolveContext` (what the user or
+a preset set: `ctx.explicit`). Output: located diagnostics for settings set where they act
+on nothing, and for a reward model's data files that exist now and hold rows it cannot read.
 
 - `algorithm: rm` trains a scalar head on whole responses: `target` (what an SFT row
   trains on) and `beta` (DPO's) act on nothing; its held-out figure is pairwise accuracy on

@@ -157,7 +157,8 @@ def score_batches(
 
 
 class RewardScorer:
-    """A reward-model checkpoint loaded for scoring (prompt, response) pairs."""
+    """A reward-model checkpoint loaded for scoring (prompt, response) pairs: in `dtype`,
+    by default float32 on the CPU and the checkpoint's own dtype on a GPU."""
 
     def __init__(self, path: str, device: str = "cpu", dtype: Any = None) -> None:
         import torch
@@ -168,8 +169,9 @@ class RewardScorer:
         if problem:
             raise ValueError(f"'{path}' is no reward model: {problem}")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        default = torch.float32 if device == "cpu" else "auto"
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=dtype or torch.float32
+            path, dtype=dtype or default
         )
         self.model.to(device).eval()
         config = self.model.config
