@@ -1,4 +1,4 @@
-"""dataset: write prompt JSONL (a train and a test split) from a source."""
+"""dataset: write prompt JSONL (a train and a test split) from a source, or preference pairs."""
 
 from __future__ import annotations
 
@@ -40,6 +40,12 @@ class DatasetConfig(StageConfig):
         description="Number of validation prompts (e.g. for a warm-up's accuracy target), disjoint "
         "from both other splits.",
     )
+    pairs: bool = Field(
+        False,
+        description="Rows are preference pairs ('chosen' and 'rejected', each text or chat "
+        "messages; 'prompt' optional: Anthropic HH, UltraFeedback-binarized), written as they "
+        "come and split by prompt; jsonl, parquet or huggingface sources.",
+    )
     seed: int = Field(0, description="Seed for generation and shuffling.")
     system_prompt: str | None = Field(None, description="A system message put before every prompt.")
     output: str = Field("train.jsonl", description="Training prompts written.")
@@ -53,11 +59,37 @@ class DatasetConfig(StageConfig):
         return {"path": "dataset"} if self.source == "huggingface" else {}
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
-        """A source names what it reads: reasoning-gym a task, the others a path."""
+        """A source names what it reads: reasoning-gym a task, the others a path; pairs come
+        from a file or a Hugging Face dataset, and a file that exists now holds pairs."""
         if self.source == "reasoning_gym" and not self.task:
             return [ctx.error("task", "source 'reasoning_gym' needs a 'task', e.g. chain_sum")]
         if self.source != "reasoning_gym" and not self.path:
             return [ctx.error("path", f"source '{self.source}' needs a 'path'")]
+        if not self.pairs:
+            return []
+        if self.source == "reasoning_gym":
+            return [
+                ctx.error(
+                    "pairs",
+                    "reasoning_gym makes prompts, not preference pairs: read pairs from a "
+                    "jsonl, parquet or huggingface source, or make them from rollouts with "
+                    "the filter stage's 'pairs: true'",
+                )
+            ]
+        if self.system_prompt is not None:
+            return [
+                ctx.error(
+                    "system_prompt",
+                    "acts on prompt rows only; preference pairs are written as they come: "
+                    "leave it out",
+                )
+            ]
+        if self.source == "jsonl":
+            import os
+
+            from stages.lib.io.preference import check_pairs_file
+
+            return check_pairs_file(ctx, "path", os.path.join(ctx.pipeline_dir, str(self.path)))
         return []
 
     @classmethod

@@ -3,7 +3,10 @@
 Input: a resolved `DatasetConfig` (for files, `path` is absolute).
 Output: `cfg.output` (training prompts) and `cfg.test_output` (held-out prompts),
 one JSON object per line, each with `prompt` (or `messages` when a system
-prompt is set) and every other field of the source row; returns row counts.
+prompt is set) and every other field of the source row; returns row counts. With
+`pairs: true` each row is a preference pair as the source has it (`chosen`, `rejected`,
+maybe `prompt`: `stages.lib.io.preference`), a row without them an error naming it, and
+pairs split by their prompt (an implicit one: what chosen and rejected begin with).
 
 The test split is drawn first and its prompts are unique; training rows whose
 prompt text is in the test split are never written, so no evaluation prompt
@@ -54,8 +57,9 @@ def run_dataset(cfg: DatasetConfig, ctx: StageContext) -> dict[str, Any]:
     write_jsonl(cfg.val_output, val)
     unique = len({prompt_key(r) for r in train})
     log.info(
-        "wrote %d training rows (%d unique prompts), %d test rows, %d validation rows",
+        "wrote %d training %s (%d unique prompts), %d test rows, %d validation rows",
         len(train),
+        "pairs" if cfg.pairs else "rows",
         unique,
         len(test),
         len(val),
@@ -169,7 +173,19 @@ def _read_source(cfg: DatasetConfig) -> Iterator[dict[str, Any]]:
     else:
         raw = _read_huggingface(cfg.path, cfg.split)
     for n, row in enumerate(raw, start=1):
-        yield normalise_row(row, where=f"{cfg.path} row {n}")
+        where = f"{cfg.path} row {n}"
+        yield normalise_pair(row, where) if cfg.pairs else normalise_row(row, where)
+
+
+def normalise_pair(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """A source row as a preference pair row, every field carried (else a `ValueError`)."""
+    from stages.lib.io.preference import pair_problem
+
+    out = {k: jsonable(v) for k, v in row.items()}
+    problem = pair_problem(out)
+    if problem:
+        raise ValueError(f"{where} {problem}")
+    return out
 
 
 def normalise_row(row: dict[str, Any], where: str) -> dict[str, Any]:
@@ -223,6 +239,10 @@ def _read_huggingface(path: str, split: str) -> Iterator[dict[str, Any]]:
 
 def prompt_key(row: dict[str, Any]) -> str:
     """The text that decides whether two rows ask the same thing."""
+    if "chosen" in row and "rejected" in row:
+        from stages.lib.io.preference import pair_prompt_key
+
+        return pair_prompt_key(row)
     if "prompt" in row:
         return str(row["prompt"])
     return json.dumps(row.get("messages"), sort_keys=True)

@@ -27,8 +27,8 @@ from stages.lib.model.path import check_checkpoint
 class EvaluateConfig(BackendStageConfig):
     """Accuracy, pass@k and mean reward of each checkpoint, against a baseline."""
 
-    INPUTS = ("input", "checkpoints")
-    MODEL_INPUTS = ("checkpoints",)
+    INPUTS = ("input", "checkpoints", "reward_model")
+    MODEL_INPUTS = ("checkpoints", "reward_model")
     INPUT_TYPES: ClassVar[dict[str, str]] = {"checkpoints": "checkpoint"}
     OUTPUTS = ("output",)
 
@@ -64,6 +64,12 @@ class EvaluateConfig(BackendStageConfig):
         description="A multi-turn environment each episode talks to (docs/rl/environments.md); "
         "none: "
         "one turn scored by the verifier.",
+    )
+    reward_model: str | None = Field(
+        None,
+        description="A reward model (a sequence-classification checkpoint: a train stage with "
+        "algorithm rm, e.g. '@rm') scoring every answer: each checkpoint's mean score stands "
+        "beside its accuracy, so over-optimisation shows.",
     )
     seed: int = Field(0, description="Seed for sampling.")
 
@@ -114,7 +120,33 @@ class EvaluateConfig(BackendStageConfig):
                     "set it to 'chat'",
                 )
             )
+        out += self._check_reward_model(ctx)
         return out + check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
+
+    def _check_reward_model(self, ctx: ResolveContext) -> list[Diagnostic]:
+        """A reward model is a checkpoint with a one-label head; it scores one-turn answers
+        and generates nothing."""
+        from stages.lib.model.reward_model import check_reward_model
+
+        if self.reward_model is None:
+            return []
+        if self.environment is not None:
+            return [
+                ctx.error(
+                    "reward_model",
+                    "scores one-turn answers; an environment's episodes are scored by the "
+                    "environment: leave one of them out",
+                )
+            ]
+        if self.reward_model in self.checkpoints:
+            return [
+                ctx.error(
+                    "checkpoints",
+                    f"'{self.reward_model}' is the reward_model: a reward model scores answers "
+                    "and generates none; list the checkpoints to evaluate without it",
+                )
+            ]
+        return check_reward_model(ctx, "reward_model", self.reward_model)
 
     @classmethod
     def headline(cls, result: Mapping[str, Any]) -> list[str]:

@@ -1,8 +1,8 @@
 """The evaluate stage's headline: its report -> an accuracy table for the terminal.
 
 Input: the stage's result (`report.json`'s `results` and `accuracy_delta`). Output: a
-header and a row per checkpoint (n, accuracy, pass@k, mean reward, delta to the
-baseline), aligned, for `pipe run` to print last.
+header and a row per checkpoint (n, accuracy, pass@k, mean reward, the reward model's mean
+score when one scored, delta to the baseline), aligned, for `pipe run` to print last.
 
 One name, two sides of one concept (a run's headline printed by `pipe run`: the engine's side,
 which prints what a kind's headline hook returns; this file: evaluate's hook, its report as an
@@ -22,7 +22,9 @@ def table(result: Mapping[str, Any]) -> list[str]:
     baseline = result.get("baseline")
     deltas = result.get("accuracy_delta") or {}
     ks = list(results[0].get("pass_at_k") or {})
-    header = ["checkpoint", "n", "accuracy", *(f"pass@{k}" for k in ks), "mean_reward", "delta"]
+    rm = ["rm_score"] if "reward_model_score" in results[0] else []
+    header = ["checkpoint", "n", "accuracy", *(f"pass@{k}" for k in ks), "mean_reward", *rm]
+    header.append("delta")
     rows = [header]
     for r in results:
         name = r["checkpoint"]
@@ -39,6 +41,7 @@ def table(result: Mapping[str, Any]) -> list[str]:
                 f"{r.get('accuracy', 0.0):.1%}",
                 *(f"{(r.get('pass_at_k') or {}).get(k, 0.0):.1%}" for k in ks),
                 f"{r.get('mean_reward', 0.0):.3f}",
+                *(f"{r.get('reward_model_score', 0.0):.3f}" for _ in rm),
                 shown,
             ]
         )

@@ -31,7 +31,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     base = results[0]
     ks = list(base["pass_at_k"])
     episodes = "first_turn_accuracy" in base
+    scored = "reward_model_score" in base
     head = ["checkpoint", "n", "accuracy", "Δ accuracy", "mean reward", "Δ mean reward"]
+    if scored:
+        head += ["reward-model score", "Δ reward-model score"]
     head += [f"pass@{k}" for k in ks]
     if episodes:
         head += EPISODE_COLUMNS
@@ -49,8 +52,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{100 * (r['accuracy'] - base['accuracy']):+.1f} pts",
             f"{r['mean_reward']:.3f}",
             f"{r['mean_reward'] - base['mean_reward']:+.3f}",
-            *(f"{r['pass_at_k'].get(k, float('nan')):.3f}" for k in ks),
         ]
+        if scored:
+            score = r["reward_model_score"]
+            cells += [f"{score:.3f}", f"{score - base['reward_model_score']:+.3f}"]
+        cells += [f"{r['pass_at_k'].get(k, float('nan')):.3f}" for k in ks]
         if episodes:
             cells += [
                 f"{r['first_turn_accuracy']:.3f}",
@@ -62,6 +68,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if episodes:
         lines += ["", "Accuracy: episodes solved within the environment's turns."]
+    if scored:
+        lines += [
+            "",
+            "Reward-model score: the reward model's mean score of every answer; a score that "
+            "rises while accuracy does not is over-optimisation.",
+        ]
     return "\n".join(lines) + "\n"
 
 

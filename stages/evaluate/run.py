@@ -19,7 +19,9 @@ adds `first_turn_accuracy`, `mean_turns`, `mean_total_reward` and `failed_episod
 `generations.jsonl` holds one row per episode; the returned metrics add
 `first_turn_accuracy_delta`.
 
-A result's figures (accuracy, pass@k, mean reward) are `stages.evaluate.scores`'. A
+A result's figures (accuracy, pass@k, mean reward) are `stages.evaluate.scores`'; with a
+`reward_model`, every sample also gets the reward model's score and each result its mean
+`reward_model_score` (`stages.evaluate.reward_scores`). A
 checkpoint's NAME is the stage that made it (`@sft` -> `sft`: the engine hands the run's
 output paths and their stages over in `StageContext.producers`), otherwise its path
 (`checkpoint_names`); `checkpoints` maps each NAME to the path evaluated.
@@ -87,6 +89,8 @@ def tracked(report: dict[str, Any]) -> dict[str, Any]:
         name = r["checkpoint"]
         out[f"accuracy/{name}"] = r["accuracy"]
         out[f"mean_reward/{name}"] = r["mean_reward"]
+        if "reward_model_score" in r:
+            out[f"reward_model_score/{name}"] = r["reward_model_score"]
         out.update({f"pass@{k}/{name}": v for k, v in r.get("pass_at_k", {}).items()})
     out.update({f"accuracy_delta/{k}": v for k, v in report.get("accuracy_delta", {}).items()})
     return out
@@ -211,6 +215,13 @@ def evaluate_checkpoints(
         results.append(result)
         samples.extend(gen_rows)
         log.info("%s: accuracy %.3f on %d prompts", name, result["accuracy"], len(rows))
+    if cfg.reward_model is not None:
+        from stages.evaluate.reward_scores import SCORE, score_samples
+        from stages.lib.devices import torch_device
+
+        means = score_samples(cfg.reward_model, rows, samples, torch_device(generate.ctx))
+        for result in results:
+            result[SCORE] = means.get(result["checkpoint"], 0.0)
     # every backend samples with these: HTTP requests carry them all (`stages.lib.api.sampling`)
     vllm = not isinstance(cfg.backend, OpenAIBackend)  # an openai server: OpenAI's fields
     sampling = request_sampling(cfg.temperature, cfg.top_p, vllm)

@@ -15,6 +15,9 @@ rule that dropped it (`stages.filter.rules.RULES`):
 6. `top_k`: the prompt already has `top_k_per_prompt` better-scored samples
    (ties: lower `sample_idx` first); best-of-n is `top_k_per_prompt: 1`.
 
+With `pairs: true` the output holds preference pairs made from each prompt's kept rows
+instead of the rows (`stages.filter.pairs`): a reward model's or DPO's training data.
+
 This module stays light (no numpy, no matplotlib): `pipe validate` imports it.
 """
 
@@ -71,6 +74,18 @@ class FilterConfig(StageConfig):
         description="A user callable 'module:function' given each row (a dict); a false result "
         "drops the row. The pipeline's folder is importable.",
     )
+    pairs: bool = Field(
+        False,
+        description="Write preference pairs instead of rows: per prompt, a kept rollout scored "
+        "high against one scored low (chosen, rejected); none for a prompt whose kept rows all "
+        "scored the same.",
+    )
+    pairs_per_prompt: int = Field(
+        1,
+        gt=0,
+        description="pairs: at most this many pairs per prompt, no rollout in two (the i-th best "
+        "against the i-th worst).",
+    )
     partition_mb: float = Field(
         64.0,
         gt=0,
@@ -84,10 +99,19 @@ class FilterConfig(StageConfig):
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         """The predicate's module must be importable where the run looks: the pipeline's
-        folder, then Python's path (`stages.filter.rules.load_predicate`)."""
+        folder, then Python's path (`stages.filter.rules.load_predicate`); `pairs_per_prompt`
+        acts with `pairs` only."""
+        out = []
+        if "pairs_per_prompt" in ctx.explicit and not self.pairs:
+            out.append(
+                ctx.error(
+                    "pairs_per_prompt", "acts with 'pairs: true' only: set pairs, or leave it out"
+                )
+            )
         if self.predicate is None:
-            return []
-        return check_callable(ctx, "predicate", "predicate", self.predicate, [ctx.pipeline_dir])
+            return out
+        pdir = [ctx.pipeline_dir]
+        return out + check_callable(ctx, "predicate", "predicate", self.predicate, pdir)
 
     @classmethod
     def headline(cls, result: Mapping[str, Any]) -> list[str]:
@@ -95,9 +119,10 @@ class FilterConfig(StageConfig):
         if "rows_kept" not in result:
             return []
         dropped = ", ".join(f"{k} {v}" for k, v in (result.get("dropped") or {}).items() if v)
+        pairs = f"; {result['pairs']} pairs written" if result.get("pairs") is not None else ""
         return [
             f"kept {result['rows_kept']} of {result.get('rows_in', 0)} rows; "
-            f"dropped: {dropped or 'none'}"
+            f"dropped: {dropped or 'none'}{pairs}"
         ]
 
 

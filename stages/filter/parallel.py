@@ -40,6 +40,7 @@ from functools import partial
 from typing import Any, BinaryIO
 
 from stages.filter import FilterConfig
+from stages.filter.pairs import write_group
 from stages.filter.rows import Row
 from stages.filter.rules import Counts, Rules
 from stages.filter.scan import (
@@ -48,7 +49,6 @@ from stages.filter.scan import (
     filter_range,
     iter_groups,
     iter_rows,
-    write_line,
 )
 
 log = logging.getLogger(__name__)
@@ -167,8 +167,7 @@ def _filter_task(
         only = set(_read_offsets(survivors))
         counts = Counts()
         for group in iter_groups(iter_rows(job.src, start, end, only)):
-            for row in rules.second_half(group, is_dup, counts):
-                write_line(out, row.line)
+            counts.pairs += write_group(out, rules.second_half(group, is_dup, counts), rules.pairs)
     return path, counts, None, None
 
 

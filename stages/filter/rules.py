@@ -47,6 +47,7 @@ class Counts:
     groups_in: int = 0
     groups_kept: int = 0
     length_fallback: int = 0
+    pairs: int = 0  # pairs: true: pair rows written
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     rewards_in: RewardHist = field(default_factory=RewardHist)
     rewards_kept: RewardHist = field(default_factory=RewardHist)
@@ -57,6 +58,7 @@ class Counts:
         self.groups_in += other.groups_in
         self.groups_kept += other.groups_kept
         self.length_fallback += other.length_fallback
+        self.pairs += other.pairs
         for rule, n in other.dropped.items():
             self.dropped[rule] += n
         self.rewards_in.merge(other.rewards_in)
@@ -91,6 +93,7 @@ class Rules:
     def __init__(self, cfg: FilterConfig, pipeline_dir: str | None = None) -> None:
         self.cfg = cfg
         self.dedup = cfg.dedup
+        self.pairs = cfg.pairs_per_prompt if cfg.pairs else None  # pairs written per prompt
         self.predicate = load_predicate(cfg.predicate, pipeline_dir) if cfg.predicate else None
         self._length_rules = cfg.min_length is not None or cfg.max_length is not None
         self._last_prompt: tuple[str, bytes] = ("", b"")  # rows of a prompt share its text

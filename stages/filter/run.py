@@ -2,8 +2,9 @@
 
 Input: `FilterConfig` with `input` and `output` resolved to absolute paths,
 and the `StageContext`. Output: `cfg.output` (the kept lines, byte for byte,
-in input order), `<stage_dir>/filter_report.json` (rows in, kept, dropped by
-reason in rule order, groups, reward summaries, how it ran) and
+in input order; with `pairs: true` the pairs made from them, `stages.filter.pairs`),
+`<stage_dir>/filter_report.json` (rows in, kept, dropped by
+reason in rule order, groups, reward summaries, pairs written, how it ran) and
 `<stage_dir>/reward_histogram.png`; the report is also the returned metrics.
 
 Where it runs: inside a Dask worker (`distributed.get_worker()` succeeds) an
@@ -107,12 +108,16 @@ def run_filter(cfg: FilterConfig, ctx: StageContext) -> dict[str, Any]:
             os.remove(out_tmp)
     seconds = time.perf_counter() - start
     report = build_report(cfg, counts, mode=mode, partitions=parts, contiguous=contiguous)
+    if cfg.pairs:
+        report["pairs"] = counts.pairs
     report["seconds"] = round(seconds, 3)
     report["rows_per_s"] = round(counts.rows_in / seconds, 1) if seconds > 0 else None
     report["histogram"] = plot_histogram(counts, ctx.path(HISTOGRAM))
     write_json(ctx.path(REPORT), report)
     kept = {"rows_in": counts.rows_in, "rows_kept": counts.rows_kept}
     Metrics(ctx.stage_dir).log(0, {**kept, "dropped": dict(counts.dropped)})
+    if cfg.pairs:
+        ctx.log.info("filter: %d pairs written to %s", counts.pairs, cfg.output)
     ctx.log.info(
         "filter: kept %d of %d rows (%s) in %.1f s, %s",
         counts.rows_kept,

@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
+from stages.filter.pairs import write_group
 from stages.filter.rows import Row, parse_row
 from stages.filter.rules import Counts, Rules
 
@@ -85,10 +86,11 @@ def filter_range(
     is_dup: Callable[[Row], bool],
     out: BinaryIO,
 ) -> tuple[Counts, int | None, int | None]:
-    """Every rule on the rows of [start, end); kept lines go to `out` as they were read.
+    """Every rule on the rows of [start, end); kept lines go to `out` as they were read (or
+    their pairs: `stages.filter.pairs`).
 
-    Returns the counts and the first and last prompt_idx seen (None when the
-    range holds no row), so a caller can check the order across ranges.
+        Returns the counts and the first and last prompt_idx seen (None when the
+        range holds no row), so a caller can check the order across ranges.
     """
     counts = Counts()
     first: int | None = None
@@ -97,8 +99,7 @@ def filter_range(
         if first is None:
             first = group[0].prompt_idx
         last = group[0].prompt_idx
-        for row in rules.apply(group, is_dup, counts):
-            write_line(out, row.line)
+        counts.pairs += write_group(out, rules.apply(group, is_dup, counts), rules.pairs)
     return counts, first, last
 
 

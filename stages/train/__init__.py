@@ -1,4 +1,5 @@
-"""train: SFT or DPO on rollouts, through DeepSpeed (or plain torch without it)."""
+"""train: SFT or DPO on rollouts, or a reward model on preference pairs, through DeepSpeed (or
+plain torch without it)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,11 @@ class TrainConfig(StageConfig):
         None, description="Training JSONL; empty: the upstream stage's output."
     )
     output: str = Field("checkpoint", description="Checkpoint directory written.")
-    algorithm: Literal["sft", "dpo"] = Field(
-        "sft", description="sft, or dpo on pairs of rollouts whose rewards differ."
+    algorithm: Literal["sft", "dpo", "rm"] = Field(
+        "sft",
+        description="sft; dpo on pairs of rollouts whose rewards differ; rm: a Bradley-Terry "
+        "reward model (a scalar head, saved as a ...ForSequenceClassification with one label) on "
+        "chosen/rejected pairs, or on rollouts paired as dpo pairs them.",
     )
     model: ModelRef = Field(
         default_factory=TinyModel,
@@ -111,10 +115,15 @@ class TrainConfig(StageConfig):
         description="Save a resumable checkpoint every this many steps (and always at the end).",
     )
     beta: float = Field(0.1, gt=0, description="dpo: strength of the KL penalty.")
+    margin: float | str = Field(
+        0.0,
+        description="rm: the loss is -log sigmoid(r_chosen - r_rejected - margin); a number for "
+        "every pair, or the name of a pair row's field holding its own (e.g. 'margin').",
+    )
     eval_input: str | None = Field(
         None,
         description="Held-out prompts scored greedily every eval_steps steps (e.g. "
-        "'@data.val_output').",
+        "'@data.val_output'); rm: held-out pairs, scored by pairwise accuracy then and at the end.",
     )
     target_accuracy: float | None = Field(
         None,
@@ -124,7 +133,7 @@ class TrainConfig(StageConfig):
         "warm-up that ends where the model is, not at a step count.",
     )
     eval_steps: int = Field(100, gt=0, description="Score eval_input every this many steps.")
-    eval_limit: int = Field(200, gt=0, description="Held-out prompts scored at most.")
+    eval_limit: int = Field(200, gt=0, description="Held-out prompts (rm: pairs) scored at most.")
     eval_max_tokens: int = Field(16, gt=0, description="Most tokens of a held-out answer.")
     verifier: Verifier = Field(
         default_factory=Verifier, description="How held-out answers are scored."
@@ -136,8 +145,10 @@ class TrainConfig(StageConfig):
         """Batch sizes that divide over the ranks (one per GPU, or num_processes on CPU);
         offload only with ZeRO."""
         from stages.lib.distributed.ds_config import check_deepspeed
+        from stages.train.objective import check_objective
 
         out = check_deepspeed(self, ctx, ctx.gpus or self.num_processes)
+        out += check_objective(self, ctx)
         out += check_model_ref(ctx, "model", self.model)
         out += check_lora(self.lora, ctx, self, ctx.gpus)
         if self.target_accuracy is not None and self.eval_input is None:
@@ -147,7 +158,7 @@ class TrainConfig(StageConfig):
                     "a target accuracy needs held-out prompts to measure it: set eval_input",
                 )
             )
-        if self.eval_input is not None:  # the verifier scores the held-out prompts only
+        if self.eval_input is not None and self.algorithm != "rm":  # it scores held-out answers
             out += check_verifier(self.verifier, ctx)
         return out
 
@@ -174,7 +185,8 @@ class TrainConfig(StageConfig):
             f"after {result.get('steps', 0)} steps, {result.get('tokens_per_s') or 0:.0f} tokens/s"
         )
         if result.get("eval_accuracy") is not None:
-            line += f", held-out accuracy {result['eval_accuracy']:.1%}"
+            pairwise = " pairwise" if result.get("algorithm") == "rm" else ""
+            line += f", held-out{pairwise} accuracy {result['eval_accuracy']:.1%}"
         return [line]
 
 

@@ -12,7 +12,8 @@ is taken on the response tokens only. A conversation trains on every assistant
 turn (its content and closing token); the system, user and environment
 messages between them are masked out like a prompt. For `algorithm: dpo`,
 `dpo_pairs` names the (chosen, rejected) rows. A failed episode (`end: failed`)
-is left out: its conversation broke off.
+is left out: its conversation broke off. `algorithm: rm` reads its pairs in
+`stages.train.pairwise` (rollouts paired as DPO pairs them, with `dpo_pairs`).
 
 The prompt goes through the shared chat template (`stages.lib.chat.prompt.format_prompt`),
 so training sees exactly the text generation will continue from; the messages
@@ -185,7 +186,7 @@ def _answer_text(row: Row) -> str:
     return json.dumps(row.get("messages"), sort_keys=True)
 
 
-def dpo_pairs(rows: Sequence[Row]) -> list[tuple[int, int]]:
+def dpo_pairs(rows: Sequence[Row], algorithm: str = "dpo") -> list[tuple[int, int]]:
     """(chosen, rejected) row indices: rollouts of one prompt whose rewards differ.
 
     Prompts are taken in order of first appearance (grouped by `prompt_idx`, or
@@ -201,7 +202,7 @@ def dpo_pairs(rows: Sequence[Row]) -> list[tuple[int, int]]:
         if failed_episode(row):
             continue
         if not isinstance(row.get("reward"), int | float):
-            raise DataError(f"row {i + 1} has no numeric 'reward' (algorithm: dpo)")
+            raise DataError(f"row {i + 1} has no numeric 'reward' (algorithm: {algorithm})")
         groups.setdefault(_group_key(row), []).append(i)
     pairs: list[tuple[int, int]] = []
     for members in groups.values():
@@ -280,17 +281,20 @@ def _later_ids(
 
 @dataclass(frozen=True)
 class TrainingSet:
-    """Tokenized sequences and the units trained on (SFT: one sequence; DPO: chosen, rejected)."""
+    """Tokenized sequences and the units trained on (SFT: one sequence; DPO and RM: chosen,
+    rejected)."""
 
     examples: list[Example]
     units: list[tuple[int, ...]]
-    dropped: int  # failed episodes, and rows (SFT) or pairs (DPO) whose prompt filled max_length
+    dropped: int  # failed episodes; rows (SFT) or pairs (DPO, RM) their cut left nothing to train
+    margins: tuple[float, ...] = ()  # RM: each unit's margin in the loss
 
 
 def training_set(
     rows: Sequence[Row], tokenizer: Any, *, algorithm: str, target: str, max_length: int
 ) -> TrainingSet:
-    """The examples and units of `rows` for `algorithm` (sft or dpo)."""
+    """The examples and units of `rows` for `algorithm` (sft or dpo; rm:
+    `stages.train.pairwise.reward_set`)."""
     if algorithm == "dpo":
         pairs = dpo_pairs(rows)
         if not pairs:

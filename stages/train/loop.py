@@ -6,7 +6,7 @@ Output: the trained `Trainer` (weights in place), `<stage_dir>/loss.jsonl`
 the end, and the run's counters.
 
 Each step's loss is the mean over the whole global batch: the summed loss of
-every response token (SFT) or pair (DPO) divided by the global batch's count,
+every response token (SFT) or pair (DPO, RM) divided by the global batch's count,
 so micro batches and ranks of different sizes weigh what they hold. The
 reported loss is all-reduced over ranks; nothing else crosses ranks per step.
 
@@ -33,6 +33,7 @@ from stages.train.batch_plan import BatchPlan, Micro, Step
 from stages.train.data import TrainingSet
 from stages.train.heldout import HeldOut
 from stages.train.loss import Batch, collate, dpo_terms, sequence_logprobs, sft_loss_sum
+from stages.train.pairwise import HeldOutPairs, reward_loss
 from stages.train.threads import ThreadTuner
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class Loop:
     reference: torch.nn.Module | None = None
     resume_key: str = ""
     threads: ThreadTuner | None = None  # num_threads: auto
-    held_out: HeldOut | None = None  # eval_input: scored every eval_steps
+    held_out: HeldOut | HeldOutPairs | None = None  # eval_input: scored every eval_steps
     counters: Counters = field(default_factory=Counters)
     _ref_cache: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -92,20 +93,23 @@ class Loop:
     def run_step(self, step: Step) -> dict[str, float]:
         """Forward and backward every micro batch of this rank, then update."""
         units = self.data.units
-        if self.cfg.algorithm == "dpo":
+        if self.cfg.algorithm != "sft":  # dpo, rm: every pair weighs the same
             norm = len(step.units)
         else:
             norm = sum(self.data.examples[s].response_len for u in step.units for s in units[u])
         micros = step.micro[self.rank]
         lr = self.trainer.lr()  # the rate this step's update uses
-        sums = torch.zeros(3, dtype=torch.float64)  # loss, dpo right-order count, dpo margin
+        sums = torch.zeros(3, dtype=torch.float64)  # loss; pairs: right-order count, margin/gap
         for i, micro in enumerate(micros):
             self.trainer.begin_micro(i == len(micros) - 1)
             batch = collate(micro, self.data.examples, self.pad_id, self.cfg.packing_samples)
-            scored = batch.scored(self.device)  # logits only where the loss reads them
-            with scored_only(self.trainer.module, scored):
-                logits = self.trainer.forward(batch.model_inputs(self.device))
-            loss_sum, extra = self._loss(micro, batch, scored, logits)
+            if self.cfg.algorithm == "rm":  # a scalar head: no vocabulary logits
+                loss_sum, extra = reward_loss(self.trainer, micro, batch, self.data, self.device)
+            else:
+                scored = batch.scored(self.device)  # logits only where the loss reads them
+                with scored_only(self.trainer.module, scored):
+                    logits = self.trainer.forward(batch.model_inputs(self.device))
+                loss_sum, extra = self._loss(micro, batch, scored, logits)
             self.trainer.backward(loss_sum * (self.world / norm))
             sums += torch.tensor([loss_sum.item(), *extra], dtype=torch.float64)
         grad_norm = self.trainer.step()
@@ -116,9 +120,9 @@ class Loop:
         out = {"loss": float(sums[0]) / norm, "lr": lr}
         if grad_norm is not None:
             out["grad_norm"] = grad_norm
-        if self.cfg.algorithm == "dpo":
+        if self.cfg.algorithm != "sft":
             out["accuracy"] = float(sums[1]) / norm
-            out["margin"] = float(sums[2]) / norm
+            out["margin" if self.cfg.algorithm == "dpo" else "reward_gap"] = float(sums[2]) / norm
         return out
 
     def _loss(
@@ -179,7 +183,10 @@ class Loop:
                 if self.threads is not None:
                     self.threads.record(c.run_steps - 1, tokens, seconds)
                 c.last = {"step": c.step, **record, "epoch": step.epoch, "tokens": c.tokens}
-                if self.held_out is not None and c.step % self.cfg.eval_steps == 0:
+                if self.held_out is not None and (
+                    c.step % self.cfg.eval_steps == 0
+                    or (self.cfg.algorithm == "rm" and c.step == total)  # and at the end
+                ):
                     c.last["eval_accuracy"] = self._held_out()
                     target = self.cfg.target_accuracy
                     c.stopped = target is not None and c.last["eval_accuracy"] >= target

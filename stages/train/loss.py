@@ -1,8 +1,8 @@
-"""Micro batch -> tensors -> loss: collation for padded and packed rows, SFT and DPO losses.
+"""Micro batch -> tensors -> loss: collation for padded and packed rows, SFT, DPO, RM losses.
 
 Input: a `Micro` from the batch plan and the tokenized `Example`s.
 Output: a `Batch` of tensors the model takes, and the summed loss of its
-response tokens (SFT) or pairs (DPO), which the step divides by the global
+response tokens (SFT) or pairs (DPO, RM), which the step divides by the global
 batch's count so that every token (or pair) weighs the same whatever micro
 batch or rank it landed in.
 
@@ -13,7 +13,7 @@ within each sequence (a block-diagonal causal mask with SDPA/eager,
 variable-length kernels with flash-attention). The padding at the end of a
 packed row forms a sequence of its own, masked out of the loss.
 
-One name, two sides of one concept (the loss of a trained model: train's (SFT, DPO);
+One name, two sides of one concept (the loss of a trained model: train's (SFT, DPO, RM);
 `stages/rl/algo/loss.py`: rl's (the clipped policy loss)).
 """
 
@@ -127,3 +127,13 @@ def dpo_terms(
     ratio = policy - reference
     margin = beta * (ratio[0::2] - ratio[1::2])
     return -F.logsigmoid(margin), margin
+
+
+def reward_terms(
+    chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pair: the Bradley-Terry loss -logsigmoid(r_chosen - r_rejected - margin) of a
+    reward model's scores (OpenRLHF's `PairWiseLoss`, TRL's `RewardTrainer`), and the gap
+    r_chosen - r_rejected (the pair is in the right order when it is positive)."""
+    gap = chosen.float() - rejected.float()
+    return -F.logsigmoid(gap - margin.to(gap)), gap

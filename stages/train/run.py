@@ -67,6 +67,10 @@ def threads_per_rank(cfg: TrainConfig, world: int) -> int:
 
 def _texts(rows: list[dict[str, Any]], cfg: TrainConfig) -> list[str]:
     """Prompts and targets as plain text, to train a fresh tokenizer on."""
+    if cfg.algorithm == "rm":
+        from stages.train.pairwise import pair_texts, preference_pairs
+
+        return pair_texts(preference_pairs(rows, cfg.margin))
     out = []
     for s in samples_of(rows, cfg.target if cfg.algorithm == "sft" else "completion"):
         out.extend(s.texts())
@@ -111,6 +115,11 @@ def _model_dir(cfg: TrainConfig, rows: list[dict[str, Any]], stage_dir: str) -> 
 def _check_data(cfg: TrainConfig) -> list[dict[str, Any]]:
     """The input rows, once every one is known to be usable (else `DataError`)."""
     rows = read_rows(str(cfg.input))
+    if cfg.algorithm == "rm":
+        from stages.train.pairwise import check_reward_data
+
+        check_reward_data(cfg, rows)
+        return rows
     if cfg.algorithm == "dpo":
         dpo_pairs(rows)
     samples_of(rows, cfg.target if cfg.algorithm == "sft" else "completion", str(cfg.input))
@@ -279,7 +288,8 @@ def _metrics(cfg: TrainConfig, stage_dir: str, name: str) -> dict[str, Any]:
         "stopped_at_target": result.get("stopped_at_target"),
         "eval_accuracy": result["last"].get("eval_accuracy") if result.get("last") else None,
     }
-    if cfg.algorithm == "dpo" and records:
+    if cfg.algorithm != "sft" and records:
         out["accuracy"] = records[-1].get("accuracy")
-        out["margin"] = records[-1].get("margin")
+        gap = "margin" if cfg.algorithm == "dpo" else "reward_gap"
+        out[gap] = records[-1].get(gap)
     return out

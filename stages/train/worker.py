@@ -7,7 +7,8 @@ Output: checkpoints, `loss.jsonl` and (a fresh start) `first_batch.jsonl`, the f
 sequences as text, ids and loss mask, in the stage folder; from rank 0 the
 final Hugging Face checkpoint at the config's `output` in the resolved save dtype
 (written to a temporary sibling, then renamed into place: `stages.lib.model.save`) and
-`train_result.json`.
+`train_result.json`; a reward model (`algorithm: rm`) with held-out pairs also leaves
+`heldout_scores.jsonl`, each held-out pair's final scores.
 
 DeepSpeed keeps process-global state (its accelerator, communication
 backend, ZeRO hooks), so every run gets fresh processes: the stage launches
@@ -44,31 +45,48 @@ from stages.lib.distributed.rank import (
 from stages.lib.io.audit import FIRST_BATCH, append_records, token_record
 
 log = logging.getLogger("pipe.train")
+HELDOUT_SCORES = "heldout_scores.jsonl"  # rm: every held-out pair's final scores
 
 
 def _load(spec: WorkerSpec) -> tuple[Any, Any]:
     """The tokenizer and the model to train: the checkpoint's, with adapters when `lora` is
-    set (`stages.lib.model.lora`)."""
+    set (`stages.lib.model.lora`); a reward model (`algorithm: rm`, never with LoRA) with its
+    pad id the one its scores are read with (`stages.lib.model.reward_model.score_pad_id`),
+    saved with it."""
     from transformers import AutoTokenizer
 
     from stages.lib.model.lora import load_trained
 
-    model = load_trained(spec.model_dir, spec.ds_config, spec.config.lora, spec.config.bf16)
-    return AutoTokenizer.from_pretrained(spec.model_dir), model
+    tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+    if spec.config.algorithm != "rm":
+        model = load_trained(spec.model_dir, spec.ds_config, spec.config.lora, spec.config.bf16)
+        return tokenizer, model
+    from stages.lib.model.reward_model import score_pad_id
+
+    model = load_model(spec.model_dir, spec.ds_config, reward=True)
+    model.config.pad_token_id = score_pad_id(tokenizer, model.config)
+    return tokenizer, model
 
 
 def _save_final(trainer: Any, spec: WorkerSpec, rank: int) -> None:
     """Rank 0 writes the Hugging Face checkpoint at the config's `output` in the resolved
     save dtype, beside the input's files (`stages.lib.model.save`; with LoRA merged, or the
-    adapter alone: `stages.lib.model.lora.write_output`)."""
+    adapter alone: `stages.lib.model.lora.write_output`); a reward model's config names its
+    head, one label and its pad id (`stages.lib.model.reward_model.reward_config`)."""
     import torch.distributed as dist
 
     from stages.lib.model.lora import write_output
+    from stages.lib.model.reward_model import reward_config
+    from stages.lib.model.save import write_checkpoint
 
     state = trainer.full_state_dict()  # every rank takes part under ZeRO-3
     if rank == 0:
-        cfg = spec.config
-        write_output(trainer.module, state, cfg.lora, spec.model_dir, cfg.output, spec.save_dtype)
+        cfg, module = spec.config, trainer.module
+        if cfg.algorithm == "rm":
+            fields = reward_config(module, int(module.config.pad_token_id))
+            write_checkpoint(module, state, spec.model_dir, cfg.output, spec.save_dtype, fields)
+        else:
+            write_output(module, state, cfg.lora, spec.model_dir, cfg.output, spec.save_dtype)
     if dist.is_initialized():
         dist.barrier()
 
@@ -140,14 +158,27 @@ def _build_loop(
     from stages.train.data import read_rows, training_set
     from stages.train.heldout import HeldOut
     from stages.train.loop import Loop
+    from stages.train.pairwise import HeldOutPairs, preference_pairs, reward_set
     from stages.train.threads import ThreadTuner
 
+    reward = cfg.algorithm == "rm"
     tokenizer, model = _load(spec)
     rows = read_rows(str(cfg.input))
-    data = training_set(
-        rows, tokenizer, algorithm=cfg.algorithm, target=cfg.target, max_length=cfg.max_length
-    )
+    if reward:
+        pairs = preference_pairs(rows, cfg.margin, str(cfg.input))
+        data = reward_set(pairs, tokenizer, cfg.max_length)
+    else:
+        data = training_set(
+            rows, tokenizer, algorithm=cfg.algorithm, target=cfg.target, max_length=cfg.max_length
+        )
     plan = plan_for(cfg, data, world)
+    # a reward model's scores read the last non-pad token: its pads are the config's
+    pad = int(model.config.pad_token_id) if reward else pad_id(tokenizer, model.config)
+    held_out: HeldOut | HeldOutPairs | None = None
+    if cfg.eval_input and reward:
+        held_out = HeldOutPairs(cfg, tokenizer, pad, device)
+    elif cfg.eval_input:
+        held_out = HeldOut(cfg, tokenizer)
     reference = None
     if cfg.algorithm == "dpo" and cfg.lora is None:  # with LoRA: the base, adapters off
         reference = load_model(spec.model_dir, None).to(device).eval().requires_grad_(False)
@@ -157,14 +188,14 @@ def _build_loop(
         plan=plan,
         data=data,
         device=device,
-        pad_id=pad_id(tokenizer, model.config),
+        pad_id=pad,
         stage_dir=spec.stage_dir,
         rank=rank,
         world=world,
         reference=reference,
         resume_key=spec.resume_key,
         threads=ThreadTuner(spec.threads) if spec.tune_threads else None,
-        held_out=HeldOut(cfg, tokenizer) if cfg.eval_input else None,
+        held_out=held_out,
     )
     return loop, tokenizer
 
@@ -186,7 +217,7 @@ def run(spec: WorkerSpec) -> None:
     log.info(
         "training %d %s on %d rank(s) with %s: %d steps (%d per epoch), ready in %.1fs",
         len(loop.data.units),
-        "pairs" if cfg.algorithm == "dpo" else "samples",
+        "samples" if cfg.algorithm == "sft" else "pairs",
         world,
         loop.trainer.name,
         loop.plan.total_steps,
@@ -194,6 +225,10 @@ def run(spec: WorkerSpec) -> None:
         time.perf_counter() - started,
     )
     loop.run()
+    from stages.train.pairwise import HeldOutPairs
+
+    if isinstance(loop.held_out, HeldOutPairs) and loop.held_out.last:
+        loop.held_out.write_scores(f"{spec.stage_dir}/{HELDOUT_SCORES}", rank, world)
     t = time.perf_counter()
     _save_final(loop.trainer, spec, rank)
     log.info("wrote %s in %.2fs", cfg.output, time.perf_counter() - t)

@@ -190,6 +190,10 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "how many distinct problems a reasoning-gym task has is known only by drawing them"
     ),
     ("stages/dataset/run.py", "{}: no prompt field"): data("a source row without a prompt field"),
+    ("stages/dataset/run.py", "{} {}"): data(
+        "a pairs source row without chosen/rejected (a jsonl file that exists is refused at "
+        "plan time: test_reward_model)"
+    ),
     ("stages/dataset/run.py", "source 'huggingface' needs the 'datasets'"): environment(
         "the datasets package on the worker"
     ),
@@ -226,6 +230,12 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/filter/rows.py", "{}: expected a JSON object"): data("a malformed rollout row"),
     ("stages/filter/rows.py", "{}: expected a numeric 'reward'"): data("a malformed rollout row"),
     ("stages/filter/rows.py", "{}: not a JSON line"): data("a malformed rollout row"),
+    ("stages/filter/pairs.py", "byte {}: an episode with no assistant tu"): data(
+        "an episode row that cannot be paired"
+    ),
+    ("stages/filter/pairs.py", "byte {}: no string 'completion' to pair"): data(
+        "a rollout row that cannot be paired"
+    ),
     ("stages/filter/rules.py", "predicate '{}': cannot import"): plan(
         Case(
             'name: p\nstages:\n  f: {kind: filter, config: {input: x.jsonl, predicate: "nomod:keep"}}\n',
@@ -569,6 +579,32 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "the checkpoint's tokenizer, read when the stage loads it"
     ),
     ("stages/train/data.py", "no DPO pairs"): data("no prompt's rollouts differ in reward"),
+    ("stages/train/pairwise.py", "DataError(str(e))"): data(
+        "a pair row, named (the plan checks a file that exists then)"
+    ),
+    ("stages/train/pairwise.py", "{}: row {} has no numeric '{}' (margin: "): data(
+        "a pair row without its margin field"
+    ),
+    ("stages/train/pairwise.py", "{}: margin '{}' names a field of prefere"): data(
+        "rollouts, not pair rows, where margin names a field"
+    ),
+    ("stages/train/pairwise.py", "{}: {}"): data("a malformed rollout row, named"),
+    ("stages/train/pairwise.py", "{}: no pairs: no prompt has rollouts who"): data(
+        "no prompt's rollouts differ in reward"
+    ),
+    ("stages/train/pairwise.py", "{} has no reward head ('score')"): data(
+        "a model family whose sequence-classification head is not named 'score'"
+    ),
+    ("stages/lib/io/preference.py", "{}: row {} {}"): data(
+        "a pair row, named (a file that exists is refused at plan time)"
+    ),
+    ("stages/lib/model/reward_model.py", "the tokenizer has no end-of-sequence tok"): data(
+        "the checkpoint's tokenizer, read when the stage loads it"
+    ),
+    ("stages/lib/model/reward_model.py", "'{}' is no reward model: {}"): data(
+        "an earlier stage's checkpoint that is no reward model (a folder that exists is "
+        "refused at plan time)"
+    ),
     ("stages/train/run.py", "trainer 'deepspeed' asked for"): environment(
         "deepspeed on the worker; plan may run where it is not installed"
     ),

@@ -80,8 +80,13 @@ def init_distributed(trainer: str, device: str, world: int) -> None:
         dist.init_process_group(backend, timeout=timeout)
 
 
-def load_model(model_dir: str, ds_config: dict[str, Any] | None, dtype: Any = None) -> Any:
-    """The causal LM of `model_dir` in `dtype` (default: bf16 when DeepSpeed trains in bf16,
+def load_model(
+    model_dir: str, ds_config: dict[str, Any] | None, dtype: Any = None, *, reward: bool = False
+) -> Any:
+    """The causal LM of `model_dir` (with `reward`: the same network with a one-label
+    sequence-classification head instead, `...ForSequenceClassification`, its head read from
+    the checkpoint when it has one, else newly initialised) in `dtype` (default: bf16 when
+    DeepSpeed trains in bf16,
     which casts the module to bf16 and keeps its fp32 master copies from those values anyway,
     so every ZeRO-0/1/2 rank's host copy is half the fp32 one; fp32 otherwise, also for the
     torch trainer, whose bf16 is autocast over fp32 weights). Under ZeRO-3 it is built inside
@@ -89,28 +94,43 @@ def load_model(model_dir: str, ds_config: dict[str, Any] | None, dtype: Any = No
     checkpoint's tensors are read one at a time on rank 0 and scattered (what Hugging
     Face's DeepSpeed integration does): no rank ever holds the whole model."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    auto: Any = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
+    head = {"num_labels": 1} if reward else {}
     bf16 = bool((ds_config or {}).get("bf16", {}).get("enabled"))
     dtype = dtype or (torch.bfloat16 if bf16 else torch.float32)
     if not ds_config or ds_config.get("zero_optimization", {}).get("stage") != 3:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = auto.from_pretrained(model_dir, dtype=dtype, **head)
     else:
         import deepspeed
         from transformers.initialization import no_init_weights
 
-        config = AutoConfig.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir, **head)
         # no random init (the checkpoint overwrites it, and it cannot index a partition)
         with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+            model = auto.from_config(config, dtype=dtype)
         model.tie_weights()  # init_weights, skipped, ties them otherwise
-        _load_partitioned(model, model_dir)
+        missing = _load_partitioned(model, model_dir)
+        if reward and "score.weight" in missing:
+            _init_head(model.score, config.initializer_range)
     model.config.use_cache = False
     return model
 
 
-def _load_partitioned(model: Any, model_dir: str) -> None:
-    """Fill a ZeRO-3 model from the checkpoint's safetensors, one module's weights at a time."""
+def _init_head(head: Any, std: float) -> None:
+    """A new reward head under ZeRO-3 as transformers initialises one: normal(0, std)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    with deepspeed.zero.GatheredParameters([head.weight], modifier_rank=0):
+        if dist.get_rank() == 0:
+            head.weight.data.normal_(mean=0.0, std=std)
+
+
+def _load_partitioned(model: Any, model_dir: str) -> set[str]:
+    """Fill a ZeRO-3 model from the checkpoint's safetensors, one module's weights at a time;
+    the names of the parameters the checkpoint does not hold."""
     import json
 
     import deepspeed
@@ -127,6 +147,7 @@ def _load_partitioned(model: Any, model_dir: str) -> None:
             where = dict.fromkeys(f.keys(), single)
     rank0 = dist.get_rank() == 0
     read = 0
+    missing: set[str] = set()
     for prefix, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
         if not params:
@@ -139,10 +160,16 @@ def _load_partitioned(model: Any, model_dir: str) -> None:
                         with safe_open(where[key], "pt") as f:
                             param.data.copy_(f.get_tensor(key))
                         read += 1
+        missing.update(
+            f"{prefix}.{n}" if prefix else n
+            for n in params
+            if (f"{prefix}.{n}" if prefix else n) not in where
+        )
     if rank0:
         logging.getLogger("pipe.rank").info(
             "zero 3: %d checkpoint tensors read one module at a time into the partitions", read
         )
+    return missing
 
 
 def make_trainer(

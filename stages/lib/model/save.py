@@ -6,8 +6,10 @@ folder the run started from, the output folder and the resolved save dtype
 Output: a Hugging Face checkpoint at `output` (written to a temporary sibling, then renamed
 into place): the weights cast to the save dtype (tied weights stay one tensor), the input's
 `config.json` with only its dtype changed (fields the run flips to train, such as
-`use_cache`, come out as they went in), and every other file of the input that is not
-weights (tokenizer files, chat template, generation_config.json) copied through unchanged.
+`use_cache`, come out as they went in; a reward model's head, labels and pad id are the
+`fields` the caller gives: `stages.lib.model.reward_model.reward_config`), and every other file of
+the input that is not weights (tokenizer files, chat template, generation_config.json) copied
+through unchanged.
 """
 
 from __future__ import annotations
@@ -38,17 +40,23 @@ def _cast(state: dict[str, Any], dtype: Any) -> dict[str, Any]:
 
 
 def write_checkpoint(
-    module: Any, state: dict[str, Any] | None, model_dir: str, output: str, dtype: str
+    module: Any,
+    state: dict[str, Any] | None,
+    model_dir: str,
+    output: str,
+    dtype: str,
+    fields: dict[str, Any] | None = None,
 ) -> None:
     """Write `module` (its weights `state` when given: ZeRO-3's gathered dict) as a checkpoint
-    at `output` in `dtype`, beside the input's files (see the module docstring)."""
+    at `output` in `dtype`, beside the input's files, its config the input's with `fields` set
+    (see the module docstring)."""
     import torch
 
     tmp = f"{output.rstrip('/')}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     weights = _cast(state if state is not None else module.state_dict(), getattr(torch, dtype))
     module.save_pretrained(tmp, state_dict=weights)
-    _config_as_input(model_dir, tmp, dtype)
+    _config_as_input(model_dir, tmp, dtype, fields or {})
     if os.path.exists(f"{tmp}/generation_config.json"):
         os.remove(f"{tmp}/generation_config.json")  # the input's comes through unchanged, if any
     for name in os.listdir(model_dir):
@@ -63,12 +71,14 @@ def _is_weights_or_config(name: str) -> bool:
     return name == "config.json" or name in WEIGHT_INDEXES or name.endswith(WEIGHTS)
 
 
-def _config_as_input(model_dir: str, out_dir: str, dtype: str) -> None:
-    """The input's config.json in `out_dir`, its dtype (under the keys it uses) set to `dtype`."""
+def _config_as_input(model_dir: str, out_dir: str, dtype: str, fields: dict[str, Any]) -> None:
+    """The input's config.json in `out_dir`, its dtype (under the keys it uses) set to `dtype`
+    and `fields` set."""
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
     config.update(dict.fromkeys(keys, dtype))
+    config.update(fields)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")

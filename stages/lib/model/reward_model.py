@@ -1,0 +1,198 @@
+"""Reward models: the sequence one scores, the head it scores with, and scoring in batches.
+
+Input: a tokenizer, a prompt and a response (`stages.lib.io.preference`'s shapes: text, or
+chat messages), and a reward-model checkpoint: a Hugging Face `...ForSequenceClassification`
+with one label, as `train` with `algorithm: rm` writes it. Output: the token ids scored
+(`score_ids`), the id that pads them (`score_pad_id`), the config fields that make a saved
+model load as a reward model (`reward_config`), one score per sequence (`score_batches`,
+`RewardScorer`), and the plan-time check that a checkpoint is one (`check_reward_model`).
+
+One sequence, everywhere: the prompt through the chat template (`format_prompt`), the
+response, then the template's closing token(s) of an answer (`answer_end`), as training on
+rollouts sees them; a whole conversation rendered up to its last assistant turn the same
+way; a text with no prompt (HH's "Human: ... Assistant: ...") tokenized as it is. A
+sequence over `max_length` keeps its start and its closing tokens (OpenRLHF's reward
+datasets force the EOS at the end the same way), so the score always reads the closing
+token. The score is the head's output at the last token that is not padding, as
+transformers' `...ForSequenceClassification` pools it: `pad_token_id` is saved in the
+config and is never the closing token (a pad equal to it would move the read one token
+back), so `AutoModelForSequenceClassification.from_pretrained(dir)` scores exactly what
+training computed. Nothing heavy is imported at module level.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.errors import Diagnostic
+    from engine.stage import ResolveContext
+
+HEAD_SUFFIX = "ForSequenceClassification"
+
+
+def score_ids(
+    tokenizer: Any, prompt: Any, response: Any, max_length: int | None = None
+) -> list[int]:
+    """The token ids a reward model scores for `response` to `prompt` (module docstring)."""
+    from stages.lib.chat.prompt import as_messages, prompt_ids
+    from stages.lib.chat.tokens import answer_end
+    from stages.lib.io.preference import holds_prompt
+
+    end = list(answer_end(tokenizer).ids)
+    if not end:
+        raise ValueError(
+            "the tokenizer has no end-of-sequence token and its chat template ends no answer"
+        )
+
+    def text_ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    if isinstance(response, list):
+        before = [] if prompt is None or holds_prompt(response) else as_messages(prompt)
+        ids = prompt_ids(tokenizer, [*before, *response[:-1]]) + text_ids(response[-1]["content"])
+    elif prompt is not None:
+        ids = prompt_ids(tokenizer, prompt) + text_ids(response)
+    else:
+        ids = list(tokenizer(response, add_special_tokens=True)["input_ids"])
+        if ids[-len(end) :] == end:  # a tokenizer that appends the end itself
+            ids = ids[: -len(end)]
+    ids += end
+    if max_length is not None and len(ids) > max_length:
+        keep = max(max_length - len(end), 0)
+        ids = (ids[:keep] + end)[-max_length:]
+    return ids
+
+
+def score_pad_id(tokenizer: Any, config: Any = None) -> int:
+    """The pad id of scored batches: the checkpoint's own (`stages.lib.chat.tokens.pad_id`)
+    unless it is the closing token the score reads, else the first of unk, bos, the
+    end-of-sequence ids and 0 that is not."""
+    from stages.lib.chat.tokens import answer_end, eos_ids, pad_id
+
+    stop = answer_end(tokenizer).stop_id
+    candidates = [
+        pad_id(tokenizer, config),
+        getattr(tokenizer, "unk_token_id", None),
+        getattr(tokenizer, "bos_token_id", None),
+        *eos_ids(tokenizer, config),
+        0,
+        1,
+    ]
+    return next(int(c) for c in candidates if c is not None and int(c) != stop)
+
+
+def reward_config(module: Any, pad: int) -> dict[str, Any]:
+    """The config.json fields that make a saved checkpoint a reward model: its architecture
+    (`...ForSequenceClassification`), one label, and the pad id its scores were read with."""
+    return {
+        "architectures": [type(module).__name__],
+        "id2label": {"0": "LABEL_0"},
+        "label2id": {"LABEL_0": 0},
+        "pad_token_id": pad,
+    }
+
+
+def reward_model_problem(config: dict[str, Any]) -> str | None:
+    """Why a checkpoint's config.json is not a reward model's, or None."""
+    archs = config.get("architectures") or []
+    if not any(str(a).endswith(HEAD_SUFFIX) for a in archs):
+        return (
+            f"its config.json names no sequence-classification head (architectures "
+            f"{archs or 'missing'}; a reward model's ends with '{HEAD_SUFFIX}', as train with "
+            "algorithm rm writes)"
+        )
+    labels = len(config.get("id2label") or {}) or 2  # transformers' default: 2 labels
+    if labels != 1:
+        return f"its head has {labels} labels; a reward model scores with one (num_labels 1)"
+    return None
+
+
+def check_reward_model(ctx: ResolveContext, field: str, path: str | None) -> list[Diagnostic]:
+    """Plan time: `path` is a checkpoint folder (`check_checkpoint`) whose config.json is a
+    reward model's; an earlier stage's output is checked when it is loaded."""
+    from stages.lib.model.path import check_checkpoint
+
+    if path is None:
+        return []
+    found = check_checkpoint(ctx, field, path)
+    if found or ctx.is_produced(path) or "://" in path:
+        return found
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        return [ctx.error(field, f"'{path}': cannot read config.json: {e}")]
+    problem = reward_model_problem(config)
+    return [ctx.error(field, f"'{path}' is no reward model: {problem}")] if problem else []
+
+
+def score_batches(
+    model: Any, sequences: Sequence[Sequence[int]], pad: int, device: Any, batch_size: int = 64
+) -> list[float]:
+    """One score per sequence: `model`'s pooled output (the head at the last non-pad token),
+    in batches of similar lengths, right-padded with `pad`, under no_grad; in input order."""
+    import torch
+
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    out = [0.0] * len(sequences)
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            width = max(len(sequences[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, i in enumerate(chunk):
+                ids[r, : len(sequences[i])] = torch.tensor(list(sequences[i]))
+                mask[r, : len(sequences[i])] = 1
+            logits = model(
+                input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
+            ).logits
+            for r, i in enumerate(chunk):
+                out[i] = float(logits[r, 0].float())
+    return out
+
+
+class RewardScorer:
+    """A reward-model checkpoint loaded for scoring (prompt, response) pairs: in `dtype`,
+    by default float32 on the CPU and the checkpoint's own dtype on a GPU."""
+
+    def __init__(self, path: str, device: str = "cpu", dtype: Any = None) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            problem = reward_model_problem(json.load(f))
+        if problem:
+            raise ValueError(f"'{path}' is no reward model: {problem}")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        default = torch.float32 if device == "cpu" else "auto"
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=dtype or default
+        )
+        self.model.to(device).eval()
+        config = self.model.config
+        if config.pad_token_id is None:  # transformers needs one to pool a batch
+            config.pad_token_id = score_pad_id(self.tokenizer, config)
+        self.pad, self.device = int(config.pad_token_id), device
+
+    def __call__(
+        self, items: Sequence[tuple[Any, Any]], max_length: int | None = None
+    ) -> list[float]:
+        """The score of each (prompt, response)."""
+        seqs = [score_ids(self.tokenizer, p, r, max_length) for p, r in items]
+        return score_batches(self.model, seqs, self.pad, self.device)
+
+    def close(self) -> None:
+        """Release the model (and its GPU memory)."""
+        import gc
+
+        import torch
+
+        del self.model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
