@@ -33,7 +33,7 @@ from engine.errors import Diagnostic
 from engine.stage import ResolveContext
 from stages.lib.block import Block
 
-ALL_LINEAR = "all-linear"
+ALL_LINEAR: Literal["all-linear"] = "all-linear"
 # the linear projections of the decoder families pipe builds and reads (Llama, Qwen2,
 # Mistral, Gemma): what `all-linear` adapts, and the names a memory estimate can size
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -193,7 +193,7 @@ def quantized_base(model_dir: str, bf16: bool) -> Any:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     compute = torch.bfloat16 if bf16 else torch.float32
-    quant = BitsAndBytesConfig(
+    quant = BitsAndBytesConfig(  # type: ignore[no-untyped-call]
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
@@ -203,7 +203,9 @@ def quantized_base(model_dir: str, bf16: bool) -> Any:
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, quantization_config=quant, device_map={"": local}, dtype=compute
     )
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = prepare_model_for_kbit_training(  # type: ignore[no-untyped-call]
+        model, use_gradient_checkpointing=False
+    )
     model.config.use_cache = False
     return model
 
@@ -315,7 +317,7 @@ def write_merged(module: Any, lora: LoraBlock, model_dir: str, output: str, dtyp
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     fresh = with_lora(base, lora, inference=True)
     result = set_peft_model_state_dict(fresh, state)
-    missing = [k for k in result.unexpected_keys if "lora_" in k]
+    missing = [k for k in getattr(result, "unexpected_keys", ()) if "lora_" in k]
     if missing:
         raise RuntimeError(f"adapter weights that fit no module of the base: {missing[:3]}")
     merged = fresh.merge_and_unload()
