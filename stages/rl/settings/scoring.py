@@ -68,9 +68,10 @@ def check_scoring(cfg: Any, ctx: ResolveContext) -> list[Diagnostic]:
     if rm is None:
         for name in ("reward_weights", "normalize_reward", "reward_clip"):
             if getattr(cfg, name) not in (None, False):
+                written = sorted(p for p in ctx.explicit if p.startswith(f"{name}."))
                 out.append(
                     ctx.error(
-                        name,
+                        written[0] if written else name,
                         f"acts on a reward model's scores, and reward_model is empty: set "
                         f"reward_model, or leave {name} out",
                     )
