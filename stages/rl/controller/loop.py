@@ -201,6 +201,7 @@ def _row(
         else None,
         # reward_model: its scores before normalize_reward and reward_clip
         "rm_score_mean": sum(batch.scores) / len(batch.scores) if batch.scores else None,
+        "rm_score_std": statistics.pstdev(batch.scores) if batch.scores else None,
         "solved": round(batch.solved, 4),
         "turns_mean": round(batch.turns, 3),
         "episodes_failed": batch.failed,
