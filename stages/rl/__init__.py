@@ -35,21 +35,27 @@ from stages.rl.algo.options import AlgorithmOptions
 from stages.rl.settings.distributed import DistributedSettings
 from stages.rl.settings.optim import OptimSettings
 from stages.rl.settings.rollout import RolloutSettings
+from stages.rl.settings.scoring import ScoringSettings, check_scoring
 
 
 # pydantic lists a model's fields from its last base to its first, then its own: `pipe plan
-# --explain` and the schema show rollout, algorithm, optimisation, distributed, then these
-class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSettings):
+# --explain` and the schema show rollout, reward model, algorithm, optimisation, distributed,
+# then these
+class RLConfig(
+    DistributedSettings, OptimSettings, AlgorithmOptions, ScoringSettings, RolloutSettings
+):
     """Online RL: sample groups from the engine, score them, update the actor, sync weights."""
 
     SPANS_NODES = True  # the controller on the engine's worker; other roles where placed
-    INPUTS = ("input", "eval_input", "model")
-    MODEL_INPUTS = ("model",)
+    INPUTS = ("input", "eval_input", "model", "reward_model")
+    MODEL_INPUTS = ("model", "reward_model")
     OUTPUTS = ("output",)
     OUTPUT_TYPES: ClassVar[dict[str, str]] = {"output": "checkpoint"}
     REFUSED_ROLES: ClassVar[dict[str, str]] = {
-        "reward": "it has no reward model; its rewards come from 'verifier' (reasoning_gym, "
-        "exact_match, regex, math, or your own 'module:function'): leave 'reward' out",
+        "reward": "it has no reward_model; its rewards come from 'verifier' (reasoning_gym, "
+        "exact_match, regex, math, or your own 'module:function'): set reward_model (a "
+        "checkpoint with a scalar head, or '@stage') to bring the reward role, or leave "
+        "'reward' out",
     }
 
     # what the stage reads and writes, how long it runs, when it saves and evaluates
@@ -91,11 +97,13 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
 
     @classmethod
     def roles_used(cls, data: Mapping[str, Any]) -> tuple[str, ...]:
-        """The rollout engines and the actor; the reference when kl_coef > 0."""
+        """The rollout engines and the actor; the reference when kl_coef > 0, the critic under
+        ppo, the reward model's role with a reward_model."""
         kl = data.get("kl_coef", 0.0)
         ref = ("ref",) if isinstance(kl, int | float) and kl > 0 else ()
         critic = ("critic",) if data.get("algorithm") == "ppo" else ()
-        return ("vllm", "actor", *ref, *critic)
+        reward = ("reward",) if data.get("reward_model") else ()
+        return ("vllm", "actor", *ref, *critic, *reward)
 
     @classmethod
     def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
@@ -134,7 +142,8 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
         trainer, and the frozen reference when kl_coef > 0: in the compute dtype, split by
         ZeRO-3 under DeepSpeed, on the ref role's devices or, when that role has none of its
         own, inside the actor's ranks (`stages.rl.roles.frozen`; colocated with the actor, the two
-        share devices and are summed there)."""
+        share devices and are summed there); the reward model, frozen in the compute dtype,
+        whole on each of the reward role's devices (`stages.rl.roles.reward`)."""
         model = self.model if isinstance(self.model, str) else self.model.model_dump()
         engines = [replace(n, role="vllm") for n in backend_memory(self.backend)]
         if not engines:
@@ -148,6 +157,8 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
             needs.append(ref)
         if self.algorithm == "ppo":
             needs.append(trainer_memory(self, self.model, self.max_length, role="critic"))
+        if self.reward_model is not None:
+            needs.append(MemoryNeed("reward", "frozen", self.reward_model, bf16=self.bf16))
         return needs
 
     def memory_changes(self) -> list[tuple[str, Any]]:
@@ -158,6 +169,7 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
         out += check_backend(self.backend, engine_context(ctx))
         out += check_model_ref(ctx, "model", self.model)
         out += check_algorithm(self, ctx, self.environment is not None)
+        out += check_scoring(self, ctx)
         if not isinstance(self.backend, LocalBackend | VLLMBackend):
             out.append(
                 ctx.error(
@@ -211,7 +223,9 @@ class RLConfig(DistributedSettings, OptimSettings, AlgorithmOptions, RolloutSett
             )
         out += self._check_sync(ctx) + self._note_sleep(ctx) + self._check_lora(ctx)
         # refusals of the run path known from the config alone (tests/unit/test_refusals.py)
-        out += check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
+        if self.verifier is not None:
+            out += check_verifier(self.verifier, ctx)
+        out += check_environment(self.environment, ctx)
         if self.environment is not None and self.algorithm == "ppo":
             out.append(
                 ctx.error(

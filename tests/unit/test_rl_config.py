@@ -108,11 +108,12 @@ def test_presets_reach_the_rl_stage(tmp_path: Path):
     assert cfg["micro_train_batch_size"] == 2
 
 
-def test_a_reward_role_is_refused_where_it_is_named_with_the_verifier_instead(tmp_path: Path):
+def test_a_reward_role_without_a_reward_model_is_refused_where_it_is_named(tmp_path: Path):
     why = (
-        "stage 'rl' cannot use role 'reward': it has no reward model; its rewards come from "
+        "stage 'rl' cannot use role 'reward': it has no reward_model; its rewards come from "
         "'verifier' (reasoning_gym, exact_match, regex, math, or your own 'module:function'): "
-        "leave 'reward' out"
+        "set reward_model (a checkpoint with a scalar head, or '@stage') to bring the reward "
+        "role, or leave 'reward' out"
     )
     in_ratio = """\
         name: p

@@ -242,15 +242,20 @@ def max_turns(cfg: EnvironmentConfig | None) -> int:
     raise ValueError("environment: 'max_turns' is required for this environment")
 
 
+def _no_reward(row: dict[str, Any], completion: str) -> float:
+    return 0.0
+
+
 def environment_factory(
-    cfg: EnvironmentConfig | None, verifier: Verifier
+    cfg: EnvironmentConfig | None, verifier: Verifier | None
 ) -> Callable[[], Environment]:
     """A function making one environment per episode; raises ValueError on one that cannot
-    be loaded (an unimportable module, a missing class)."""
+    be loaded (an unimportable module, a missing class). No verifier (the rl stage's
+    `verifier: null`, scored by its reward model): every turn's reward is 0."""
     from stages.lib.verify import make_verifier
 
+    score = make_verifier(verifier) if verifier is not None else _no_reward
     if cfg is None:
-        score = make_verifier(verifier)
         return lambda: single_turn(score)
     if cfg.url:
         url = cfg.url.rstrip("/")
@@ -258,7 +263,6 @@ def environment_factory(
     assert cfg.kind is not None
     if cfg.kind in BUILT_IN:
         built = BUILT_IN[cfg.kind]
-        score = make_verifier(verifier)
         options = dict(cfg.config)
         built.factory(score, **options)  # a wrong option fails here, before any episode
         return lambda: built.factory(score, **options)

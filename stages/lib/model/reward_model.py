@@ -5,7 +5,10 @@ chat messages), and a reward-model checkpoint: a Hugging Face `...ForSequenceCla
 with one label, as `train` with `algorithm: rm` writes it. Output: the token ids scored
 (`score_ids`), the id that pads them (`score_pad_id`), the config fields that make a saved
 model load as a reward model (`reward_config`), one score per sequence (`score_batches`,
-`RewardScorer`), and the plan-time check that a checkpoint is one (`check_reward_model`).
+`RewardScorer`; `score` for token ids already made, as the rl stage's reward role scores
+rollouts), the plan-time check that a checkpoint is one (`check_reward_model`, and
+`head_problem` for a folder: its `config.json` alone, no torch) and `load_reward_model`
+(frozen, in the compute dtype).
 
 One sequence, everywhere: the prompt through the chat template (`format_prompt`), the
 response, then the template's closing token(s) of an answer (`answer_end`), as training on
@@ -111,6 +114,29 @@ def reward_model_problem(config: dict[str, Any]) -> str | None:
     return None
 
 
+def head_problem(model_dir: str) -> str | None:
+    """Why the checkpoint folder `model_dir` is not a reward model (`reward_model_problem` of
+    its config.json), or None."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"its config.json cannot be read ({exc})"
+    return reward_model_problem(config)
+
+
+def load_reward_model(model_dir: str, bf16: bool, device: str) -> Any:
+    """The reward model of `model_dir` in the compute dtype (bf16 when `bf16`, else fp32), on
+    `device`, in eval mode without gradients."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype)
+    model.requires_grad_(False)
+    return model.to(device).eval()
+
+
 def check_reward_model(ctx: ResolveContext, field: str, path: str | None) -> list[Diagnostic]:
     """Plan time: `path` is a checkpoint folder (`check_checkpoint`) whose config.json is a
     reward model's; an earlier stage's output is checked when it is loaded."""
@@ -130,29 +156,41 @@ def check_reward_model(ctx: ResolveContext, field: str, path: str | None) -> lis
     return [ctx.error(field, f"'{path}' is no reward model: {problem}")] if problem else []
 
 
+def score(
+    model: Any, sequences: Sequence[Sequence[int]], micro_batch: int, pad_id: int = 0
+) -> list[float]:
+    """Each token id sequence's score under `model` (a scalar-head sequence classifier), in
+    micro batches of `micro_batch` right-padded sequences, read at each one's last token (by
+    its length: a sequence ending in an id that doubles as the pad id keeps it), from the
+    decoder's last hidden state through the `score` head, as transformers pools it."""
+    import torch
+
+    device = next(model.parameters()).device
+    base = getattr(model, model.base_model_prefix)
+    out: list[float] = []
+    with torch.no_grad():
+        for start in range(0, len(sequences), micro_batch):
+            micro = [list(s) for s in sequences[start : start + micro_batch]]
+            lengths = torch.tensor([len(s) for s in micro], device=device)
+            width = int(lengths.max())
+            ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in micro], device=device)
+            mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
+            hidden = base(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+            last = hidden[torch.arange(len(micro), device=device), lengths - 1]
+            out += model.score(last)[:, 0].float().tolist()
+    return out
+
+
 def score_batches(
     model: Any, sequences: Sequence[Sequence[int]], pad: int, device: Any, batch_size: int = 64
 ) -> list[float]:
-    """One score per sequence: `model`'s pooled output (the head at the last non-pad token),
-    in batches of similar lengths, right-padded with `pad`, under no_grad; in input order."""
-    import torch
-
+    """One score per sequence (`score`), in batches of similar lengths; in input order.
+    `device` is where `model` is (kept for the callers' symmetry)."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    scores = score(model, [sequences[i] for i in order], batch_size, pad)
     out = [0.0] * len(sequences)
-    with torch.no_grad():
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            width = max(len(sequences[i]) for i in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for r, i in enumerate(chunk):
-                ids[r, : len(sequences[i])] = torch.tensor(list(sequences[i]))
-                mask[r, : len(sequences[i])] = 1
-            logits = model(
-                input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
-            ).logits
-            for r, i in enumerate(chunk):
-                out[i] = float(logits[r, 0].float())
+    for i, s in zip(order, scores, strict=True):
+        out[i] = s
     return out
 
 

@@ -9,6 +9,8 @@ rewards) and a model's logits. Output: log-probabilities, advantages and losses.
 - `loss`: GRPO's group advantages, the clipped policy loss (per token or per sequence), k3
   KL, how per-token losses add up (`loss_agg`).
 - `advantage`: the estimators (grpo, dr_grpo, rloo, reinforce_pp), DAPO's overlong shaping.
+- `shaping`: a reward model's scores made rewards (running normalisation, clip, the mix
+  with the verifier's).
 - `ppo`: per-token rewards with a KL penalty, GAE on the critic's values, the value loss.
 - `logprobs`: completion log-probabilities under a model (the actor's and the engine's).
 - `packing`: a micro batch laid out as model inputs (padded or packed rows).

@@ -10,8 +10,12 @@ round (`dynamic_sampling_max_rounds` at most), until `rollout_batch_size` groups
 signal; each refill asks for the groups still wanted over the share kept so far, plus a
 quarter, at most `rollout_batch_size` prompts. Each group's rewards are the episodes'
 totals plus DAPO's overlong penalty (`overlong_buffer`), and its advantages come from the
-`advantage` estimator (`stages.rl.algo.advantage`); the recorded rewards stay the verifier's.
-Dynamic sampling judges a group on the verifier's rewards, as DAPO and verl
+`advantage` estimator (`stages.rl.algo.advantage`). With a `reward_model`, the reward role's
+ranks score every episode's token ids (one request per round) and the episodes' rewards are
+those scores, normalised, clipped and mixed with the verifier's (`stages.rl.algo.shaping`),
+before any advantage; the step's metrics take the reward from them, its accuracy from the
+verifier. Dynamic sampling judges a group on the verifier's rewards (the reward model's
+when there is no verifier), as DAPO and verl
 (`filter_groups.metric: acc`) do: a group whose answers are all right is dropped however
 their lengths differ (without it, such a group trains on its length-shaped advantages).
 
@@ -65,7 +69,8 @@ def rollout(c: Any, step: int) -> Batch:
     drawn = list(c.stream.indices(step))
     want, rounds = len(drawn), 1
     groups = _play(c, drawn, step, 0)
-    scored = [_score(cfg, g) for g in groups]
+    raw: list[float] = []  # the reward model's scores, every round's
+    scored = [_score(cfg, g, s) for g, s in zip(groups, _model_scores(c, groups, raw), strict=True)]
     dynamic = refills(cfg)
     every = (cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp") and not dynamic
     kept = [i for i, s in enumerate(scored) if s.trains(dynamic, every)]
@@ -74,9 +79,10 @@ def rollout(c: Any, step: int) -> Batch:
         more = c.stream.refill(step, rounds, _refill_size(len(kept), want, len(groups)), drawn)
         if not more:
             break
-        for g in _play(c, more, step, rounds):
+        played = _play(c, more, step, rounds)
+        for g, s in zip(played, _model_scores(c, played, raw), strict=True):
             groups.append(g)
-            scored.append(_score(cfg, g))
+            scored.append(_score(cfg, g, s))
             if scored[-1].trains(dynamic, every):
                 kept.append(len(groups) - 1)
         drawn += more
@@ -115,6 +121,8 @@ def rollout(c: Any, step: int) -> Batch:
         solved=sum(e.solved for e in episodes) / max(len(episodes), 1),
         rounds=rounds,
         overlong=sum(penalties) / len(penalties) if cfg.overlong_buffer and penalties else None,
+        trained=[s.rewards for s in scored] if c.reward is not None else None,
+        scores=raw,
     )
 
 
@@ -150,9 +158,31 @@ def _play(c: Any, indices: list[int], step: int, round_: int) -> list[Any]:
     )
 
 
-def _score(cfg: Any, group: list[Any]) -> Scored:
-    """A group's rewards (its episodes the environment did not break), shaped and estimated."""
+def _model_scores(c: Any, groups: list[list[Any]], raw: list[float]) -> list[list[float] | None]:
+    """Per group, the reward model's shaped scores of its episodes the environment did not
+    break (`stages.rl.algo.shaping`), scored in one request to the reward role's ranks (the
+    raw scores appended to `raw`); None per group without a reward model."""
+    from stages.rl.algo.shaping import shape
+
+    if c.reward is None:
+        return [None] * len(groups)
+    ok = [[t for t in g if t.episode.error is None] for g in groups]
+    sequences = [t.ids for g in ok for t in g]
+    got = c.reward.score(sequences) if sequences else []
+    raw += got
+    shaped = shape(got, c.moments, c.cfg)
+    out: list[list[float] | None] = []
+    for g in ok:
+        out.append(shaped[: len(g)])
+        shaped = shaped[len(g) :]
+    return out
+
+
+def _score(cfg: Any, group: list[Any], model: list[float] | None = None) -> Scored:
+    """A group's rewards (its episodes the environment did not break), shaped and estimated;
+    with a reward model, `model` holds its shaped scores, mixed with the verifier's."""
     from stages.rl.algo.advantage import group_estimate, overlong_penalty
+    from stages.rl.algo.shaping import mix
 
     ok = [t for t in group if t.episode.error is None]
     penalties = [
@@ -163,12 +193,15 @@ def _score(cfg: Any, group: list[Any]) -> Scored:
         else 0.0
         for t in ok
     ]
-    rewards = [t.episode.total + p for t, p in zip(ok, penalties, strict=True)]
+    totals = [t.episode.total for t in ok]
+    if model is not None:
+        totals = [mix(s, v, cfg) for s, v in zip(model, totals, strict=True)]
+    rewards = [r + p for r, p in zip(totals, penalties, strict=True)]
     if not rewards:
         return Scored([], [], False, [])
     adv, signal = group_estimate(rewards, cfg.advantage, cfg.std_normalize)
-    verified = signal  # unshaped, the training rewards are the verifier's
-    if cfg.overlong_buffer:
+    verified = signal  # unshaped, and without a reward model, the training rewards are the
+    if cfg.overlong_buffer or (model is not None and cfg.verifier is not None):  # verifier's
         verified = group_estimate([t.episode.total for t in ok], "dr_grpo", False)[1]
     return Scored(adv, rewards, signal, penalties, verified)
 

@@ -6,15 +6,15 @@ folder `metrics.jsonl`, `rl.png`, `settings.json`, `rl_result.json`, `checkpoint
 roles' logs; the metrics dict.
 
 A step: the engine samples `rollout_batch_size` prompts x `num_repeats` with per-token
-log-probabilities -> the verifier scores them -> group advantages (uniform groups
-dropped) -> the actor's update -> the weights go to the engine (`stages.rl.sync`) and the
-engine's probe must score like the actor's -> next step. With `async_train` the engine
-samples batch k+1 with the previous weights while the actor trains on batch k (at most
-`async_queue_size` batches ahead; 0 is the synchronous order). Every `save_steps` the
-actor saves a checkpoint with the step and the weight version; a run started again
-resumes from the last one (same config and inputs), the engine loading the actor's
-weights before its first rollout. It is started (model, ranks, engines, first sync) by
-`stages.rl.controller.start`; the steps: `stages.rl.controller.loop`.
+log-probabilities -> the verifier (and the reward model's ranks) score them -> group
+advantages (uniform groups dropped) -> the actor's update -> the weights go to the engine
+(`stages.rl.sync`) and the engine's probe must score like the actor's -> next step. With
+`async_train` the engine samples batch k+1 with the previous weights while the actor trains
+on batch k (at most `async_queue_size` batches ahead; 0 is the synchronous order). Every
+`save_steps` the actor saves a checkpoint with the step and the weight version; a run
+started again resumes from the last one (same config and inputs), the engine loading the
+actor's weights before its first rollout. It is started (model, ranks, engines, first sync)
+by `stages.rl.controller.start`; the steps: `stages.rl.controller.loop`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.lib.config import VLLMBackend
 from stages.lib.io.jsonl import write_json
+from stages.rl.algo.shaping import RunningMoments
 from stages.rl.controller.loop import Batch, run_steps
 from stages.rl.controller.records import plot, read_metrics, write_settings
 from stages.rl.roles.launch import Roles
@@ -64,6 +65,8 @@ class Controller:
         self.critic: Any = None  # ppo: the critic's channel
         self.critic_thread: Any = None
         self.ref: Any = None  # kl_coef > 0, the ref role on devices of its own: its ranks
+        self.reward: Any = None  # reward_model: the reward role's ranks (`RewardRanks`)
+        self.moments = RunningMoments()  # normalize_reward: every score so far
         self.engine: Any = None
         self.engine_sleeps = self.engine_asleep = False
         self.version = 0
@@ -163,6 +166,8 @@ class Controller:
                 self.critic_thread.join(timeout=120)
         if self.ref is not None:
             self.ref.stop()
+        if self.reward is not None:
+            self.reward.stop()
         if self.actor_thread is not None:
             self.actor_thread.join(timeout=120)
         if self.roles.errors:
@@ -198,7 +203,12 @@ class Controller:
         return out
 
     def save(self, step: int) -> None:
-        state = {"step": step, "resume_key": self.resume_key, "version": self.version}
+        state = {
+            "step": step,
+            "resume_key": self.resume_key,
+            "version": self.version,
+            "reward_moments": self.moments.state(),
+        }
         tag = f"step_{step:08d}"
         if self.critic is not None:  # first: the actor's `latest` marks a complete checkpoint
             self.critic.request("save", {"tag": tag}, timeout_s=3600, alive=self.actor_alive)
@@ -209,6 +219,11 @@ class Controller:
             self.ctx.link.publish("vllm-stop", "1")  # the other workers' servers stop too
         if hasattr(self.engine, "close"):
             self.engine.close()  # vLLM servers stop with the stage, also when it fails
-        for end in (self.channel, self.critic, self.ref and self.ref.end):
+        for end in (
+            self.channel,
+            self.critic,
+            self.ref and self.ref.end,
+            self.reward and self.reward.end,
+        ):
             if end is not None:
                 end.close()

@@ -57,6 +57,8 @@ class Batch:
     solved: float = 0.0  # share of episodes with a turn earning the full reward
     rounds: int = 1  # generation rounds (dynamic sampling's refills after the first)
     overlong: float | None = None  # overlong_buffer: the mean penalty over the batch's answers
+    trained: list[list[float]] | None = None  # reward_model: each group's rewards as trained
+    scores: list[float] = field(default_factory=list)  # reward_model: its raw scores
 
 
 class Controller(Protocol):
@@ -182,17 +184,24 @@ def _row(
     train_s: float,
     held_out: float | None,
 ) -> dict[str, Any]:
-    flat = [r for group in batch.rewards for r in group]
+    flat = [r for group in batch.rewards for r in group]  # the verifier's (episodes' totals)
+    trained = flat if batch.trained is None else [r for g in batch.trained for r in g]
     groups = len(batch.rewards)
+    verified = c.cfg.verifier is not None or c.cfg.environment is not None
     lengths = [s.completion_len for s in batch.samples]
     return {
         "step": batch.step,
         "version": batch.version,
         "staleness": stale,
         "prompts": batch.indices,
-        "reward_mean": sum(flat) / len(flat) if flat else 0.0,
-        "reward_std": statistics.pstdev(flat) if len(flat) > 1 else 0.0,
-        "accuracy": sum(r >= 1.0 for r in flat) / len(flat) if flat else 0.0,
+        "reward_mean": sum(trained) / len(trained) if trained else 0.0,
+        "reward_std": statistics.pstdev(trained) if len(trained) > 1 else 0.0,
+        "accuracy": (sum(r >= 1.0 for r in flat) / len(flat) if flat else 0.0)
+        if verified
+        else None,
+        # reward_model: its scores before normalize_reward and reward_clip
+        "rm_score_mean": sum(batch.scores) / len(batch.scores) if batch.scores else None,
+        "rm_score_std": statistics.pstdev(batch.scores) if batch.scores else None,
         "solved": round(batch.solved, 4),
         "turns_mean": round(batch.turns, 3),
         "episodes_failed": batch.failed,
@@ -251,13 +260,14 @@ def _progress(c: Controller, row: dict[str, Any]) -> None:
         held += f", logprob diff {row['logprob_diff_mean']:.2g} (max {row['logprob_diff_max']:.2g})"
     if row["in_flight"] is not None:
         held += f", in flight {row['in_flight']:.0f} (peak {row['in_flight_peak']})"
+    accuracy = f"{row['accuracy']:.1%}" if row["accuracy"] is not None else "-"
     c.ctx.log.info(
-        "step %d/%d: reward %.3f, accuracy %.1f%%, %d/%d groups kept | gen %.2f s (%.0f tokens/s), "
+        "step %d/%d: reward %.3f, accuracy %s, %d/%d groups kept | gen %.2f s (%.0f tokens/s), "
         "train %.2f s, sync %.3f s, staleness %d%s",
         row["step"],
         c.total,
         row["reward_mean"],
-        100 * row["accuracy"],
+        accuracy,
         row["groups_kept"],
         len(row["prompts"]),
         row["gen_s"],

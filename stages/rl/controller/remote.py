@@ -1,6 +1,6 @@
 """A task of an rl stage on another worker than the controller's: it starts this worker's
-share of every role placed here (the actor's, critic's and reference's ranks; an engine
-when the `vllm` role holds devices here) and follows them.
+share of every role placed here (the actor's, critic's, reference's and reward model's
+ranks; an engine when the `vllm` role holds devices here) and follows them.
 
 Input: the stage's context (this task's slots, and the link to the controller's task,
 which publishes each role's spec file and each engine's spec). Output: the roles' ranks
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from stages.rl import RLConfig
 
 SPEC_TIMEOUT_S = 900.0
-TRAINED = ("actor", "critic", "ref")
+TRAINED = ("actor", "critic", "ref", "reward")
 
 
 def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:

@@ -50,6 +50,7 @@ def account(
         "model": (A, "the actor's and the engine's starting weights"),
         "verifier": _verifier(cfg),
         "environment": _environment(cfg),
+        **_scoring(cfg),
         "backend": _backend(cfg, device, engines),
         "num_repeats": (A, "samples per prompt (the group)"),
         "rollout_batch_size": (A, "prompts per step"),
@@ -285,7 +286,35 @@ def _verifier(cfg: RLConfig) -> tuple[str, str]:
     env = cfg.environment
     if env is not None and (env.url or (env.kind and ":" in env.kind)):
         return S, "the environment scores its own episodes"
+    if cfg.verifier is None:
+        return S, "none (null): the reward model alone scores the samples"
+    if cfg.reward_model is not None and cfg.reward_weights is None:
+        return A, f"held-out and per-step accuracy ({cfg.verifier.kind}); not in the reward"
     return A, f"scores every sample ({cfg.verifier.kind})"
+
+
+def _scoring(cfg: RLConfig) -> dict[str, tuple[str, str]]:
+    """The reward model's settings: each acts on its scores, or is skipped without one."""
+    none = (S, "no reward_model: the verifier's rewards")
+    if cfg.reward_model is None:
+        names = ("reward_model", "reward_weights", "normalize_reward", "reward_clip")
+        return {name: none for name in names}
+    w = cfg.reward_weights
+    return {
+        "reward_model": (A, "scores every sample on the reward role's ranks"),
+        "reward_weights": (
+            A,
+            f"reward = {w.reward_model:g} x the model's score + {w.verifier:g} x the verifier's",
+        )
+        if w is not None
+        else (S, "none: the reward is the model's score alone"),
+        "normalize_reward": (A, "scores normalised by their running mean and std")
+        if cfg.normalize_reward
+        else (S, "off: the model's scores as they are"),
+        "reward_clip": (A, f"scores clipped to [-{cfg.reward_clip:g}, {cfg.reward_clip:g}]")
+        if cfg.reward_clip is not None
+        else (S, "none: scores unclipped"),
+    }
 
 
 def _environment(cfg: RLConfig) -> tuple[str, str]:

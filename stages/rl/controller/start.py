@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.lib.config import VLLMBackend
 from stages.lib.distributed import resume
+from stages.rl.algo.shaping import RunningMoments
 from stages.rl.controller.records import resume_point
 from stages.rl.controller.settings import account
 from stages.rl.roles.launch import host_of
@@ -39,9 +40,15 @@ def init_model_dir(c: Controller) -> str:
         texts: list[str] = []
         for p in c.data.prompts:
             texts += [p] if isinstance(p, str) else [m["content"] for m in as_messages(p)]
-        texts += [str(r.get(c.cfg.verifier.answer_field, "")) for r in c.data.rows]
+        texts += [str(r.get(answer_field(c.cfg), "")) for r in c.data.rows]
         build_tiny_model(c.cfg.model, texts, path, seed=c.cfg.seed)
     return path
+
+
+def answer_field(cfg: Any) -> str:
+    """The rows' field holding a reference answer (the tiny model's tokenizer learns it, the
+    probe ends with it): the verifier's, or `answer` when no verifier scores."""
+    return cfg.verifier.answer_field if cfg.verifier is not None else "answer"
 
 
 def _resume_key(c: Controller, world: int, trainer: str) -> str:
@@ -54,6 +61,13 @@ def _resume(c: Controller, resume_key: str) -> tuple[str | None, int]:
     """The checkpoint tag to resume from and its step (None, 0: a fresh start)."""
     tag, step, version = resume_point(c.dir, resume_key, c.ctx.log)
     c.version = version if tag else c.version
+    if tag:  # normalize_reward goes on from the moments of every score before the checkpoint
+        import json
+
+        with open(f"{c.dir}/checkpoints/{tag}/rl_state.json", encoding="utf-8") as f:
+            moments = json.load(f).get("reward_moments")
+        if moments:
+            c.moments = RunningMoments(**moments)
     return tag, step
 
 
@@ -146,6 +160,10 @@ def start(c: Controller) -> int:
     c.actor_thread = c.roles.start("actor", spec, c.channel)
     if cfg.kl_coef > 0 and not ref_in_actor:  # started as the critic's ranks are
         c.ref = RefRanks(c.roles, c.host, spec, model_dir)
+    if cfg.reward_model is not None:  # its own ranks, on the reward role's devices
+        from stages.rl.roles.reward import RewardRanks
+
+        c.reward = RewardRanks(c.roles, c.host, spec, cfg.reward_model)
     if cfg.algorithm == "ppo":  # the critic: its own ranks, on the critic role's devices
         c.critic = StageEnd(c.host)
         c_world = c.roles.devices("critic")[1]
@@ -170,7 +188,7 @@ def start(c: Controller) -> int:
         c.engine = start_pool(c.ctx, local, join, c.roles.remote_alive)
     tok = c.engine.tokenizer
     row = c.data.rows[0]
-    c.probe = probe_ids(tok, c.data.prompts[0], str(row.get(cfg.verifier.answer_field, "")))
+    c.probe = probe_ids(tok, c.data.prompts[0], str(row.get(answer_field(cfg), "")))
     _account(c, trainer, device, world, saved)
     # the actor's optimizer states leave the GPU while the engine generates (sync steps)
     c.sleeps = cfg.deepspeed_enable_sleep and device == "cuda" and not cfg.async_train

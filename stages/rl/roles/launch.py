@@ -1,4 +1,4 @@
-"""Where an rl stage's trained roles (actor, critic, ref) run and how they are started.
+"""Where an rl stage's ranked roles (actor, critic, ref, reward) run and how they are started.
 
 Input: the stage's context (its slots: which workers hold each role's devices), its
 config and folder. Output: each role's ranks started as one torch.distributed job across
@@ -120,7 +120,8 @@ class Roles:
     def records(self) -> dict[str, list[dict[str, Any]]]:
         """What every rank of each trained role recorded it was given (rank, world size,
         node, worker, ...)."""
-        found = {role: records_of(self.dir, role) for role in ("actor", "critic", "ref")}
+        roles = ("actor", "critic", "ref", "reward")
+        found = {role: records_of(self.dir, role) for role in roles}
         return {role: recs for role, recs in found.items() if recs}
 
 

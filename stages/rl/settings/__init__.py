@@ -5,6 +5,7 @@ of `stages.rl.RLConfig`, which derives from every group, adds what the stage rea
 and holds the rules that tie the groups together (`check`, `derive`, `memory_needs`).
 
 - `rollout`: the engine, how answers are scored, what a step samples.
+- `scoring`: the reward model and how its score becomes the reward.
 - `optim`: the actor's optimisation: batch sizes, learning rate and schedule, sequence
   length, the memory savers of its forward and backward, its dtype.
 - `distributed`: where and how the trained roles' ranks run (trainer, ranks, threads, ZeRO,

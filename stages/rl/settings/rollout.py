@@ -17,7 +17,11 @@ from stages.lib.env.field import EnvironmentConfig
 class RolloutSettings(StageConfig):
     """Where a step's samples come from, how many, and how they are scored."""
 
-    verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
+    verifier: Verifier | None = Field(
+        default_factory=Verifier,
+        description="How answers are scored; empty (null): none, the reward_model alone scores "
+        "them.",
+    )
     environment: EnvironmentConfig | None = Field(
         None,
         description="A multi-turn environment each episode talks to (docs/rl/environments.md); "
