@@ -322,21 +322,22 @@ def _trainer_parts(
     need: MemoryNeed, shape: ModelShape, dp: int, per_node: int, cpu: bool
 ) -> tuple[dict[str, int], int]:
     if need.lora_rank:
-        return _lora_parts(need, shape, dp, per_node, cpu)
-    parts, host = model_states(
-        shape.params,
-        shape.largest_layer_params,
-        need.zero_stage,
-        dp,
-        per_node,
-        need.adam_offload,
-        need.bf16,
-    )
-    parts["activations"] = activations(
+        parts, host = _lora_parts(need, shape, dp, per_node, cpu)
+    else:
+        parts, host = model_states(
+            shape.params,
+            shape.largest_layer_params,
+            need.zero_stage,
+            dp,
+            per_node,
+            need.adam_offload,
+            need.bf16,
+        )
+        parts["buffers"] = buffers(
+            shape, need.zero_stage, dp, need.adam_offload, need.bf16, need.overlap_comm, cpu
+        )
+    parts["activations"] = activations(  # the full model's, adapters or not
         shape, need.micro_batch, need.seq_len, need.gradient_checkpointing, need.bf16
-    )
-    parts["buffers"] = buffers(
-        shape, need.zero_stage, dp, need.adam_offload, need.bf16, need.overlap_comm, cpu
     )
     return parts, host
 
@@ -346,16 +347,12 @@ def _lora_parts(
 ) -> tuple[dict[str, int], int]:
     """A LoRA trainer: the frozen base whole on every rank in the training dtype, and the model
     states of the table for the adapters alone (their gradients, fp32 master and Adam's m, v:
-    the base has none); buffers sized on the adapters, activations as the full model's."""
+    the base has none); buffers sized on the adapters."""
     adapters, largest = lora_params(shape, need.lora_rank, need.lora_targets)
     parts, host = model_states(
         adapters, largest, need.zero_stage, dp, per_node, need.adam_offload, need.bf16
     )
-    w = 2 if need.bf16 else 4
-    parts["weights"] = w * (shape.params + adapters)
-    parts["activations"] = activations(
-        shape, need.micro_batch, need.seq_len, need.gradient_checkpointing, need.bf16
-    )
+    parts["weights"] = (2 if need.bf16 else 4) * (shape.params + adapters)
     small = replace(shape, params=adapters, largest_layer_params=largest)
     parts["buffers"] = buffers(
         small, need.zero_stage, dp, need.adam_offload, need.bf16, need.overlap_comm, cpu
