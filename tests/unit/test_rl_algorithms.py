@@ -328,6 +328,7 @@ def controller(engine: Any, verifier: Verifier, **cfg: Any) -> Any:
         stream=Stream(len(ROWS), config.rollout_batch_size, config.seed),
         make_env=environment_factory(None, config.verifier),
         version=1,
+        reward=None,  # no reward model: the verifier scores
         ctx=SimpleNamespace(log=logging.getLogger("test")),
     )
 

@@ -94,6 +94,7 @@ def controller(
         stream=Stream(len(ROWS), config.rollout_batch_size, config.seed),
         make_env=environment_factory(config.environment, config.verifier),
         version=3,
+        reward=None,  # no reward model: the verifier scores
         ctx=SimpleNamespace(log=logging.getLogger("test")),
         evals=SimpleNamespace(rows=ROWS),
         first_turn=None,

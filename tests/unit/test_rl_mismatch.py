@@ -83,6 +83,7 @@ def rollout_samples(model_dir: str, temperature: float) -> list[Any]:
         stream=Stream(len(ROWS), cfg.rollout_batch_size, cfg.seed),
         make_env=environment_factory(None, CHANCE),
         version=0,
+        reward=None,  # no reward model: the verifier scores
         ctx=SimpleNamespace(log=logging.getLogger("test")),
     )
     samples = rollout(c, 1).samples

@@ -163,6 +163,7 @@ def test_a_sample_trains_one_behaviour_log_prob_per_completion_token(
         stream=Stream(2, 2, 0),
         make_env=environment_factory(None, cfg.verifier.model_copy(update={"kind": "exact_match"})),
         version=0,
+        reward=None,  # no reward model: the verifier scores
         ctx=SimpleNamespace(log=logging.getLogger("test")),
     )
     samples = rollout(c, 1).samples
@@ -233,6 +234,7 @@ def test_every_step_records_what_was_in_flight(server: Any):
         stream=Stream(4, 4, 0),
         make_env=environment_factory(None, cfg.verifier.model_copy(update={"kind": "exact_match"})),
         version=0,
+        reward=None,  # no reward model: the verifier scores
         ctx=SimpleNamespace(log=logging.getLogger("test")),
     )
     engine.tokenizer = _Chat()
