@@ -147,6 +147,41 @@ def test_an_episodes_ids_are_the_templates_rendering(family, family_checkpoint, 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_an_episode_with_sampled_whitespace_is_the_templates_rendering_up_to_its_answer(
+    family, family_checkpoint
+):
+    """Issue 45 point 7: Llama 3's and Gemma's templates trim an answer. Each turn is asked
+    from the template's rendering of the conversation so far (as evaluate and collect ask
+    it), the episode's ids up to its last answer are that rendering, the last answer is as
+    sampled; an earlier answer is trained, with its sampled log-probs, only where its tokens
+    in the rendering are the sampled ones (the closing of a cut one outside the loss)."""
+    tok = tokenizer(family, family_checkpoint)
+    end = answer_end(tok)
+    texts = [" 4\n", "It is 4 and", "4 "]
+    answers = [
+        encode(tok, texts[0]) + list(end.ids),
+        encode(tok, texts[1]),  # cut at max_new_tokens: the template closes it
+        encode(tok, texts[2]) + list(end.ids),
+    ]
+    group, engine = play(tok, answers)
+    trims = family in ("llama3", "gemma")
+    for t in group:
+        assert t.episode.end == "done"
+        messages = t.episode.messages
+        assert [m["content"] for m in messages if m["role"] == "assistant"] == texts
+        asked = rendered(tok, messages[:-1], add_generation_prompt=True)
+        assert t.ids == asked + answers[2]
+        assert engine.prompts[-1] == asked  # turn 3 asked from the template's rendering
+        if not trims:
+            assert t.ids == rendered(tok, messages)[: len(t.ids)]
+        tail = t.ids[t.prompt_len :]
+        trained = runs(t.mask, tail)
+        expected = [answers[1], answers[2]] if trims else [answers[0], answers[1], answers[2]]
+        assert trained == expected
+        assert t.logprobs == [LOGPROB if m else 0.0 for m in t.mask]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_the_next_turns_prompt_is_the_same_in_rl_evaluate_and_collect(
     family, family_checkpoint, monkeypatch
 ):

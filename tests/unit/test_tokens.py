@@ -179,6 +179,48 @@ def test_an_sft_row_of_a_conversation_is_the_chat_templates_tokens(family, famil
     assert turns == [tok(t, add_special_tokens=False)["input_ids"] + closing for t in "58"]
 
 
+# answers as a sampler writes them: whitespace around them, which Llama 3's and Gemma's
+# templates trim (`| trim`) and ChatML's and Mistral's keep
+SAMPLED = [" 5\n", "  And 8 ", "8\n\n"]
+TRIMS = {"chatml": False, "llama3": True, "gemma": True, "mistral": False, "tiny": False}
+
+
+def spoken(family: str, text: str) -> str:
+    """An answer's text as the family's template renders it."""
+    return text.strip() if TRIMS[family] else text
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "tiny"])
+def test_rows_with_sampled_whitespace_are_the_chat_templates_tokens(family, family_checkpoint):
+    """Issue 45 point 7: an RFT row, a chat row and a conversation of collect's with sampled
+    whitespace train the template's rendering of the conversation (the trimmed answer where
+    the template trims), each assistant turn's range its rendered text and closing token."""
+    tok = tokenizer_of(family, family_checkpoint)
+    closing = list(answer_end(tok).ids)
+    talk = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": SAMPLED[0]},
+        {"role": "user", "content": "And 4 + 4?"},
+        {"role": "assistant", "content": SAMPLED[1]},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": SAMPLED[2]},
+    ]
+    rows = [
+        ({"prompt": QUESTION, "completion": SAMPLED[0], "reward": 1.0}, talk[:2]),
+        ({"messages": talk[:2]}, talk[:2]),
+        ({"messages": talk, "turns": 3, "end": "done"}, talk),
+    ]
+    for row, messages in rows:
+        example = sft_example(tok, [row])
+        assert list(example.input_ids) == rendered_ids(tok, messages), row
+        turns = [example.input_ids[a:b] for a, b in example.trained()]
+        said = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert len(turns) == len(said)
+        for ids, text in zip(turns, said, strict=True):
+            assert list(ids[len(ids) - len(closing) :]) == closing
+            assert tok.decode(ids[: len(ids) - len(closing)]) == spoken(family, text)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_vllm_answer_stopped_on_another_stop_token_gets_no_unsampled_eos(
     family, family_checkpoint
