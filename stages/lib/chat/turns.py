@@ -45,7 +45,8 @@ class Turns:
     spans: tuple[tuple[int, int] | None, ...]
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many ids `a` and `b` share from the start."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -64,7 +65,7 @@ def render_turns(
     """Each conversation's `Turns` (module docstring); the tokenizer runs once, batched."""
     rest = answer_end(tokenizer).rest
     texts: list[str] = []
-    plans: list[tuple[str, list[tuple[int, bool, bool]]]] = []
+    plans: list[list[tuple[int, bool, bool]]] = []
     for messages in conversations:
         full = render(tokenizer, messages, add_generation_prompt=generation_prompt)
         texts.append(full)
@@ -78,18 +79,18 @@ def render_turns(
                 upto = upto[: len(upto) - len(rest)]
             turns.append((len(texts), full.startswith(head), full.startswith(upto)))
             texts += [head, upto]
-        plans.append((full, turns))
+        plans.append(turns)
     encoded = _encode(tokenizer, texts) if texts else []
     out = []
     at = 0
-    for (full, turns), messages in zip(plans, conversations, strict=True):
+    for turns, messages in zip(plans, conversations, strict=True):
         ids = encoded[at]
         at += 1 + 2 * len(turns)
         spans: list[tuple[int, int] | None] = []
         for k, head_ok, upto_ok in turns:
-            head, upto = encoded[k], encoded[k + 1]
-            start, end = _common(head, ids), _common(upto, ids)
-            if head_ok and upto_ok and end == len(upto) and start < end:
+            before, through = encoded[k], encoded[k + 1]
+            start, end = common_prefix(before, ids), common_prefix(through, ids)
+            if head_ok and upto_ok and end == len(through) and start < end:
                 spans.append((start, end))
             else:
                 spans.append(None)

@@ -28,15 +28,17 @@ trained as sampled, and the conversation before it is the template's rendering.
   policy gradient is taken on what the policy sampled (on-policy), as verl's and OpenRLHF's
   token-in, token-out multi-turn rollouts do. A one-turn rollout is the engine's answer,
   number for number.
-- An earlier answer's tokens in the rendering are trained with the log-probs they were
-  sampled with where they are the sampled ids: all of its range when the template reproduces
-  them (the usual case), its content alone when only the closing differs (an answer cut at
-  `max_new_tokens`, or stopped on another end-of-sequence id: the template's closing is
-  then outside the loss). Where the template rewrote the answer (trimmed whitespace), its
-  tokens were not sampled: they stay in the sequence, as the model is shown them on the
-  next turn, outside the loss (mask 0, behaviour log-prob 0.0). No token is trained that the
-  engine did not sample, and no token is in a sequence that the engine did not sample or the
-  template did not write.
+- An earlier answer's tokens in the rendering are trained, with the log-probs they were
+  sampled with, as far as they are the sampled ids: the longest prefix they share. That is
+  all of the answer when the template reproduces it (the usual case); its content without
+  the template's closing when the answer was cut at `max_new_tokens` or stopped on another
+  end-of-sequence id; what comes before the first token the template rewrote (whitespace it
+  trimmed, text that re-tokenises otherwise: a random model's broken UTF-8). A prefix of a
+  sampled answer, in the context it was sampled in, is on-policy on its own; the rest of the
+  rendering stays in the sequence, as the model is shown it on the next turn, outside the
+  loss (mask 0, behaviour log-prob 0.0). No token is trained that the engine did not
+  sample, and no token is in a sequence that the engine did not sample or the template did
+  not write.
 
 So an episode whose answers render as sampled (`answer_end` of `stages.lib.chat.tokens`
 closing them) is `apply_chat_template(messages)` token for token, less the text after the
@@ -53,8 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.lib.chat.prompt import TokenPrompt
-from stages.lib.chat.tokens import answer_end
-from stages.lib.chat.turns import Turns, render_turns
+from stages.lib.chat.turns import Turns, common_prefix, render_turns
 from stages.lib.env.contract import Environment, Episode, take_turn
 from stages.lib.env.message_play import open_all
 
@@ -194,18 +195,15 @@ async def _steps(tokenizer: Any, going: list[Trace], s: PlaySettings) -> None:
         if len(turns.ids) >= s.max_length:  # no room left for the model's answer
             t.episode.done, t.episode.end = True, "length"
             return
-        retrace(t, turns, answer_end(tokenizer).ids, _specials(tokenizer))
+        retrace(t, turns)
 
     await asyncio.gather(*(one(t) for t in going))
 
 
-def _specials(tokenizer: Any) -> set[int]:
-    return {int(i) for i in getattr(tokenizer, "all_special_ids", None) or ()}
-
-
-def retrace(t: Trace, turns: Turns, closing: Sequence[int], specials: set[int]) -> None:
+def retrace(t: Trace, turns: Turns) -> None:
     """`t` as the template's rendering `turns` of its conversation so far, each earlier
-    answer trained where its tokens there are the ones sampled (module docstring)."""
+    answer trained on the longest prefix of its tokens there that are the ones sampled
+    (module docstring)."""
     ids = list(turns.ids)
     first = turns.spans[0] if turns.spans else None
     start = min(t.prompt_len, first[0]) if first is not None else t.prompt_len
@@ -215,13 +213,7 @@ def retrace(t: Trace, turns: Turns, closing: Sequence[int], specials: set[int]) 
         if span is None:
             continue
         a, b = span
-        shown = ids[a:b]
-        if shown == list(sampled):
-            keep = len(shown)
-        else:
-            body = list(sampled[:-1]) if sampled and sampled[-1] in specials else list(sampled)
-            closed = bool(closing) and shown[len(shown) - len(closing) :] == list(closing)
-            keep = len(body) if closed and shown[: len(shown) - len(closing)] == body else 0
+        keep = common_prefix(ids[a:b], sampled)
         for k in range(keep):
             mask[a - start + k], logprobs[a - start + k] = 1, lps[k]
     t.ids, t.prompt_len, t.mask, t.logprobs = ids, start, mask, logprobs
