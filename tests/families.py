@@ -11,7 +11,6 @@ where it needs the released vocabulary) and gets the checkpoint's folder; parame
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,13 +22,12 @@ SIZES = {"hidden_size": 32, "num_layers": 2, "num_heads": 4}
 
 def real_vocab_missing(family: str) -> str | None:
     """Why the family's real vocabulary cannot be built here (None: it can)."""
-    from stages.lib.builders.conventions import FAMILIES as SPECS
+    from stages.lib.builders.conventions import real_vocab_file
 
-    shipped = SPECS[family].real_vocab
-    if shipped is None:
-        return f"no package ships {family}'s vocabulary"
-    if importlib.util.find_spec(shipped[0]) is None:
-        return f"{family}'s real vocabulary needs the package {shipped[0].replace('_', '-')}"
+    try:
+        real_vocab_file(family)
+    except ValueError as e:
+        return str(e)
     return None
 
 

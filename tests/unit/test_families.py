@@ -228,6 +228,7 @@ REAL = {
     # family: (config vocab_size, ids of "Hello world!", end-of-turn token and id)
     "chatml": (151936, [9707, 1879, 0], ("<|im_end|>", 151645)),
     "llama3": (128256, [9906, 1917, 0], ("<|eot_id|>", 128009)),
+    "mistral": (32000, [22557, 1526, 28808], ("</s>", 2)),
 }
 
 
@@ -246,7 +247,8 @@ def test_real_vocabulary_gives_the_releases_ids(family_checkpoint: Build, family
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
     assert tok.apply_chat_template(CONVERSATION, tokenize=False) == RENDERED[family]
     gen = json.loads((path / "generation_config.json").read_text())
-    assert end_id in gen["eos_token_id"]
+    stops = gen["eos_token_id"]
+    assert end_id in (stops if isinstance(stops, list) else [stops])
 
 
 def test_a_model_block_with_a_family_builds_that_family(tmp_path: Path):

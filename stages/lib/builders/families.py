@@ -24,10 +24,13 @@ in `templates/README.md`). The small vocabulary is a byte-level BPE trained loca
 (`stages.lib.builders.bpe.train_bpe`, digits one per token, as the tiny model's) plus the family's
 special token strings; Gemma's and Mistral's real vocabularies are SentencePiece, which the
 small one does not imitate beyond those strings and the bos/eos/pad conventions.
-`vocab="real"` reads Qwen's BPE ranks from `dashscope` (`qwen.tiktoken`) and Llama 3's from
-`llama-models` (`llama3/tokenizer.model`): installed packages, found without importing
-them. No package ships Gemma's; Mistral's (`mistral-common`) needs sentencepiece to convert,
-and transformers changes how it loads Mistral tokenizers once mistral-common is installed.
+`vocab="real"` reads the release's own vocabulary from an installed package, found without
+importing it: Qwen's BPE ranks from `dashscope` (`qwen.tiktoken`), Llama 3's from
+`llama-models` (`llama3/tokenizer.model`), and Mistral-7B-Instruct-v0.1/v0.2's SentencePiece
+model (32,000 pieces, byte fallback) from `mistral-common` (`data/tokenizer.model.v1`),
+converted as the release's `tokenizer.json` has it (a `▁` before each text between special
+tokens: "legacy"). The checkpoint has no `tekken.json`, so transformers loads it with its
+`tokenizer.json` even where mistral-common is installed.
 
 Nothing here imports torch or transformers at import time.
 """
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.lib.builders.bpe import tiktoken_bpe, train_bpe
+from stages.lib.builders.bpe import spm_bpe, spm_pieces, tiktoken_bpe, train_bpe
 from stages.lib.builders.conventions import (
     DEFAULT_TEXTS,
     DTYPES,
@@ -83,9 +86,12 @@ _PATTERNS = {
 
 def _real_tokenizer(fam: Family) -> Any:
     """The released BPE with the family's pre-tokenizer, and its special tokens at the
-    release's ids, after the ranks."""
+    release's ids, after the ranks (a SentencePiece model: its own pieces, control pieces
+    special, as transformers converts it)."""
     from tokenizers import AddedToken
 
+    if fam.real_format == "spm":
+        return spm_bpe(spm_pieces(real_vocab_file(fam.name)), dummy_prefix=True)
     tok = tiktoken_bpe(
         real_vocab_file(fam.name), _PATTERNS[fam.name], ignore_merges=fam.name == "llama3"
     )

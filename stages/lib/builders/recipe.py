@@ -59,8 +59,9 @@ class FamilyModel(Block):
     vocab: Literal["small", "real"] = Field(
         "small",
         description="small: a byte-level BPE of vocab_size trained on the stage's texts, with "
-        "the family's special tokens; real: the release's vocabulary (chatml and llama3 only, "
-        "read from the installed 'dashscope' and 'llama-models' packages).",
+        "the family's special tokens; real: the release's vocabulary (chatml, llama3 and "
+        "mistral, read from the installed 'dashscope', 'llama-models' and 'mistral-common' "
+        "packages).",
     )
     dtype: Literal["bfloat16", "float32", "float16"] = Field(
         "bfloat16", description="Precision of the saved weights (the releases' is bfloat16)."
