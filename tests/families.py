@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,3 +48,20 @@ def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[...,
         return built[family, vocab]
 
     return get
+
+
+_LOADED: dict[Path, Any] = {}
+
+
+def family_tokenizer(family_checkpoint: Callable[..., Path], family: str) -> Any:
+    """The tokenizer of `family`'s checkpoint, `<family>-real` that of its release's vocabulary:
+    loaded once per session then (a 262,144-token one takes seconds), so not to be changed."""
+    from transformers import AutoTokenizer
+
+    name, _, real = family.partition("-")
+    path = family_checkpoint(name, vocab=real or "small")
+    if not real:
+        return AutoTokenizer.from_pretrained(path)
+    if path not in _LOADED:
+        _LOADED[path] = AutoTokenizer.from_pretrained(path)
+    return _LOADED[path]

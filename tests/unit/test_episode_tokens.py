@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from stages.lib.chat.prompt import prompt_ids
 from stages.lib.chat.tokens import answer_end
 from stages.lib.model.generate import Generation
-from tests.families import FAMILIES
+from tests.families import FAMILIES, family_tokenizer
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -81,15 +81,12 @@ def generation(tok: Any, ids: list[int], prompt: list[int]) -> Generation:
     )
 
 
-# every family, and mistral with its release's SentencePiece vocabulary
-ALL = [*FAMILIES, "mistral-real"]
+# every family, and mistral and gemma with their releases' SentencePiece vocabularies
+ALL = [*FAMILIES, "mistral-real", "gemma-real"]
 
 
 def tokenizer(family: str, family_checkpoint: Callable[..., Path]) -> Any:
-    from transformers import AutoTokenizer
-
-    name, _, real = family.partition("-")
-    return AutoTokenizer.from_pretrained(family_checkpoint(name, vocab=real or "small"))
+    return family_tokenizer(family_checkpoint, family)
 
 
 def rendered(tok: Any, messages: list[dict[str, str]], **kw: Any) -> list[int]:
@@ -173,7 +170,7 @@ def test_an_episode_with_sampled_whitespace_is_the_templates_rendering_up_to_its
     in the rendering are the sampled ones (the closing of a cut one outside the loss)."""
     tok = tokenizer(family, family_checkpoint)
     end = answer_end(tok)
-    trims = family in ("llama3", "gemma")
+    trims = family.partition("-")[0] in ("llama3", "gemma")
 
     def sampled(text: str) -> list[int]:  # the whitespace a template trims, as sampled
         core = text.rstrip()

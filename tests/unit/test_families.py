@@ -229,6 +229,7 @@ REAL = {
     "chatml": (151936, [9707, 1879, 0], ("<|im_end|>", 151645)),
     "llama3": (128256, [9906, 1917, 0], ("<|eot_id|>", 128009)),
     "mistral": (32000, [22557, 1526, 28808], ("</s>", 2)),
+    "gemma": (262144, [9259, 1902, 236888], ("<end_of_turn>", 106)),
 }
 
 
@@ -283,10 +284,6 @@ def test_a_stage_reads_a_model_block_by_its_keys():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        (
-            {"family": "gemma", "vocab": "real"},
-            "no package ships the real vocabulary of family 'gemma'; use vocab 'small'",
-        ),
         (
             {"family": "chatml", "vocab_size": 270},
             "vocab_size 270 is below 278: 256 bytes and the 22 special tokens of family 'chatml'",

