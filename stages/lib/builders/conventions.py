@@ -223,10 +223,7 @@ def real_vocab_file(family: str) -> Path:
 
     The package is located, not imported. A ValueError says which package to install."""
     fam = FAMILIES[family]
-    if fam.real_vocab is None:
-        raise ValueError(
-            f"no package ships the real vocabulary of family '{family}'; use vocab 'small'"
-        )
+    assert fam.real_vocab is not None  # every family's release ships one
     package, rel = fam.real_vocab
     spec = importlib.util.find_spec(package)
     folders = list(spec.submodule_search_locations or []) if spec is not None else []

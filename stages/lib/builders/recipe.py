@@ -97,10 +97,6 @@ class FamilyModel(Block):
                 f"num_heads {self.num_heads} must divide hidden_size {self.hidden_size}"
             )
         fam = FAMILIES[self.family]
-        if self.vocab == "real" and fam.real_vocab is None:
-            raise ValueError(
-                f"no package ships the real vocabulary of family '{self.family}'; use vocab 'small'"
-            )
         floor = 256 + len(fam.specials) + len(fam.plain)
         if self.vocab == "small" and self.vocab_size < floor:
             raise ValueError(
