@@ -74,7 +74,8 @@ def render_turns(
             if m.get("role") != "assistant":
                 continue
             head = render(tokenizer, messages[:i], add_generation_prompt=True)
-            upto = render(tokenizer, messages[: i + 1])
+            last = i == len(messages) - 1 and not generation_prompt
+            upto = full if last else render(tokenizer, messages[: i + 1])
             if rest and upto.endswith(rest):
                 upto = upto[: len(upto) - len(rest)]
             turns.append((len(texts), full.startswith(head), full.startswith(upto)))
