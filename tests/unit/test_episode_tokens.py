@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from stages.lib.chat.prompt import prompt_ids
 from stages.lib.chat.tokens import answer_end
 from stages.lib.model.generate import Generation
-from tests.families import FAMILIES
+from tests.families import FAMILIES, family_tokenizer
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -81,10 +81,12 @@ def generation(tok: Any, ids: list[int], prompt: list[int]) -> Generation:
     )
 
 
-def tokenizer(family: str, family_checkpoint: Callable[..., Path]) -> Any:
-    from transformers import AutoTokenizer
+# every family, and mistral and gemma with their releases' SentencePiece vocabularies
+ALL = [*FAMILIES, "mistral-real", "gemma-real"]
 
-    return AutoTokenizer.from_pretrained(family_checkpoint(family))
+
+def tokenizer(family: str, family_checkpoint: Callable[..., Path]) -> Any:
+    return family_tokenizer(family_checkpoint, family)
 
 
 def rendered(tok: Any, messages: list[dict[str, str]], **kw: Any) -> list[int]:
@@ -94,6 +96,17 @@ def rendered(tok: Any, messages: list[dict[str, str]], **kw: Any) -> list[int]:
 
 def encode(tok: Any, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def answer_ids(tok: Any, text: str) -> list[int]:
+    """The ids of `text` as an answer: as the template renders it after the question (a
+    SentencePiece tokenizer puts a `▁` before a text tokenized alone, not after `[/INST]`)."""
+    question = [{"role": "user", "content": QUESTION}]
+    head = rendered(tok, question, add_generation_prompt=True)
+    full = rendered(tok, [*question, {"role": "assistant", "content": text}])
+    end = encode(tok, answer_end(tok).text)
+    assert full[: len(head)] == head and full[len(full) - len(end) :] == end
+    return full[len(head) : len(full) - len(end)]
 
 
 def play(tok: Any, answers: list[list[int]], role: str = "user", max_length: int = 512) -> Any:
@@ -117,7 +130,7 @@ def runs(mask: list[int], ids: list[int]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("last", ["closed", "cut"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL)
 def test_an_episodes_ids_are_the_templates_rendering(family, family_checkpoint, last):
     """Three turns: closed, cut (closed by the template before the observation), then the
     last one closed or cut; the loss mask is 1 exactly on the sampled tokens."""
@@ -125,9 +138,9 @@ def test_an_episodes_ids_are_the_templates_rendering(family, family_checkpoint, 
     end = answer_end(tok)
     texts = ["4", "It is 4 and", "The answer is 4"]
     answers = [
-        encode(tok, texts[0]) + list(end.ids),
-        encode(tok, texts[1]),  # cut at max_new_tokens: no closing token
-        encode(tok, texts[2]) + (list(end.ids) if last == "closed" else []),
+        answer_ids(tok, texts[0]) + list(end.ids),
+        answer_ids(tok, texts[1]),  # cut at max_new_tokens: no closing token
+        answer_ids(tok, texts[2]) + (list(end.ids) if last == "closed" else []),
     ]
     group, _ = play(tok, answers)
     for t in group:
@@ -146,7 +159,53 @@ def test_an_episodes_ids_are_the_templates_rendering(family, family_checkpoint, 
         assert t.logprobs == [LOGPROB if m else 0.0 for m in t.mask]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL)
+def test_an_episode_with_sampled_whitespace_is_the_templates_rendering_up_to_its_answer(
+    family, family_checkpoint
+):
+    """Issue 45 point 7: Llama 3's and Gemma's templates trim an answer. Each turn is asked
+    from the template's rendering of the conversation so far (as evaluate and collect ask
+    it), the episode's ids up to its last answer are that rendering, the last answer is as
+    sampled; an earlier answer is trained, with its sampled log-probs, only where its tokens
+    in the rendering are the sampled ones (the closing of a cut one outside the loss)."""
+    tok = tokenizer(family, family_checkpoint)
+    end = answer_end(tok)
+    trims = family.partition("-")[0] in ("llama3", "gemma")
+
+    def sampled(text: str) -> list[int]:  # the whitespace a template trims, as sampled
+        core = text.rstrip()
+        if not trims:
+            return answer_ids(tok, text)
+        return answer_ids(tok, core) + encode(tok, text[len(core) :])
+
+    texts = ["4\n ", "It is 4 and", "4 "]
+    answers = [
+        sampled(texts[0]) + list(end.ids),
+        sampled(texts[1]),  # cut at max_new_tokens: the template closes it
+        sampled(texts[2]) + list(end.ids),
+    ]
+    group, engine = play(tok, answers)
+    assert all(answers), "every answer has tokens of its own"
+    for t in group:
+        assert t.episode.end == "done"
+        messages = t.episode.messages
+        assert [m["content"] for m in messages if m["role"] == "assistant"] == texts
+        asked = rendered(tok, messages[:-1], add_generation_prompt=True)
+        assert t.ids == asked + answers[2]
+        assert engine.prompts[-1] == asked  # turn 3 asked from the template's rendering
+        if not trims:
+            assert t.ids == rendered(tok, messages)[: len(t.ids)]
+        tail = t.ids[t.prompt_len :]
+        trained = runs(t.mask, tail)
+        # the trimmed first answer: trained up to its first token the template rewrote
+        assert answer_ids(tok, "4") == answers[0][:1]
+        first = answers[0][:1] if trims else answers[0]
+        expected = [first, answers[1], answers[2]]
+        assert trained == expected
+        assert t.logprobs == [LOGPROB if m else 0.0 for m in t.mask]
+
+
+@pytest.mark.parametrize("family", ALL)
 def test_the_next_turns_prompt_is_the_same_in_rl_evaluate_and_collect(
     family, family_checkpoint, monkeypatch
 ):
@@ -159,7 +218,7 @@ def test_the_next_turns_prompt_is_the_same_in_rl_evaluate_and_collect(
     from stages.lib.model import generate
 
     tok = tokenizer(family, family_checkpoint)
-    answers = [encode(tok, "It is 4 and"), encode(tok, "4") + list(answer_end(tok).ids)]
+    answers = [answer_ids(tok, "It is 4 and"), answer_ids(tok, "4") + list(answer_end(tok).ids)]
     group, engine = play(tok, answers)
     rl_turn2 = engine.prompts[-1]
 
@@ -188,7 +247,7 @@ def test_the_next_turns_prompt_is_the_same_in_rl_evaluate_and_collect(
 def test_an_observation_the_template_refuses_fails_the_episode(family, family_checkpoint):
     """Gemma's and Mistral's templates take user and assistant turns only, alternating."""
     tok = tokenizer(family, family_checkpoint)
-    answers = [encode(tok, "4") + list(answer_end(tok).ids)] * 2
+    answers = [answer_ids(tok, "4") + list(answer_end(tok).ids)] * 2
     group, _ = play(tok, answers, role="system")
     for t in group:
         if family in ("gemma", "mistral"):

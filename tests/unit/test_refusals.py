@@ -299,14 +299,20 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ("p.yaml:3:52: stages.t.config.model: num_heads 3 must divide hidden_size 128",),
         )
     ),
-    ("stages/lib/builders/conventions.py", "no package ships the real vocabulary"): plan(
-        Case(
-            TINY.format(config="model: {family: gemma, vocab: real}"),
-            (
-                "p.yaml:3:52: stages.t.config.model: no package ships the real vocabulary of "
-                "family 'gemma'; use vocab 'small'",
-            ),
-        )
+    ("stages/lib/builders/spm.py", "{}: not a SentencePiece BPE model"): environment(
+        "the installed package's vocabulary file is not the release's (a broken install)"
+    ),
+    ("stages/lib/builders/spm.py", "the GGUF header ends early"): environment(
+        "the installed GGUF part is cut short (a broken install)"
+    ),
+    ("stages/lib/builders/spm.py", "{}: not a GGUF file"): environment(
+        "the installed package's vocabulary file is not the release's (a broken install)"
+    ),
+    ("stages/lib/builders/spm.py", "{}: an unknown GGUF version"): environment(
+        "the installed package's vocabulary file is not the release's (a broken install)"
+    ),
+    ("stages/lib/builders/spm.py", "{}: not a SentencePiece vocabulary"): environment(
+        "the installed package's vocabulary file is not the release's (a broken install)"
     ),
     ("stages/lib/builders/conventions.py", "vocab 'real' for family '{}' reads {} fr"): environment(
         "the package shipping the vocabulary is installed, or not, where the stage runs"

@@ -155,12 +155,20 @@ def test_retry_episodes_mask_the_feedback_and_give_a_second_turn(engine: Any):
     for s in second:
         completion = s.ids[s.prompt_len :]
         assert len(s.mask) == len(completion) == len(s.old_logprobs)
-        hidden = [t for t, m in zip(completion, s.mask, strict=True) if not m]
-        # a first answer cut at max_output_tokens is closed as the template closes it
-        closed = completion[s.mask.index(0) - 1] == tok.convert_tokens_to_ids("<|eos|>")
-        assert tok.decode(hidden, skip_special_tokens=False).replace(" ", "") == (
-            ("" if closed else "<|eos|>") + "<|user|>wrong,tryagain<|assistant|>"
-        )
+        # the first answer is trained as far as the template's rendering of it is the ids
+        # sampled: a cut one is closed as the template closes it, outside the loss, and a
+        # random model's answer that re-tokenises otherwise keeps the rest outside too
+        mask = list(s.mask)
+        i = mask.index(0)
+        j = i + mask[i:].index(1)
+        assert all(mask[j:])
+        closed = i > 0 and completion[i - 1] == tok.convert_tokens_to_ids("<|eos|>")
+        shown = tok.decode(completion[i:j], skip_special_tokens=False).replace(" ", "")
+        assert shown.endswith("<|user|>wrong,tryagain<|assistant|>")
+        if closed:
+            assert shown == "<|user|>wrong,tryagain<|assistant|>"
+        else:
+            assert "<|eos|><|user|>" in shown
         assert all(lp == 0.0 for lp, m in zip(s.old_logprobs, s.mask, strict=True) if not m)
         assert all(lp < 0.0 for lp, m in zip(s.old_logprobs, s.mask, strict=True) if m)
         assert s.reward in (-1.0, 0.5)  # wrong twice, or right at the second turn

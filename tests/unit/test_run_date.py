@@ -153,7 +153,7 @@ def test_the_clock_changes_the_prompt_without_a_run_date(llama32: Path, monkeypa
 def test_every_rendering_reads_the_run_date_across_midnight(llama32: Path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from stages.lib.chat.prompt import continuation_ids
+    from stages.lib.chat.turns import render_turns
 
     monkeypatch.delenv("PIPE_DATE", raising=False)
     as_transformers = _renders(llama32)  # the clock at 26 Nov 2026: apply_chat_template's text
@@ -164,10 +164,16 @@ def test_every_rendering_reads_the_run_date_across_midnight(llama32: Path, monke
     assert collect == resumed == as_transformers
     assert "Today Date: 26 Nov 2026" in collect[1]
     tok = AutoTokenizer.from_pretrained(llama32)
-    turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    later = continuation_ids(tok, turn, [{"role": "user", "content": "more"}])
+    turns = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "b"},
+    ]
+    later = render_turns(tok, [turns])
     monkeypatch.setattr(_Clock, "now_is", datetime(2027, 1, 1))
-    assert continuation_ids(tok, turn, [{"role": "user", "content": "more"}]) == later
+    assert render_turns(tok, [turns]) == later
+    assert None not in later[0].spans
 
 
 def test_rl_settings_record_the_run_date(tmp_path: Path):

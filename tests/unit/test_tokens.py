@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from stages.lib.builders.conventions import FAMILIES as SPECS  # noqa: E402
 from stages.lib.chat.tokens import answer_end, checkpoint_eos_ids, eos_ids, pad_id  # noqa: E402
-from tests.families import FAMILIES  # noqa: E402
+from tests.families import FAMILIES, family_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -40,16 +40,20 @@ END = {
     "mistral": ("</s>", "</s>"),
     "tiny": ("<|eos|>", "<|eos|>"),
 }
+END["mistral-real"], END["gemma-real"] = END["mistral"], END["gemma"]
+# every family, mistral and gemma with their releases' SentencePiece vocabularies too, and the
+# tiny model
+ALL = [*FAMILIES, "mistral-real", "gemma-real", "tiny"]
 
 
 def tokenizer_of(family: str, family_checkpoint: Build) -> Any:
+    """The family's tokenizer; `<family>-real`: with the release's vocabulary (a
+    SentencePiece one for mistral)."""
     if family == "tiny":
         from stages.lib.builders.tiny import train_tokenizer
 
         return train_tokenizer([f"{QUESTION} 5", "And 4 + 4? 8"] * 5, 300)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(family_checkpoint(family))
+    return family_tokenizer(family_checkpoint, family)
 
 
 def rendered_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -68,7 +72,7 @@ def sft_example(tokenizer: Any, rows: list[dict[str, Any]]) -> Any:
     return data.examples[0]
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "tiny"])
+@pytest.mark.parametrize("family", ALL)
 def test_the_end_of_an_answer_is_what_the_template_writes_after_it(family, family_checkpoint):
     tok = tokenizer_of(family, family_checkpoint)
     end = answer_end(tok)
@@ -157,28 +161,80 @@ def test_a_base_chatml_tokenizer_trains_answers_to_end_with_im_end(family_checkp
     assert pad_id(tok) == tok.convert_tokens_to_ids("<|endoftext|>")
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "tiny"])
+def said(tok: Any, ids: tuple[int, ...], span: tuple[int, int]) -> str:
+    """The text a trained range adds to the sequence before it (decoded as a whole: a
+    SentencePiece decoder drops the space it put before a text's first piece)."""
+    a, b = span
+    return tok.decode(ids[:b])[len(tok.decode(ids[:a])) :]
+
+
+@pytest.mark.parametrize("family", ALL)
 def test_an_sft_row_of_one_turn_is_the_chat_templates_tokens(family, family_checkpoint):
     tok = tokenizer_of(family, family_checkpoint)
     expected = rendered_ids(tok, ONE_TURN)
     for row in ({"messages": ONE_TURN}, {"prompt": QUESTION, "completion": "5"}):
         example = sft_example(tok, [row])
         assert list(example.input_ids) == expected
-        trained = [t for t in example.labels() if t != -100]
-        assert trained == tok("5", add_special_tokens=False)["input_ids"] + list(
+        (span,) = example.trained()
+        assert said(tok, example.input_ids, span) == "5" + END[family][0].removesuffix(
+            answer_end(tok).rest
+        )
+        assert list(example.input_ids[span[1] - len(answer_end(tok).ids) :]) == list(
             answer_end(tok).ids
         )
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "tiny"])
+@pytest.mark.parametrize("family", ALL)
 def test_an_sft_row_of_a_conversation_is_the_chat_templates_tokens(family, family_checkpoint):
     """The text after a closing token (ChatML's newline) is put back between turns, untrained."""
     tok = tokenizer_of(family, family_checkpoint)
     example = sft_example(tok, [{"messages": TWO_TURNS}])
     assert list(example.input_ids) == rendered_ids(tok, TWO_TURNS)
-    closing = list(answer_end(tok).ids)
-    turns = [list(example.input_ids[a:b]) for a, b in example.trained()]
-    assert turns == [tok(t, add_special_tokens=False)["input_ids"] + closing for t in "58"]
+    closing = END[family][1]
+    assert [said(tok, example.input_ids, s) for s in example.trained()] == [
+        "5" + closing,
+        "8" + closing,
+    ]
+
+
+# answers as a sampler writes them: whitespace around them, which Llama 3's and Gemma's
+# templates trim (`| trim`) and ChatML's and Mistral's keep
+SAMPLED = [" 5\n", "  And 8 ", "8\n\n"]
+TRIMS = {"llama3", "gemma"}
+
+
+def spoken(family: str, text: str) -> str:
+    """An answer's text as the family's template renders it."""
+    return text.strip() if family.partition("-")[0] in TRIMS else text
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_rows_with_sampled_whitespace_are_the_chat_templates_tokens(family, family_checkpoint):
+    """Issue 45 point 7: an RFT row, a chat row and a conversation of collect's with sampled
+    whitespace train the template's rendering of the conversation (the trimmed answer where
+    the template trims), each assistant turn's range its rendered text and closing token."""
+    tok = tokenizer_of(family, family_checkpoint)
+    closing = END[family][1]
+    talk = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": SAMPLED[0]},
+        {"role": "user", "content": "And 4 + 4?"},
+        {"role": "assistant", "content": SAMPLED[1]},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": SAMPLED[2]},
+    ]
+    rows = [
+        ({"prompt": QUESTION, "completion": SAMPLED[0], "reward": 1.0}, talk[:2]),
+        ({"messages": talk[:2]}, talk[:2]),
+        ({"messages": talk, "turns": 3, "end": "done"}, talk),
+    ]
+    for row, messages in rows:
+        example = sft_example(tok, [row])
+        assert list(example.input_ids) == rendered_ids(tok, messages), row
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert [said(tok, example.input_ids, s) for s in example.trained()] == [
+            spoken(family, a) + closing for a in answers
+        ]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -3,6 +3,7 @@
 Input: texts to train on and the special tokens (`train_bpe`), or a file of tiktoken ranks,
 one base64 token and its rank a line, as OpenAI-style releases ship them (`tiktoken_bpe`).
 Output: the tokenizer, special tokens first (trained) or none added yet (read).
+SentencePiece vocabularies: `stages.lib.builders.spm`.
 """
 
 from __future__ import annotations

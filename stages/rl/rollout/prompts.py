@@ -70,13 +70,13 @@ class Stream:
 
 
 def probe_ids(tokenizer: Any, prompt: Prompt, answer: str) -> tuple[tuple[int, ...], int]:
-    """A fixed probe: the first prompt (chat template applied) and its reference answer closed
-    as the template closes an answer (`stages.lib.chat.tokens.answer_end`), as token ids, and
-    where the answer starts."""
-    from stages.lib.chat.prompt import format_prompt
-    from stages.lib.chat.tokens import answer_end
+    """A fixed probe: the first prompt and its reference answer as the chat template renders
+    the conversation (the answer closed as the template closes it: a one-turn SFT row's ids,
+    `stages.lib.chat.turns.render_turns`), and where the answer starts."""
+    from stages.lib.chat.prompt import as_messages
+    from stages.lib.chat.turns import render_turns
 
-    head = list(tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
-    tail = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
-    tail += answer_end(tokenizer).ids
-    return tuple(head + tail), len(head)
+    messages = [*as_messages(prompt), {"role": "assistant", "content": answer}]
+    turns = render_turns(tokenizer, [messages])[0]
+    span = turns.spans[-1]
+    return turns.ids, span[0] if span is not None else len(turns.ids)

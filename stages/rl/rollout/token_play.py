@@ -10,26 +10,41 @@ log-probabilities (0.0 at observation tokens, which carry no loss).
 Turn 1 asks the engine for `num_samples` answers to the row's opening (the group shares
 its prompt and the engine's prefix cache), exactly as a one-turn rollout does; a group
 whose episodes opened differently asks once per episode. The environment's calls of a
-turn run concurrently (`concurrency` at once); the episodes that go on get the
-observation's tokens appended (the chat template's text for the new messages past the
-finished turn: `stages.lib.chat.prompt.continuation_ids`) and the next turn is generated from
-the token ids themselves, so the sequence trained on is token for token the one sampled.
-An episode ends when the environment says done, at `max_turns`, or when its tokens
-reach `max_length` (what is past it is cut, as a one-turn rollout cuts it).
+turn run concurrently (`concurrency` at once). An episode ends when the environment says
+done, at `max_turns`, or when its tokens reach `max_length` (what is past it is cut, as a
+one-turn rollout cuts it).
 
-A turn that does not end with the template's closing token (cut at `max_new_tokens`, or
-stopped on another end-of-sequence id, which stays as sampled) is closed as the template
-closes it before the observation follows: the closing ids of
-`stages.lib.chat.tokens.answer_end` join the sequence outside the loss (behaviour log-prob
-0.0), as the observation's do; no token enters a sequence that the engine did not sample
-or the template did not write. So an episode whose answers re-tokenise as sampled is the
-template's rendering of its final conversation, `apply_chat_template(messages)`, token for
-token, less the text after the last closing token (ChatML's and Gemma's newline) and, when
-the last answer was cut, less that answer's closing too: the last turn is left as
-sampled, since tokens after it would carry no loss and change no gradient (a one-turn
-rollout stays the engine's answer, number for number). An observation the template cannot
-render (Gemma and Mistral refuse a `system` message after the first turn) fails its
-episode with the template's message, as a broken environment does.
+Which ids are trained, when the template's rendering of a sampled answer differs from the
+ids sampled (a template that trims the answer's whitespace, Llama 3's and Gemma's; a cut
+answer the template closes; text that re-tokenises otherwise): the answer being sampled is
+trained as sampled, and the conversation before it is the template's rendering.
+
+- The next turn is asked from the chat template's rendering of the conversation so far with
+  the generation prompt (`stages.lib.chat.turns.render_turns`), as token ids: the prompt a
+  chat server, evaluate and collect give the model for that conversation. The sequence up
+  to the newest answer is therefore `apply_chat_template(messages)`, earlier turns included,
+  whatever whitespace was sampled.
+- The newest answer's ids are the engine's, as sampled, with its behaviour log-probs: the
+  policy gradient is taken on what the policy sampled (on-policy), as verl's and OpenRLHF's
+  token-in, token-out multi-turn rollouts do. A one-turn rollout is the engine's answer,
+  number for number.
+- An earlier answer's tokens in the rendering are trained, with the log-probs they were
+  sampled with, as far as they are the sampled ids: the longest prefix they share. That is
+  all of the answer when the template reproduces it (the usual case); its content without
+  the template's closing when the answer was cut at `max_new_tokens` or stopped on another
+  end-of-sequence id; what comes before the first token the template rewrote (whitespace it
+  trimmed, text that re-tokenises otherwise: a random model's broken UTF-8). A prefix of a
+  sampled answer, in the context it was sampled in, is on-policy on its own; the rest of the
+  rendering stays in the sequence, as the model is shown it on the next turn, outside the
+  loss (mask 0, behaviour log-prob 0.0). No token is trained that the engine did not
+  sample, and no token is in a sequence that the engine did not sample or the template did
+  not write.
+
+So an episode whose answers render as sampled (`answer_end` of `stages.lib.chat.tokens`
+closing them) is `apply_chat_template(messages)` token for token, less the text after the
+last closing token (ChatML's and Gemma's newline); otherwise it is so up to its last answer.
+An observation the template cannot render (Gemma and Mistral refuse a `system` message after
+the first turn) fails its episode with the template's message, as a broken environment does.
 """
 
 from __future__ import annotations
@@ -39,8 +54,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.lib.chat.prompt import TokenPrompt, continuation_ids
-from stages.lib.chat.tokens import answer_end
+from stages.lib.chat.prompt import TokenPrompt
+from stages.lib.chat.turns import Turns, common_prefix, render_turns
 from stages.lib.env.contract import Environment, Episode, take_turn
 from stages.lib.env.message_play import open_all
 
@@ -58,7 +73,7 @@ class Trace:
     generated: int = 0  # tokens the engine produced (an answer cut by max_length included)
     pending: str = ""  # the latest answer's text, for the environment's step
     cut: bool = False  # the latest answer did not fit in max_length
-    last: tuple[int, ...] = ()  # the latest answer's tokens (to tell whether it was closed)
+    answers: list[tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=list)
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float], own: bool) -> None:
         self.ids += ids
@@ -156,40 +171,49 @@ def _answered(t: Trace, gen: Any, s: PlaySettings, first: bool = False) -> None:
     t.generated += gen.completion_tokens
     t.pending = gen.text
     t.cut = len(gen.token_ids) > room
-    t.last = tuple(gen.token_ids)
+    t.answers.append((tuple(gen.token_ids[:room]), tuple(gen.logprobs[:room])))
 
 
 async def _steps(tokenizer: Any, going: list[Trace], s: PlaySettings) -> None:
     """The environment's step for every episode answered this turn, concurrently; the
-    observation's tokens join the episodes that go on."""
+    episodes that go on become the template's rendering of their conversation."""
     gate = asyncio.Semaphore(s.concurrency)
 
     async def one(t: Trace) -> None:
         async with gate:
-            before = list(t.episode.messages)
             observation = await take_turn(t.episode, t.pending, s.max_turns, s.timeout_s)
         if observation is None:
             return
         if t.cut:
             t.episode.done, t.episode.end = True, "length"
             return
-        turn = [*before, {"role": "assistant", "content": t.pending}]
         try:
-            extra = closing(tokenizer, t.last) + continuation_ids(tokenizer, turn, observation)
+            turns = render_turns(tokenizer, [t.episode.messages], generation_prompt=True)[0]
         except Exception as exc:  # the template refuses the conversation (a role it lacks)
             t.episode.fail(f"the chat template cannot render the observation: {exc}")
             return
-        if len(extra) >= s.max_length - len(t.ids):  # no room left for the model's answer
+        if len(turns.ids) >= s.max_length:  # no room left for the model's answer
             t.episode.done, t.episode.end = True, "length"
             return
-        t.add(extra, (), own=False)
+        retrace(t, turns)
 
     await asyncio.gather(*(one(t) for t in going))
 
 
-def closing(tokenizer: Any, answer: Sequence[int]) -> list[int]:
-    """The template's closing ids a cut answer lacks (none for one that ends with them)."""
-    ids = list(answer_end(tokenizer).ids)
-    if not ids or list(answer[-len(ids) :]) == ids:
-        return []
-    return ids
+def retrace(t: Trace, turns: Turns) -> None:
+    """`t` as the template's rendering `turns` of its conversation so far, each earlier
+    answer trained on the longest prefix of its tokens there that are the ones sampled
+    (module docstring)."""
+    ids = list(turns.ids)
+    first = turns.spans[0] if turns.spans else None
+    start = min(t.prompt_len, first[0]) if first is not None else t.prompt_len
+    mask = [0] * (len(ids) - start)
+    logprobs = [0.0] * len(mask)
+    for span, (sampled, lps) in zip(turns.spans, t.answers, strict=False):
+        if span is None:
+            continue
+        a, b = span
+        keep = common_prefix(ids[a:b], sampled)
+        for k in range(keep):
+            mask[a - start + k], logprobs[a - start + k] = 1, lps[k]
+    t.ids, t.prompt_len, t.mask, t.logprobs = ids, start, mask, logprobs

@@ -1,0 +1,113 @@
+"""A conversation's token ids as its chat template renders it, and where its assistant turns are.
+
+Input: a tokenizer with its chat template, and conversations (chat messages, the assistant's
+turns among them). Output: `render_turns(tokenizer, conversations)`, for each a `Turns`: its
+ids, exactly `apply_chat_template(messages, tokenize=True)` (the template's text rendered
+once, tokenized once), cut after the last assistant turn's closing token (the template's
+text after it, ChatML's and Gemma's newline, is never trained: `stages.lib.chat.tokens`);
+with `generation_prompt=True`, the whole rendering with the generation prompt, as the next
+turn's prompt. And each assistant turn's [start, end) range of those ids: the template's
+text of its content and its closing token(s).
+
+The ranges come from the template itself, not from tokenizing pieces: a turn starts where the
+ids of the conversation before it (rendered with the generation prompt, what the model was
+asked) stop being a prefix of the whole, and ends after the ids of the conversation up to
+and including it (less the text after its closing token). So a template that rewrites a
+turn's text (Llama 3's and Gemma's `| trim`) trains the rewritten text, earlier turns
+included, and a token the tokenizer merges across the start of a turn (a SentencePiece
+piece that takes in the turn's first word) is trained with the turn. A turn whose rendering
+in the whole conversation is not the one it was answered from (templates that drop earlier
+turns' reasoning) has no range: it stays in the ids, outside the loss (a warning says so
+once per template).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stages.lib.chat.clock import render
+from stages.lib.chat.tokens import answer_end
+
+log = logging.getLogger("pipe.chat")
+_warned: set[str] = set()
+Messages = Sequence[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Turns:
+    """A conversation's ids and each assistant turn's [start, end) range (None: the
+    template renders that turn differently once the conversation goes on)."""
+
+    ids: tuple[int, ...]
+    spans: tuple[tuple[int, int] | None, ...]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many ids `a` and `b` share from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    return [list(i) for i in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def render_turns(
+    tokenizer: Any, conversations: Sequence[Messages], *, generation_prompt: bool = False
+) -> list[Turns]:
+    """Each conversation's `Turns` (module docstring); the tokenizer runs once, batched."""
+    rest = answer_end(tokenizer).rest
+    texts: list[str] = []
+    plans: list[list[tuple[int, bool, bool]]] = []
+    for messages in conversations:
+        full = render(tokenizer, messages, add_generation_prompt=generation_prompt)
+        texts.append(full)
+        turns = []
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                continue
+            head = render(tokenizer, messages[:i], add_generation_prompt=True)
+            last = i == len(messages) - 1 and not generation_prompt
+            upto = full if last else render(tokenizer, messages[: i + 1])
+            if rest and upto.endswith(rest):
+                upto = upto[: len(upto) - len(rest)]
+            turns.append((len(texts), full.startswith(head), full.startswith(upto)))
+            texts += [head, upto]
+        plans.append(turns)
+    encoded = _encode(tokenizer, texts) if texts else []
+    out = []
+    at = 0
+    for turns, messages in zip(plans, conversations, strict=True):
+        ids = encoded[at]
+        at += 1 + 2 * len(turns)
+        spans: list[tuple[int, int] | None] = []
+        for k, head_ok, upto_ok in turns:
+            before, through = encoded[k], encoded[k + 1]
+            start, end = common_prefix(before, ids), common_prefix(through, ids)
+            if head_ok and upto_ok and end == len(through) and start < end:
+                spans.append((start, end))
+            else:
+                spans.append(None)
+                _warn(tokenizer)
+        last = messages[-1].get("role") == "assistant" if messages else False
+        if last and not generation_prompt and spans and spans[-1] is not None:
+            ids = ids[: spans[-1][1]]
+        out.append(Turns(tuple(ids), tuple(spans)))
+    return out
+
+
+def _warn(tokenizer: Any) -> None:
+    template = str(getattr(tokenizer, "chat_template", ""))
+    if template not in _warned:
+        _warned.add(template)
+        log.warning(
+            "the chat template renders an earlier assistant turn differently once the "
+            "conversation goes on: that turn is kept in the ids, outside the loss"
+        )
