@@ -1,7 +1,8 @@
 """The plan-time check of a checkpoint path (`model:`, `checkpoints`, `backend.model`).
 
 Input: the resolved (absolute, or kept as written) path and the stage's `ResolveContext`.
-Output: located diagnostics: a folder that does not exist, or holds no `config.json`; a hub id,
+Output: located diagnostics: a folder that does not exist, or holds no `config.json`; a `.gguf`
+file that does not exist or is not one (`stages.lib.model.gguf.check_gguf`); a hub id,
 named as such (runs are offline: nothing is fetched from a model hub). An earlier stage's
 output (made when it runs) and a remote URL pass.
 """
@@ -14,17 +15,21 @@ from typing import Any
 
 from engine.errors import Diagnostic
 from engine.stage import ResolveContext
+from stages.lib.model.gguf import check_gguf, is_gguf
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def check_checkpoint(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:
-    """A checkpoint path as runs read it: a local folder holding `config.json`, or an output
+    """A checkpoint path as runs read it: a local folder holding `config.json`, a GGUF file
+    (converted into one when the stage runs), or an output
     of an earlier stage (made when that stage runs). Runs are offline (nothing is fetched from
     a model hub), so a hub id is named as such and refused; a remote URL (`s3://...`) is read
     through fsspec at run time and not checked here."""
     if ctx.is_produced(value) or "://" in value:
         return []
+    if is_gguf(value):
+        return check_gguf(ctx, field, value)
     if os.path.isdir(value):
         if os.path.isfile(os.path.join(value, "config.json")):
             return []
