@@ -59,9 +59,10 @@ class HashCache:
         """A file's sha256 (`whole`: all 64 digits; else a memo holding 16 will do)."""
         stamp = file_stamp(path)
         hit = self.entries.get(path)
-        fresh = stamp is not None and hit is not None and hit[:2] == list(stamp)
-        if fresh and (not whole or len(str(hit[2])) == 64):
-            return str(hit[2])
+        if stamp is not None and hit is not None and hit[:2] == list(stamp):
+            known = str(hit[2])
+            if not whole or len(known) == 64:
+                return known
         digest = sha256_file(path)
         if stamp is not None:
             self.entries[path] = [stamp[0], stamp[1], digest]

@@ -69,7 +69,7 @@ def _prepared(cfg: CollectConfig, ctx: StageContext) -> CollectConfig:
     if isinstance(cfg.backend, OpenAIBackend) or model is None:
         return cfg
     dtype, template = backend_dtype(cfg.backend), stage_template(cfg)
-    folder = prepare_model(model, run_dir=ctx.run_dir, dtype=dtype, template=template)
+    folder = prepare_model(model, run_dir=ctx.run_dir, dtype=dtype, template=template, log=ctx.log)
     if folder == model:
         return cfg
     ctx.log.info("collect: %s is served from %s", model, folder)

@@ -240,7 +240,9 @@ def _prepared(cfg: EvaluateConfig, paths: list[str], run_dir: str) -> list[str]:
     from stages.lib.model.prepared import backend_dtype, prepare_model, stage_template
 
     dtype, template = backend_dtype(cfg.backend), stage_template(cfg)
-    return [prepare_model(p, run_dir=run_dir, dtype=dtype, template=template) for p in paths]
+    return [
+        prepare_model(p, run_dir=run_dir, dtype=dtype, template=template, log=log) for p in paths
+    ]
 
 
 def _deltas(results: list[dict[str, Any]], key: str) -> dict[str, float]:

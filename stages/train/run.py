@@ -108,9 +108,8 @@ def _model_dir(cfg: TrainConfig, rows: list[dict[str, Any]], ctx: StageContext) 
 
         build_tiny_model(cfg.model, _texts(rows, cfg), path, seed=cfg.seed)
     template = stage_template(cfg)
-    return prepare_model(
-        path, run_dir=ctx.run_dir, dtype=compute_dtype(cfg.bf16), template=template
-    )
+    dtype = compute_dtype(cfg.bf16)
+    return prepare_model(path, run_dir=ctx.run_dir, dtype=dtype, template=template, log=ctx.log)
 
 
 def _check_data(cfg: TrainConfig) -> list[dict[str, Any]]:

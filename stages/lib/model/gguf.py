@@ -5,10 +5,11 @@ Input: the path of a GGUF file (llama.cpp's single-file format: metadata, tokeni
 template and weights, usually quantized), the dtype the stage computes in and the run folder.
 Output: `read_header(path) -> GgufHeader` (the metadata's scalars and strings, the length of
 each array, the tensor count and parameter count; no numpy, no torch: `pipe validate` reads it)
-and `converted(path, dtype, run_dir, digest) -> folder`: `<run-dir>/.pipe-models/gguf-<sha256
-prefix>-<dtype>/`, a Hugging Face checkpoint (weights dequantized into `dtype`, config, the
-tokenizer and, where the file has one, its chat template), written once (to a temporary
-sibling, then renamed) and reused by every later stage and run keyed by the same content.
+and `converted(path, dtype, run_dir) -> folder`: `<run-dir>/.pipe-models/gguf-<sha256 prefix>-
+<dtype>/`, a Hugging Face checkpoint (weights dequantized into `dtype`, config, the tokenizer
+and, where the file has one, its chat template; `<folder>.json` beside it names the file and
+its sha256), written once (to a temporary sibling, then renamed) and reused by every later
+stage and run keyed by the same content.
 
 None of the RL frameworks takes a GGUF; transformers (with the `gguf` and `accelerate`
 packages: the `gguf` extra) dequantizes it into its architecture's model class and builds a
@@ -27,6 +28,7 @@ import mmap
 import os
 import shutil
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,20 +253,25 @@ def converted_path(run_dir: str, digest: str, dtype: str) -> str:
     return f"{run_dir.rstrip('/')}/{MODELS_DIR}/gguf-{digest[:16]}-{dtype}"
 
 
-def converted(path: str, dtype: str, run_dir: str, digest: str | None = None) -> str:
+def converted(path: str, dtype: str, run_dir: str, logger: logging.Logger | None = None) -> str:
     """The checkpoint folder converted from the GGUF at `path` in `dtype` (module docstring),
-    made now unless the run folder already keeps it; `digest` is the file's sha256 when known
-    (else computed)."""
-    digest = digest or sha256_of(path)
+    made now unless the run folder already keeps it; beside it, `<folder>.json` records the
+    file and its sha256 (outside the folder: a checkpoint trained from it copies the folder's
+    files, and is not the GGUF)."""
+    logger = logger or log
+    digest = sha256_of(path)
     out = converted_path(run_dir, digest, dtype)
     if os.path.isfile(os.path.join(out, "config.json")):
+        logger.info("%s (sha256 %s): converted already, %s", path, digest, out)
         return out
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    log.info("converting %s (sha256 %s) into a %s checkpoint at %s", path, digest, dtype, out)
+    logger.info("converting %s (sha256 %s) into a %s checkpoint: %s", path, digest, dtype, out)
+    began = time.perf_counter()
     convert(path, tmp, dtype)
-    with open(os.path.join(tmp, "gguf_source.json"), "w", encoding="utf-8") as f:
-        json.dump({"gguf": os.path.abspath(path), "sha256": digest, "dtype": dtype}, f, indent=2)
+    record = {"gguf": os.path.abspath(path), "sha256": digest, "dtype": dtype}
+    with open(f"{out}.json", "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
         f.write("\n")
     try:
         os.replace(tmp, out)
@@ -272,6 +279,7 @@ def converted(path: str, dtype: str, run_dir: str, digest: str | None = None) ->
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.isfile(os.path.join(out, "config.json")):
             raise
+    logger.info("converted %s in %.1f s", path, time.perf_counter() - began)
     return out
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from typing import Any
@@ -47,9 +48,16 @@ def compute_dtype(bf16: bool) -> str:
     return "bfloat16" if bf16 else "float32"
 
 
-def prepare_model(path: str, *, run_dir: str, dtype: str, template: str | None) -> str:
-    """The folder a stage loads for `path` (module docstring)."""
-    folder = converted(path, dtype, run_dir) if is_gguf(path) else path
+def prepare_model(
+    path: str,
+    *,
+    run_dir: str,
+    dtype: str,
+    template: str | None,
+    log: logging.Logger | None = None,
+) -> str:
+    """The folder a stage loads for `path` (module docstring); `log`: the stage's."""
+    folder = converted(path, dtype, run_dir, log) if is_gguf(path) else path
     return templated(folder, template, run_dir) if template is not None else folder
 
 

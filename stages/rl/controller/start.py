@@ -37,7 +37,7 @@ def init_model_dir(c: Controller) -> str:
     path = _model_source(c)
     template = stage_template(c.cfg)
     dtype = compute_dtype(c.cfg.bf16)
-    return prepare_model(path, run_dir=c.ctx.run_dir, dtype=dtype, template=template)
+    return prepare_model(path, run_dir=c.ctx.run_dir, dtype=dtype, template=template, log=c.ctx.log)
 
 
 def _model_source(c: Controller) -> str:
