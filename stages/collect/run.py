@@ -22,6 +22,7 @@ with `shards` > 1 inside a Dask worker, the range is split into shard tasks
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,7 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     environment, the task that publishes the output also sums up its episodes and fails the
     stage when too many failed (`stages.collect.multiturn.check_episodes`)."""
     if not os.path.exists(cfg.output):
-        cfg = _prepared(cfg, ctx)
+        cfg = prepared(cfg, ctx.run_dir, ctx.log)
     metrics = _collect(cfg, ctx)
     if isinstance(cfg.backend, LocalBackend):  # the precision its checkpoint was loaded in
         from stages.collect.local import precision
@@ -60,7 +61,7 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     return metrics
 
 
-def _prepared(cfg: CollectConfig, ctx: StageContext) -> CollectConfig:
+def prepared(cfg: CollectConfig, run_dir: str, log: logging.Logger) -> CollectConfig:
     """`cfg` with its backend's model as the folder the stage loads or serves: a GGUF
     converted, the stage's `chat_template:` applied (`stages.lib.model.prepared`)."""
     from stages.lib.model.prepared import backend_dtype, prepare_model, stage_template
@@ -69,10 +70,10 @@ def _prepared(cfg: CollectConfig, ctx: StageContext) -> CollectConfig:
     if isinstance(cfg.backend, OpenAIBackend) or model is None:
         return cfg
     dtype, template = backend_dtype(cfg.backend), stage_template(cfg)
-    folder = prepare_model(model, run_dir=ctx.run_dir, dtype=dtype, template=template, log=ctx.log)
+    folder = prepare_model(model, run_dir=run_dir, dtype=dtype, template=template, log=log)
     if folder == model:
         return cfg
-    ctx.log.info("collect: %s is served from %s", model, folder)
+    log.info("collect: %s is served from %s", model, folder)
     return cfg.model_copy(update={"backend": cfg.backend.model_copy(update={"model": folder})})
 
 

@@ -80,3 +80,63 @@ def test_plain_trains_and_evaluates_the_gguf_and_its_fine_tune_alike(tmp_path: P
     assert [r["n"] for r in metrics["results"]] == [2, 2]
     assert list(metrics["checkpoints"].values()) == paths  # as configured, not the folders
     assert metrics["precision"]["dtype"] == "float32"
+
+
+RL = """\
+name: rl
+cluster: {workers: 1}
+stages:
+  data:
+    kind: dataset
+    config:
+      task: chain_sum
+      task_config: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}
+      size: 32
+      test_size: 8
+  rl:
+    kind: rl
+    needs: [data]
+    config:
+      input: "@data"
+      model: base.gguf
+      chat_template: plain
+      prompt_template: "Q: {prompt}\\nA:"
+      verifier: {kind: regex, pattern: "[0-9]"}
+      num_repeats: 4
+      rollout_batch_size: 4
+      train_batch_size: 16
+      micro_train_batch_size: 8
+      max_steps: 2
+      max_output_tokens: 4
+      eval_every: 2
+"""
+
+
+@pytest.mark.slow
+def test_rl_from_a_gguf_base_model_syncs_and_saves_its_template(tmp_path: Path):
+    import os
+    import subprocess
+    import sys
+
+    from stages.lib.model.chat_template import template_text
+    from tests.conftest import ROOT
+
+    write_tiny_gguf(tmp_path / "base.gguf")
+    (tmp_path / "p.yaml").write_text(RL)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "run", "p.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    stage = tmp_path / "runs/rl/rl"
+    rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    config = json.loads((stage / "checkpoint" / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == template_text("plain", "Q: {prompt}\nA:")
+    settings = json.loads((stage / "settings.json").read_text())
+    assert settings["chat_template"]["status"] == "applied"

@@ -5,6 +5,7 @@ tokenizer_config holds it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -101,3 +102,26 @@ def test_the_view_holds_the_template_in_tokenizer_config_and_leaves_the_checkpoi
     assert prepare_model(str(src), run_dir=str(tmp_path), dtype="float32", template=None) == str(
         src
     )
+
+
+def test_a_template_file_that_reads_the_date_puts_the_date_in_the_stages_key(
+    tmp_path: Path, family_checkpoint: Any
+):
+    from tests.conftest import run_cli
+
+    (tmp_path / "dated.jinja").write_text("{{ strftime_now('%d %b %Y') }}{{ messages[0].content }}")
+    (tmp_path / "x.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    model = family_checkpoint("chatml")
+    (tmp_path / "p.yaml").write_text(
+        "name: p\nstages:\n"
+        f"  t: {{kind: train, config: {{input: x.jsonl, model: {model}, "
+        "chat_template: dated.jinja}}\n"
+        f"  u: {{kind: train, config: {{input: x.jsonl, model: {model}}}}}\n"
+    )
+    result = run_cli("plan", "p.yaml", "--format", "json", cwd=tmp_path)
+    assert result.exit_code == 0, result.stderr
+    stages = json.loads(result.stdout)["stages"]
+    assert stages["t"]["date_in_key"] == "chat_template"
+    assert "date_in_key" not in stages["u"]
+    digest = hashlib.sha256((tmp_path / "dated.jinja").read_bytes()).hexdigest()
+    assert stages["t"]["sha256"] == {"dated.jinja": digest}  # a template file is hashed too

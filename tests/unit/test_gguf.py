@@ -243,3 +243,30 @@ def test_the_memory_model_counts_a_gguf_from_its_header(tiny: tuple[Path, Any]):
     shape = read_shape(need.model)
     assert shape is not None
     assert shape.params == sum(p.numel() for p in model.parameters())
+
+
+def test_collect_serves_the_converted_gguf_with_the_stages_template(
+    tiny: tuple[Path, Any], tmp_path: Path
+):
+    import logging
+
+    from stages.collect import CollectConfig
+    from stages.collect.run import prepared
+    from stages.lib.model.chat_template import template_text
+
+    cfg = CollectConfig.model_validate(
+        {
+            "input": "x.jsonl",
+            "backend": {"kind": "local", "model": str(tiny[0]), "precision": "bfloat16"},
+            "chat_template": "plain",
+            "prompt_template": "Q: {prompt}\nA:",
+        }
+    )
+    served = prepared(cfg, str(tmp_path), logging.getLogger("test"))
+    folder = served.backend.model
+    assert folder is not None and folder.startswith(f"{tmp_path}/.pipe-models/template-")
+    config = json.loads(Path(folder, "tokenizer_config.json").read_text())
+    assert config["chat_template"] == template_text("plain", "Q: {prompt}\nA:")
+    weights = Path(folder, "model.safetensors").resolve()
+    assert weights.parent.name == f"gguf-{_sha(tiny[0])[:16]}-bfloat16"  # the precision named
+    assert served.model_copy(update={"backend": cfg.backend}) == cfg  # nothing else changed
