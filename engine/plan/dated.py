@@ -78,8 +78,17 @@ def template_reads_date(folder: str) -> bool:
     return any("strftime_now" in t for t in texts)
 
 
+def _file_reads_date(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "strftime_now" in f.read()
+    except OSError:
+        return False
+
+
 def reads_date(config: Any) -> str | None:
-    """The first of the config's `MODEL_INPUTS` whose checkpoint's template reads the date."""
+    """The first of the config's `MODEL_INPUTS` whose checkpoint's template (or, for a
+    `.jinja` file, whose own text) reads the date."""
     for field in type(config).MODEL_INPUTS:
         value: Any = config
         for part in field.split("."):
@@ -88,4 +97,6 @@ def reads_date(config: Any) -> str | None:
         for v in values:
             if isinstance(v, str) and os.path.isdir(v) and template_reads_date(v):
                 return str(field)
+            if isinstance(v, str) and v.endswith(".jinja") and _file_reads_date(v):
+                return str(field)  # a stage's own template file (`chat_template:`)
     return None

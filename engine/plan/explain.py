@@ -7,7 +7,7 @@ from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from engine.plan.memory import Estimate, fmt
-from engine.plan.paths import shown_config
+from engine.plan.paths import shown, shown_config
 from engine.stage import nested_blocks
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ def explain(plan: Plan) -> str:
         width = max((len(k) for k, _ in items), default=0)
         for dotted, value in items:
             lines.append(f"  {dotted:{width}s}  {_value(value)}  <- {_source(st, dotted)}")
+        for path, digest in plan.stages[name].model_files.items():
+            lines.append(f"  sha256 of {shown(path)}: {digest}")
     if plan.placement is not None and plan.cluster is not None:
         lines.append("")
         lines.append(plan.placement.render_text(plan.cluster).rstrip("\n"))

@@ -13,8 +13,9 @@ import os
 from dataclasses import dataclass
 
 from engine.fsio import exists, move
+from engine.plan.checksums import HashCache
 from engine.plan.dag import Plan
-from engine.run.cache import HashCache, stage_keys, up_to_date
+from engine.run.cache import stage_keys, up_to_date
 from engine.run.report import RunReport
 
 log = logging.getLogger("pipe.run")

@@ -154,8 +154,9 @@ class StageConfig(BaseModel):
         to a commit (`org/name@<sha>`, in the config and so in the cache key); when the stage
         runs, a model's value is its local snapshot folder (fetched on the stage's node), a
         dataset's stays `org/name@<sha>` for the stage to read at that revision. By default
-        the `MODEL_INPUTS`, as models."""
-        return dict.fromkeys(self.MODEL_INPUTS, "model")
+        the `MODEL_INPUTS`, as models, but a `chat_template` (a family name or a Jinja file,
+        resolved like a model path, never a repository)."""
+        return dict.fromkeys((f for f in self.MODEL_INPUTS if f != "chat_template"), "model")
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """Values derived from others, by dotted path."""

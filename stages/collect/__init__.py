@@ -24,16 +24,22 @@ from stages.lib.config import (
     check_model,
     check_verifier,
     derive_backend,
+    served_elsewhere,
 )
 from stages.lib.env.field import EnvironmentConfig, check_environment
+from stages.lib.model.chat_template import (
+    CHAT_TEMPLATE_HELP,
+    PROMPT_TEMPLATE_HELP,
+    check_chat_template,
+)
 
 
 class CollectConfig(BackendStageConfig):
     """Generate `num_repeats` answers per prompt, score each, append them as rollouts."""
 
     SPANS_NODES = True  # one shard of the prompts per worker, merged by the first
-    INPUTS = ("input", "backend.model")
-    MODEL_INPUTS = ("backend.model",)
+    INPUTS = ("input", "backend.model", "chat_template")
+    MODEL_INPUTS = ("backend.model", "chat_template")
     OUTPUTS = ("output",)
 
     input: str | None = Field(
@@ -84,6 +90,8 @@ class CollectConfig(BackendStageConfig):
         default_factory=lambda: LocalBackend(kind="local", model="checkpoint"),
         description="Where answers come from: openai, vllm or local.",
     )
+    chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
+    prompt_template: str | None = Field(None, description=PROMPT_TEMPLATE_HELP)
     verifier: Verifier = Field(
         default_factory=Verifier, description="How answers are scored into rewards."
     )
@@ -114,6 +122,13 @@ class CollectConfig(BackendStageConfig):
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         out = check_model(self.backend, ctx, wanted=True) + check_backend(self.backend, ctx)
         out += check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
+        out += check_chat_template(
+            ctx,
+            self.chat_template,
+            self.prompt_template,
+            [("backend.model", self.backend.model)],
+            served_elsewhere(self.backend),
+        )
         return out + self._check_episodes_backend(ctx)
 
     def _check_episodes_backend(self, ctx: ResolveContext) -> list[Diagnostic]:

@@ -7,6 +7,9 @@ and the metrics dict (its `sampling`: every sampling field each request of this 
 carried, `stages.lib.api.sampling`; with a local backend, the precision its checkpoint was
 loaded in, also in the stage's `settings.json`).
 
+A GGUF model is converted and the stage's `chat_template:` applied before any request
+(`stages.lib.model.prepared`): the backend loads or serves that folder.
+
 `run_collect` publishes nothing until every pair is done, so it can be killed
 and run again at any point: the rerun reads `<output>.partial`, skips the
 pairs written, retries the failed ones (up to `max_failed_runs` runs) and goes
@@ -19,6 +22,7 @@ with `shards` > 1 inside a Dask worker, the range is split into shard tasks
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +39,8 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     """Collect every (prompt, sample) pair of the configured range into cfg.output; with an
     environment, the task that publishes the output also sums up its episodes and fails the
     stage when too many failed (`stages.collect.multiturn.check_episodes`)."""
+    if not os.path.exists(cfg.output):
+        cfg = prepared(cfg, ctx.run_dir, ctx.log)
     metrics = _collect(cfg, ctx)
     if isinstance(cfg.backend, LocalBackend):  # the precision its checkpoint was loaded in
         from stages.collect.local import precision
@@ -53,6 +59,22 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
 
         metrics["episodes"] = check_episodes(cfg.output, cfg.environment, ctx.log)
     return metrics
+
+
+def prepared(cfg: CollectConfig, run_dir: str, log: logging.Logger) -> CollectConfig:
+    """`cfg` with its backend's model as the folder the stage loads or serves: a GGUF
+    converted, the stage's `chat_template:` applied (`stages.lib.model.prepared`)."""
+    from stages.lib.model.prepared import backend_dtype, prepare_model, stage_template
+
+    model = getattr(cfg.backend, "model", None)
+    if isinstance(cfg.backend, OpenAIBackend) or model is None:
+        return cfg
+    dtype, template = backend_dtype(cfg.backend), stage_template(cfg)
+    folder = prepare_model(model, run_dir=run_dir, dtype=dtype, template=template, log=log)
+    if folder == model:
+        return cfg
+    log.info("collect: %s is served from %s", model, folder)
+    return cfg.model_copy(update={"backend": cfg.backend.model_copy(update={"model": folder})})
 
 
 def _collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:

@@ -19,16 +19,22 @@ from stages.lib.config import (
     check_model,
     check_verifier,
     derive_backend,
+    served_elsewhere,
 )
 from stages.lib.env.field import EnvironmentConfig, check_environment
+from stages.lib.model.chat_template import (
+    CHAT_TEMPLATE_HELP,
+    PROMPT_TEMPLATE_HELP,
+    check_chat_template,
+)
 from stages.lib.model.path import check_checkpoint
 
 
 class EvaluateConfig(BackendStageConfig):
     """Accuracy, pass@k and mean reward of each checkpoint, against a baseline."""
 
-    INPUTS = ("input", "checkpoints", "reward_model")
-    MODEL_INPUTS = ("checkpoints", "reward_model")
+    INPUTS = ("input", "checkpoints", "reward_model", "chat_template")
+    MODEL_INPUTS = ("checkpoints", "reward_model", "chat_template")
     INPUT_TYPES: ClassVar[dict[str, str]] = {"checkpoints": "checkpoint"}
     OUTPUTS = ("output",)
 
@@ -58,6 +64,8 @@ class EvaluateConfig(BackendStageConfig):
         "process, on its GPUs when it holds some), vllm (each checkpoint served in turn on the "
         "stage's GPUs), or openai (the served model, named by backend.model; no checkpoints then).",
     )
+    chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
+    prompt_template: str | None = Field(None, description=PROMPT_TEMPLATE_HELP)
     verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
     environment: EnvironmentConfig | None = Field(
         None,
@@ -121,6 +129,13 @@ class EvaluateConfig(BackendStageConfig):
                 )
             )
         out += self._check_reward_model(ctx)
+        out += check_chat_template(
+            ctx,
+            self.chat_template,
+            self.prompt_template,
+            [("checkpoints", c) for c in self.checkpoints],
+            served_elsewhere(self.backend),
+        )
         return out + check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
 
     def _check_reward_model(self, ctx: ResolveContext) -> list[Diagnostic]:

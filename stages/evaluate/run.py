@@ -24,7 +24,9 @@ A result's figures (accuracy, pass@k, mean reward) are `stages.evaluate.scores`'
 `reward_model_score` (`stages.evaluate.reward_scores`). A
 checkpoint's NAME is the stage that made it (`@sft` -> `sft`: the engine hands the run's
 output paths and their stages over in `StageContext.producers`), otherwise its path
-(`checkpoint_names`); `checkpoints` maps each NAME to the path evaluated.
+(`checkpoint_names`); `checkpoints` maps each NAME to the path evaluated (as configured: a
+GGUF file is converted, and the stage's `chat_template:` applied, in a folder of the run's
+`.pipe-models/` that generation loads: `stages.lib.model.prepared`).
 """
 
 from __future__ import annotations
@@ -197,7 +199,8 @@ def evaluate_checkpoints(
     generate = generate or Generator(cfg)
     paths = _with_baseline(checkpoints, baseline)
     names = checkpoint_names(paths, run_dir, producers, pipeline_dir)
-    precision = generate.set_precision(paths)
+    served = _prepared(cfg, paths, run_dir)
+    precision = generate.set_precision(served)
     # the environment is loaded before any checkpoint: a bad one fails at once
     play = (
         Play(cfg, generate.ctx, generate.endpoint, generate.dtype)
@@ -205,7 +208,7 @@ def evaluate_checkpoints(
         else None
     )
     results, samples = [], []
-    for path, name in zip(paths, names, strict=True):
+    for path, name in zip(served, names, strict=True):
         if play is not None:
             solved, fields, gen_rows = play(path, name, rows)
             result = {**summarize(name, solved), **fields}
@@ -238,6 +241,19 @@ def evaluate_checkpoints(
     if play is not None:
         out["first_turn_accuracy_delta"] = _deltas(results, "first_turn_accuracy")
     return out
+
+
+def _prepared(cfg: EvaluateConfig, paths: list[str], run_dir: str) -> list[str]:
+    """The folder each checkpoint is loaded or served from: a GGUF converted, the stage's
+    `chat_template:` applied (`stages.lib.model.prepared`); an openai backend's model as named."""
+    if isinstance(cfg.backend, OpenAIBackend):
+        return paths
+    from stages.lib.model.prepared import backend_dtype, prepare_model, stage_template
+
+    dtype, template = backend_dtype(cfg.backend), stage_template(cfg)
+    return [
+        prepare_model(p, run_dir=run_dir, dtype=dtype, template=template, log=log) for p in paths
+    ]
 
 
 def _deltas(results: list[dict[str, Any]], key: str) -> dict[str, float]:

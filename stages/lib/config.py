@@ -205,6 +205,15 @@ def check_model(backend: Any, ctx: ResolveContext, wanted: bool) -> list[Diagnos
     return check_model_ref(ctx, "backend.model", backend.model)
 
 
+def served_elsewhere(backend: Any) -> str | None:
+    """Why a stage with this backend renders no prompt itself (an openai backend), else None."""
+    if not isinstance(backend, OpenAIBackend):
+        return None
+    if backend.endpoint == "completions":
+        return "an openai backend's completions endpoint gets each prompt as written"
+    return "an openai backend's server renders prompts with its own chat template"
+
+
 def check_backend(backend: Any, ctx: ResolveContext) -> list[Diagnostic]:
     """A tensor-parallel group on one node, engines x tensor-parallel size = the stage's GPUs,
     and a warning when a shared GPU leaves the trainer little room."""

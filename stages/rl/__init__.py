@@ -27,8 +27,14 @@ from stages.lib.config import (
 )
 from stages.lib.distributed.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
 from stages.lib.env.field import check_environment
+from stages.lib.model.chat_template import (
+    CHAT_TEMPLATE_HELP,
+    PROMPT_TEMPLATE_HELP,
+    check_chat_template,
+)
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
+from stages.lib.model.gguf import memory_model
 from stages.lib.model.path import check_model_ref
 from stages.rl.algo.combinations import check_algorithm, derive_algorithm
 from stages.rl.algo.options import AlgorithmOptions
@@ -47,8 +53,8 @@ class RLConfig(
     """Online RL: sample groups from the engine, score them, update the actor, sync weights."""
 
     SPANS_NODES = True  # the controller on the engine's worker; other roles where placed
-    INPUTS = ("input", "eval_input", "model", "reward_model")
-    MODEL_INPUTS = ("model", "reward_model")
+    INPUTS = ("input", "eval_input", "model", "reward_model", "chat_template")
+    MODEL_INPUTS = ("model", "reward_model", "chat_template")
     OUTPUTS = ("output",)
     OUTPUT_TYPES: ClassVar[dict[str, str]] = {"output": "checkpoint"}
     REFUSED_ROLES: ClassVar[dict[str, str]] = {
@@ -69,9 +75,11 @@ class RLConfig(
     output: str = Field("checkpoint", description="The final checkpoint directory written.")
     model: ModelRef = Field(
         default_factory=TinyModel,
-        description="The policy to start from: a checkpoint directory, '@stage', a hub id, or a "
-        "tiny model spec.",
+        description="The policy to start from: a checkpoint directory, a .gguf file (converted "
+        "once into one), '@stage', a hub id, or a tiny model spec.",
     )
+    chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
+    prompt_template: str | None = Field(None, description=PROMPT_TEMPLATE_HELP)
     max_steps: int | None = Field(
         100,
         gt=0,
@@ -144,11 +152,11 @@ class RLConfig(
         own, inside the actor's ranks (`stages.rl.roles.frozen`; colocated with the actor, the two
         share devices and are summed there); the reward model, frozen in the compute dtype,
         whole on each of the reward role's devices (`stages.rl.roles.reward`)."""
-        model = self.model if isinstance(self.model, str) else self.model.model_dump()
+        model = memory_model(self.model if isinstance(self.model, str) else self.model.model_dump())
         engines = [replace(n, role="vllm") for n in backend_memory(self.backend)]
         if not engines:
             engines = [MemoryNeed(role="vllm", profile="frozen", model=model, bf16=self.bf16)]
-        needs = [*engines, trainer_memory(self, self.model, self.max_length, role="actor")]
+        needs = [*engines, trainer_memory(self, model, self.max_length, role="actor")]
         if self.kl_coef > 0:
             zero = self.zero_stage if self.trainer != "torch" else 0
             ref = MemoryNeed(
@@ -156,7 +164,7 @@ class RLConfig(
             )
             needs.append(ref)
         if self.algorithm == "ppo":
-            needs.append(trainer_memory(self, self.model, self.max_length, role="critic"))
+            needs.append(trainer_memory(self, model, self.max_length, role="critic"))
         if self.reward_model is not None:
             needs.append(MemoryNeed("reward", "frozen", self.reward_model, bf16=self.bf16))
         return needs
@@ -168,6 +176,9 @@ class RLConfig(
         out = check_deepspeed(self, ctx, self.num_processes)
         out += check_backend(self.backend, engine_context(ctx))
         out += check_model_ref(ctx, "model", self.model)
+        out += check_chat_template(
+            ctx, self.chat_template, self.prompt_template, [("model", self.model)]
+        )
         out += check_algorithm(self, ctx, self.environment is not None)
         out += check_scoring(self, ctx)
         if not isinstance(self.backend, LocalBackend | VLLMBackend):

@@ -14,8 +14,14 @@ from stages.lib.block import CountOrAuto
 from stages.lib.builders.recipe import TinyModel
 from stages.lib.config import Verifier, check_verifier
 from stages.lib.distributed.ds_config import trainer_memory, trainer_memory_changes
+from stages.lib.model.chat_template import (
+    CHAT_TEMPLATE_HELP,
+    PROMPT_TEMPLATE_HELP,
+    check_chat_template,
+)
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
+from stages.lib.model.gguf import memory_model
 from stages.lib.model.lora import LORA_HELP, LoraBlock, check_lora
 from stages.lib.model.path import check_model_ref
 
@@ -24,8 +30,8 @@ class TrainConfig(StageConfig):
     """Fine-tune a model on the upstream rollouts (or prompts with gold answers)."""
 
     SPANS_NODES = True  # one torch.distributed job: each worker starts its local ranks
-    INPUTS = ("input", "model", "eval_input")
-    MODEL_INPUTS = ("model",)
+    INPUTS = ("input", "model", "eval_input", "chat_template")
+    MODEL_INPUTS = ("model", "chat_template")
     OUTPUTS = ("output",)
     OUTPUT_TYPES: ClassVar[dict[str, str]] = {"output": "checkpoint"}
 
@@ -41,9 +47,11 @@ class TrainConfig(StageConfig):
     )
     model: ModelRef = Field(
         default_factory=TinyModel,
-        description="A checkpoint directory, a reference '@stage' to a train stage's output, a hub "
-        "id, or a tiny model spec.",
+        description="A checkpoint directory, a .gguf file (converted once into one), a reference "
+        "'@stage' to a train stage's output, a hub id, or a tiny model spec.",
     )
+    chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
+    prompt_template: str | None = Field(None, description=PROMPT_TEMPLATE_HELP)
     target: Literal["completion", "answer"] = Field(
         "completion",
         description="Train on each row's completion (rollouts) or on its gold answer (warm-up).",
@@ -151,6 +159,9 @@ class TrainConfig(StageConfig):
         out += check_objective(self, ctx)
         out += check_model_ref(ctx, "model", self.model)
         out += check_lora(self.lora, ctx, self, ctx.gpus)
+        out += check_chat_template(
+            ctx, self.chat_template, self.prompt_template, [("model", self.model)]
+        )
         if self.target_accuracy is not None and self.eval_input is None:
             out.append(
                 ctx.error(
@@ -166,9 +177,10 @@ class TrainConfig(StageConfig):
         """The trainer's weights, gradients, optimizer states and activations; with DPO the
         frozen reference too, whole and in fp32 on every rank's device, as the ranks load it
         (`stages.train.worker`; with LoRA the reference is the policy's own base)."""
-        needs = [trainer_memory(self, self.model, self.max_length)]
+        needs = [trainer_memory(self, memory_model(self.model), self.max_length)]
         if self.algorithm == "dpo" and self.lora is None:
             model = self.model if isinstance(self.model, str) else self.model.model_dump()
+            model = memory_model(model)
             needs.append(MemoryNeed("dpo_reference", "frozen", model, inside="stage"))
         return needs
 

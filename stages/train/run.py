@@ -101,15 +101,20 @@ def _resume_point(stage_dir: str, resume_key: str, ctx: StageContext) -> int | N
     return None
 
 
-def _model_dir(cfg: TrainConfig, rows: list[dict[str, Any]], stage_dir: str) -> str:
-    if isinstance(cfg.model, str):
-        return cfg.model
-    path = f"{stage_dir}/init_model"
-    if not os.path.exists(f"{path}/config.json"):
+def _model_dir(cfg: TrainConfig, rows: list[dict[str, Any]], ctx: StageContext) -> str:
+    """The checkpoint folder the ranks load: `model` (a GGUF converted in the dtype training
+    computes in), or the tiny model built now; with `chat_template:`, a view of it rendering
+    that template (`stages.lib.model.prepared`), which the saved checkpoint then carries."""
+    from stages.lib.model.prepared import compute_dtype, prepare_model, stage_template
+
+    path = cfg.model if isinstance(cfg.model, str) else f"{ctx.stage_dir.rstrip('/')}/init_model"
+    if not isinstance(cfg.model, str) and not os.path.exists(f"{path}/config.json"):
         from stages.lib.builders.tiny import build_tiny_model
 
         build_tiny_model(cfg.model, _texts(rows, cfg), path, seed=cfg.seed)
-    return path
+    template = stage_template(cfg)
+    dtype = compute_dtype(cfg.bf16)
+    return prepare_model(path, run_dir=ctx.run_dir, dtype=dtype, template=template, log=ctx.log)
 
 
 def _check_data(cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -200,7 +205,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
     trainer = trainer_kind(cfg)
     resume_key = _resume_key(cfg, world, trainer, device)
     resumed = _resume_point(stage_dir, resume_key, ctx)
-    model_dir = _model_dir(cfg, rows, stage_dir)
+    model_dir = _model_dir(cfg, rows, ctx)
     ds_config = None
     if trainer == "deepspeed":
         ds_config = build_ds_config(cfg, world, pin_memory=device == "cuda", model_dir=model_dir)

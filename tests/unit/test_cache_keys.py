@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from engine.fsio import SMALL, folder_key
-from engine.run.cache import HashCache
+from engine.plan.checksums import HashCache
 
 WEIGHTS = b"\x01" * (SMALL + 10)  # over the hashing limit, as real weights are
 

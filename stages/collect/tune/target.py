@@ -66,9 +66,12 @@ def _collect_config(loaded: LoadedPipeline, stage: str) -> CollectConfig:
         where = loaded.doc.value_loc(("stages", stage, "kind"))
         msg = f"pipe tune measures a collect stage, found kind '{kind_name}'{hint}"
         raise PipeError.single(where, f"stages.{stage}.kind", msg)
-    cfg = resolve(loaded).stages[stage].config
+    resolved = resolve(loaded)
+    cfg = resolved.stages[stage].config
     assert isinstance(cfg, CollectConfig)
-    return cfg
+    from stages.collect.run import prepared  # a GGUF converted, chat_template applied
+
+    return prepared(cfg, resolved.run_dir, log)
 
 
 def _sample_rows(loaded: LoadedPipeline, stage: str, cfg: CollectConfig) -> list[dict[str, Any]]:

@@ -107,7 +107,7 @@ def trainer_memory(cfg: Any, model: Any, seq_len: int, role: str = "") -> Memory
     return MemoryNeed(
         role=role,
         profile="trainer",
-        model=model if isinstance(model, str) else model.model_dump(),
+        model=model if isinstance(model, str | dict) else model.model_dump(),
         zero_stage=cfg.zero_stage,
         adam_offload=cfg.adam_offload,
         bf16=cfg.bf16,

@@ -1,9 +1,10 @@
 """The plan-time check of a checkpoint path (`model:`, `checkpoints`, `backend.model`).
 
 Input: the resolved (absolute, or kept as written) path and the stage's `ResolveContext`.
-Output: located diagnostics: a folder that does not exist, or holds no `config.json`. An
-earlier stage's output (made when it runs), a remote URL and a hub id pass: the plan pins a hub
-id to a commit and names what is wrong with it (`engine.plan.pins`).
+Output: located diagnostics: a folder that does not exist, or holds no `config.json`; a `.gguf`
+file that does not exist or is not one (`stages.lib.model.gguf.check_gguf`). An earlier
+stage's output (made when it runs), a remote URL and a hub id pass: the plan pins a hub id to
+a commit and names what is wrong with it (`engine.plan.pins`).
 """
 
 from __future__ import annotations
@@ -14,16 +15,22 @@ from typing import Any
 
 from engine.errors import Diagnostic
 from engine.stage import ResolveContext
+from stages.lib.model.gguf import check_gguf, is_gguf
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
 def check_checkpoint(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:
-    """A checkpoint path as runs read it: a local folder holding `config.json`, or an output
-    of an earlier stage (made when that stage runs). A hub id (`org/name[@revision]`, kept as
-    written when no such folder exists) is the plan's to pin and check; a remote URL
-    (`s3://...`) is read through fsspec at run time and not checked here."""
-    if ctx.is_produced(value) or "://" in value or HUB_ID.match(value):
+    """A checkpoint path as runs read it: a local folder holding `config.json`, a GGUF file
+    (converted into one when the stage runs), or an output of an earlier stage (made when that
+    stage runs). A hub id (`org/name[@revision]`, kept as written when no such folder exists)
+    is the plan's to pin and check; a remote URL (`s3://...`) is read through fsspec at run
+    time and not checked here."""
+    if ctx.is_produced(value) or "://" in value:
+        return []
+    if is_gguf(value):
+        return check_gguf(ctx, field, value)
+    if HUB_ID.match(value):
         return []
     if os.path.isdir(value):
         if os.path.isfile(os.path.join(value, "config.json")):

@@ -48,6 +48,12 @@ def account(
         else (S, "no held-out prompts given"),
         "output": (A, "the final checkpoint"),
         "model": (A, "the actor's and the engine's starting weights"),
+        "chat_template": (A, f"prompts rendered with '{cfg.chat_template}', saved with the output")
+        if cfg.chat_template
+        else (S, "the checkpoint's own chat template renders the prompts"),
+        "prompt_template": (A, "each user turn written through it (chat_template plain)")
+        if cfg.prompt_template
+        else (S, "chat_template is not plain"),
         "verifier": _verifier(cfg),
         "environment": _environment(cfg),
         **_scoring(cfg),

@@ -30,6 +30,18 @@ UNHASHED = ("save_steps", "eval_every", "eval_limit", "num_threads", "sync_timeo
 
 
 def init_model_dir(c: Controller) -> str:
+    """The checkpoint folder every role and engine loads: `model` (a GGUF converted in the
+    actor's compute dtype), or the tiny model built now; with `chat_template:`, a view of it
+    rendering that template (`stages.lib.model.prepared`), which the saved checkpoint carries."""
+    from stages.lib.model.prepared import compute_dtype, prepare_model, stage_template
+
+    path = _model_source(c)
+    template = stage_template(c.cfg)
+    dtype = compute_dtype(c.cfg.bf16)
+    return prepare_model(path, run_dir=c.ctx.run_dir, dtype=dtype, template=template, log=c.ctx.log)
+
+
+def _model_source(c: Controller) -> str:
     if isinstance(c.cfg.model, str):
         return c.cfg.model
     path = f"{c.dir}/init_model"
