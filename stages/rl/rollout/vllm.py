@@ -214,12 +214,15 @@ class VLLMEngine:
         req = urllib.request.Request(url, data=data, headers=self._headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
+                raw, kind = resp.read(), resp.headers.get("Content-Type") or ""
         except urllib.error.HTTPError as err:
             raise EngineFailed(f"{url}: HTTP {err.code}: {err.read().decode()[:500]}") from None
         except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
             raise EngineFailed(f"{url}: {err}") from None
-        return json.loads(raw) if raw else None
+        if not raw:
+            return None
+        # vLLM's LoRA routes answer in plain text ("Success: LoRA adapter ... added")
+        return json.loads(raw) if "json" in kind else raw.decode(errors="replace")
 
     # --- generation -------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], **kwargs: Any) -> list[list[Generation]]:
