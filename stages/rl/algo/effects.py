@@ -122,6 +122,7 @@ def _dynamic(cfg: Any) -> tuple[str, str]:
     from stages.rl.algo.shaping import verifier_weighs
 
     judge = "verifier" if verifier_weighs(cfg) else "reward model's"
+    judges = "verifier's" if verifier_weighs(cfg) else "reward model's"
     return A, (
         f"groups whose {judge} rewards all agree are dropped and the step refilled from further "
         f"prompts until {cfg.rollout_batch_size} groups carry a signal, at most "
@@ -132,7 +133,7 @@ def _dynamic(cfg: Any) -> tuple[str, str]:
             else ""
         )
         + (
-            f"; judged on the {judge} rewards, not the overlong-shaped ones (as DAPO's and "
+            f"; judged on the {judges} rewards, not the overlong-shaped ones (as DAPO's and "
             "verl's filter_groups.metric acc)"
             if cfg.overlong_buffer
             else ""
