@@ -16,8 +16,9 @@ colocated_with)}` or located errors. Rules:
 - `gpus: 0` (CPU only) gives every role 0 GPUs; `gpus: auto` is resolved from
   the Dask workers' resources at run time (`allocate` is called again then).
 - A role a stage's kind cannot use (its `refused_roles` for the stage's config, e.g.
-  `reward` for an rl stage without a reward model) is an error where it is named: that stage's `resources.role`,
-  or the ratio when no stage uses the role (instead of the warning above).
+  `reward` for an rl stage without a reward model) is an error where it is named: that
+  stage's `resources.role`, or the ratio when no stage uses the role (instead of the
+  warning above).
 """
 
 from __future__ import annotations
