@@ -15,9 +15,10 @@ colocated_with)}` or located errors. Rules:
   `colocate: all` puts every role on all GPUs (the hybrid engine).
 - `gpus: 0` (CPU only) gives every role 0 GPUs; `gpus: auto` is resolved from
   the Dask workers' resources at run time (`allocate` is called again then).
-- A role a stage's kind cannot use (its `REFUSED_ROLES`, e.g. `reward` for a kind
-  without a reward model) is an error where it is named: that stage's `resources.role`,
-  or the ratio when no stage uses the role (instead of the warning above).
+- A role a stage's kind cannot use (its `refused_roles` for the stage's config, e.g.
+  `reward` for an rl stage without a reward model) is an error where it is named: that
+  stage's `resources.role`, or the ratio when no stage uses the role (instead of the
+  warning above).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import Diagnostic, Location
+from engine.spec.load import stage_config_data
 from engine.spec.schema import ROLES, PipelineSpec
 from engine.spec.source import Document, PathT, render_path
 from engine.stage import RoleAlloc, kinds
@@ -91,15 +93,20 @@ def refused_roles(
     doc: Document, spec: PipelineSpec, used: frozenset[str], errors: list[Diagnostic]
 ) -> set[str]:
     """Errors (appended to `errors`) for each role a stage's kind refuses (its
-    `REFUSED_ROLES`, with the kind's reason): named in the stage's `resources.role`, or in
-    the written ratio while no stage uses it; returns the stages whose own role was refused."""
+    `refused_roles` for the stage's config, with the kind's reason): named in the stage's
+    `resources.role`, or in the written ratio while no stage uses it; returns the stages whose
+    own role was refused."""
     written = doc.data.get("resources")
     ratio = spec.resources.ratio if isinstance(written, dict) and "ratio" in written else {}
     out = errors
     stages: set[str] = set()
     for name, st in spec.stages.items():
         kind = kinds().get(st.kind)
-        refused = kind.config.REFUSED_ROLES if kind is not None else {}
+        refused = (
+            kind.config.refused_roles(stage_config_data(spec, name, kind))
+            if kind is not None
+            else {}
+        )
         named: list[tuple[PathT, str]] = [
             (("resources", "ratio", str(r)), str(r)) for r in ratio if str(r) not in used
         ]

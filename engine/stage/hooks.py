@@ -132,6 +132,13 @@ class StageConfig(BaseModel):
     # naming one in `resources.role`, or a ratio naming one no stage uses, is an error
     REFUSED_ROLES: ClassVar[dict[str, str]] = {}
 
+    @classmethod
+    def refused_roles(cls, data: Mapping[str, Any]) -> dict[str, str]:
+        """The roles a stage written as `data` cannot use, each with why: by default the
+        kind's `REFUSED_ROLES` (a kind may lift one by its config: the rl stage's `reward`
+        with a reward_model)."""
+        return dict(cls.REFUSED_ROLES)
+
     def gpu_unit(self, role: str | None = None) -> int:
         """GPUs that must sit on one node together (a tensor-parallel group), for the stage
         or, in a stage holding several roles, for `role`."""

@@ -104,6 +104,14 @@ class RLConfig(
     save_dtype: Dtype = Field("auto", description=SAVE_DTYPE_HELP)
 
     @classmethod
+    def refused_roles(cls, data: Mapping[str, Any]) -> dict[str, str]:
+        """`reward` while the stage has no reward_model (with one, the stage holds it)."""
+        refused = super().refused_roles(data)
+        if data.get("reward_model"):
+            refused.pop("reward", None)
+        return refused
+
+    @classmethod
     def roles_used(cls, data: Mapping[str, Any]) -> tuple[str, ...]:
         """The rollout engines and the actor; the reference when kl_coef > 0, the critic under
         ppo, the reward model's role with a reward_model."""

@@ -211,3 +211,30 @@ def test_the_guides_distributed_template_gives_each_role_four_gpus_over_two_node
     }
     backend = json.loads(result.stdout)["stages"]["ppo"]["config"]["backend"]
     assert (backend["vllm_num_engines"], backend["vllm_tensor_parallel_size"]) == (2, 2)
+
+
+def test_the_reward_role_named_on_a_stage_with_a_reward_model_is_its_own(tmp_path: Path):
+    """`resources.role: reward` is refused for want of a reward model, not where one is set."""
+    text = f"""\
+name: p
+cluster: {{gpus: 6, gpus_per_node: 8}}
+stages:
+  rl:
+    kind: rl
+    resources: {{role: reward}}
+    config: {{input: d.jsonl, model: {TINY}, bf16: true, reward_model: {RM}}}
+"""
+    (tmp_path / "p.yaml").write_text(text)
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    result = run_cli("plan", "p.yaml", "--cluster", "1x8x80GB", "--format", "json", cwd=tmp_path)
+    assert result.exit_code == 0, result.stderr
+    assert "cannot use role" not in result.stderr
+    roles = json.loads(result.stdout)["roles"]
+    assert {r: a["gpus"] for r, a in roles.items()} == {"vllm": 2, "actor": 2, "reward": 2}
+    without = text.replace(f", reward_model: {RM}", "")
+    (tmp_path / "p.yaml").write_text(without)
+    refused = run_cli("validate", "p.yaml", cwd=tmp_path)
+    assert refused.exit_code == 2
+    assert "p.yaml:6:23: stages.rl.resources.role: stage 'rl' cannot use role 'reward': it " in (
+        refused.stderr
+    )

@@ -65,3 +65,25 @@ def test_scores_in_micro_batches_equal_the_models_own_pooled_logits(tmp_path: Pa
     batched = score(model, sequences, 2, model.config.pad_token_id)
     alone = [model(input_ids=torch.tensor([s])).logits[0, 0].item() for s in sequences]
     assert batched == pytest.approx(alone, abs=1e-5)
+
+
+def test_dynamic_sampling_judges_on_the_verifier_only_where_it_is_in_the_reward():
+    """A group the verifier marks all right, which the reward model tells apart: trained on
+    the model's scores alone (the verifier only reports accuracy), it keeps its signal; with
+    the verifier weighed in, DAPO's judge (the verifier's rewards agree) drops it."""
+    from stages.rl import RLConfig
+    from stages.rl.controller.batch import _score
+
+    group = [
+        SimpleNamespace(episode=SimpleNamespace(error=None, total=1.0), generated=3)
+        for _ in range(4)
+    ]
+    scores = [0.1, 0.9, -0.4, 0.3]
+    alone = RLConfig(input="x.jsonl", reward_model="rm")
+    assert alone.dynamic_sampling and alone.verifier is not None
+    assert _score(alone, group, scores).trains(dynamic=True, every=False)
+    weighed = RLConfig(
+        input="x.jsonl", reward_model="rm", reward_weights={"reward_model": 1.0, "verifier": 0.5}
+    )
+    assert not _score(weighed, group, scores).trains(dynamic=True, every=False)
+    assert _score(weighed, group, scores).trains(dynamic=False, every=False)

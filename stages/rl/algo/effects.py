@@ -119,8 +119,12 @@ def _dynamic(cfg: Any) -> tuple[str, str]:
             if reinforce
             else "off: groups whose rewards all agree are dropped, the step trains on the rest"
         )
+    from stages.rl.algo.shaping import verifier_weighs
+
+    judge = "verifier" if verifier_weighs(cfg) else "reward model's"
+    judges = "verifier's" if verifier_weighs(cfg) else "reward model's"
     return A, (
-        "groups whose verifier rewards all agree are dropped and the step refilled from further "
+        f"groups whose {judge} rewards all agree are dropped and the step refilled from further "
         f"prompts until {cfg.rollout_batch_size} groups carry a signal, at most "
         f"{cfg.dynamic_sampling_max_rounds} rounds (prompts_drawn, gen_rounds in metrics.jsonl)"
         + (
@@ -129,7 +133,7 @@ def _dynamic(cfg: Any) -> tuple[str, str]:
             else ""
         )
         + (
-            "; judged on the verifier's rewards, not the overlong-shaped ones (as DAPO's and "
+            f"; judged on the {judges} rewards, not the overlong-shaped ones (as DAPO's and "
             "verl's filter_groups.metric acc)"
             if cfg.overlong_buffer
             else ""

@@ -61,7 +61,8 @@ class AlgorithmOptions(StageConfig):
     dynamic_sampling: bool = Field(
         True,
         description="DAPO's dynamic sampling: groups whose verifier rewards all agree (before "
-        "overlong_buffer's shaping, as DAPO and verl judge them) are dropped and the step "
+        "overlong_buffer's shaping, as DAPO and verl judge them; a reward_model's scores where "
+        "the verifier is not in the reward) are dropped and the step "
         "refilled from further prompts until rollout_batch_size groups carry a signal, at most "
         "dynamic_sampling_max_rounds generation rounds (on by default with advantage grpo, "
         "dr_grpo and rloo, whose advantages are 0 in such a group: the most held-out accuracy "

@@ -9,7 +9,9 @@ the running moments take in the batch's scores first (every score seen so far, b
 al.'s parallel update: the `RunningMoments` of OpenRLHF and TRL), then each score becomes
 `(score - mean) / std` (the sample standard deviation; 1 while it is 0); `reward_clip` c
 clips to [-c, c]; then `reward_weights` mix: `w_model * shaped + w_verifier * verifier's`.
-Without `reward_weights` the reward is the shaped score alone.
+Without `reward_weights` the reward is the shaped score alone, and the verifier is out of the
+loop (`verifier_weighs`: it then only reports accuracy, and dynamic sampling judges groups on
+the model's scores).
 """
 
 from __future__ import annotations
@@ -71,3 +73,12 @@ def mix(shaped: float, verified: float, cfg: Any) -> float:
     if weights is None:
         return shaped
     return float(weights.reward_model * shaped + weights.verifier * verified)
+
+
+def verifier_weighs(cfg: Any) -> bool:
+    """Whether the verifier's reward is in the reward trained on: always without a reward
+    model; with one, only by a nonzero `reward_weights.verifier`."""
+    if cfg.reward_model is None:
+        return True
+    weights = cfg.reward_weights
+    return weights is not None and weights.verifier != 0

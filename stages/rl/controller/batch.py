@@ -15,7 +15,8 @@ ranks score every episode's token ids (one request per round) and the episodes' 
 those scores, normalised, clipped and mixed with the verifier's (`stages.rl.algo.shaping`),
 before any advantage; the step's metrics take the reward from them, its accuracy from the
 verifier. Dynamic sampling judges a group on the verifier's rewards (the reward model's
-when there is no verifier), as DAPO and verl
+scores where the verifier is not in the reward: `verifier: null`, or no verifier weight in
+`reward_weights`, when it only reports accuracy), as DAPO and verl
 (`filter_groups.metric: acc`) do: a group whose answers are all right is dropped however
 their lengths differ (without it, such a group trains on its length-shaped advantages).
 
@@ -182,7 +183,7 @@ def _score(cfg: Any, group: list[Any], model: list[float] | None = None) -> Scor
     """A group's rewards (its episodes the environment did not break), shaped and estimated;
     with a reward model, `model` holds its shaped scores, mixed with the verifier's."""
     from stages.rl.algo.advantage import group_estimate, overlong_penalty
-    from stages.rl.algo.shaping import mix
+    from stages.rl.algo.shaping import mix, verifier_weighs
 
     ok = [t for t in group if t.episode.error is None]
     penalties = [
@@ -200,9 +201,14 @@ def _score(cfg: Any, group: list[Any], model: list[float] | None = None) -> Scor
     if not rewards:
         return Scored([], [], False, [])
     adv, signal = group_estimate(rewards, cfg.advantage, cfg.std_normalize)
-    verified = signal  # unshaped, and without a reward model, the training rewards are the
-    if cfg.overlong_buffer or (model is not None and cfg.verifier is not None):  # verifier's
-        verified = group_estimate([t.episode.total for t in ok], "dr_grpo", False)[1]
+    # dynamic sampling's judge: the verifier's rewards where they are in the reward, else the
+    # model's (a verifier that only reports accuracy stays out of the loop); before shaping
+    judged = totals  # without a reward model: the verifier's
+    if model is not None and verifier_weighs(cfg):
+        judged = [t.episode.total for t in ok]
+    verified = signal
+    if cfg.overlong_buffer or judged is not totals:
+        verified = group_estimate(judged, "dr_grpo", False)[1]
     return Scored(adv, rewards, signal, penalties, verified)
 
 

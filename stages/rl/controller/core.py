@@ -173,7 +173,8 @@ class Controller:
         if self.roles.errors:
             raise self.roles.errors[0]
         every = read_metrics(f"{self.dir}/metrics.jsonl")
-        title = f"{self.ctx.name}: {self.cfg.algorithm.upper()} reward and held-out accuracy"
+        what = "reward model score" if self.cfg.reward_model is not None else "reward"
+        title = f"{self.ctx.name}: {self.cfg.algorithm.upper()} {what} and held-out accuracy"
         plot(every, f"{self.dir}/rl.png", title)
         evals = [r["eval_accuracy"] for r in every if r.get("eval_accuracy") is not None]
         out = {

@@ -4,7 +4,8 @@ Input: per-step records, held-out scores, and what each setting did at run time.
 Output, in the stage's folder: `metrics.jsonl` (one line per step, appended as it
 ends; trimmed back to the checkpoint on resume), `samples.jsonl` (the first
 `SAMPLES_PER_STEP` samples of every `log_samples_every`-th step, as text and ids), `rl.png`
-(reward and held-out accuracy against step), and `settings.json`: every field of the
+(reward and held-out accuracy against step; with a reward model, its mean score beside the
+verifier's accuracy), and `settings.json`: every field of the
 resolved config with its value and whether it was applied (and how) or skipped (and why)
 in this run (`max_output_tokens` with the stop ids every answer could end at: `stop_ids`).
 """
@@ -68,8 +69,10 @@ def sample_records(step: int, samples: Sequence[Any], tokenizer: Any) -> list[di
 
 
 def plot(records: list[dict[str, Any]], path: str, title: str) -> str | None:
-    """Reward mean (and held-out accuracy where scored) against step; None without
-    matplotlib or records."""
+    """Reward mean (and held-out accuracy where scored) against step; with a reward model
+    (`rm_score_mean` in the records) its mean score on a second axis instead, beside the
+    verifier's held-out and per-step accuracy: where the score climbs and accuracy does not,
+    the policy over-optimises the model. None without matplotlib or records."""
     try:
         import matplotlib
 
@@ -79,11 +82,38 @@ def plot(records: list[dict[str, Any]], path: str, title: str) -> str | None:
         return None
     if not records:
         return None
+    fig = figure(records, title)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def figure(records: list[dict[str, Any]], title: str) -> Any:
+    """`plot`'s figure (a matplotlib Figure; its axes' lines carry their labels)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in records], [r["reward_mean"] for r in records], label="reward mean")
+    steps = [r["step"] for r in records]
+    scored = [r for r in records if r.get("rm_score_mean") is not None]
+    lines = []
+    if not scored:
+        lines += ax.plot(steps, [r["reward_mean"] for r in records], label="reward mean")
+    else:
+        accurate = [r for r in records if r.get("accuracy") is not None]
+        if accurate:
+            lines += ax.plot(
+                [r["step"] for r in accurate],
+                [r["accuracy"] for r in accurate],
+                alpha=0.5,
+                label="accuracy (the step's samples)",
+            )
     evals = [r for r in records if r.get("eval_accuracy") is not None]
     if evals:
-        ax.plot(
+        lines += ax.plot(
             [r["step"] for r in evals],
             [r["eval_accuracy"] for r in evals],
             "o-",
@@ -91,13 +121,20 @@ def plot(records: list[dict[str, Any]], path: str, title: str) -> str | None:
         )
     ax.set_xlabel("step")
     ax.set_ylim(0, 1)
+    if scored:
+        ax.set_ylabel("verifier accuracy")
+        right = ax.twinx()
+        lines += right.plot(
+            [r["step"] for r in scored],
+            [r["rm_score_mean"] for r in scored],
+            color="tab:red",
+            label="reward model score (mean)",
+        )
+        right.set_ylabel("reward model score")
     ax.set_title(title)
-    ax.legend()
+    ax.legend(lines, [line.get_label() for line in lines], loc="best")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
 DATE_HOW = "the run's date: chat templates that read the date render this day"
