@@ -125,6 +125,31 @@ def resume_key(cfg: CollectConfig) -> str:
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def done_path(output: str) -> str:
+    return f"{output}.done.json"
+
+
+def read_done(output: str) -> str | None:
+    """What a complete output was made with (`stages.collect.run.made_with`), or None (an
+    output written before this record existed, or by hand: not trusted)."""
+    try:
+        with open(done_path(output)) as handle:
+            return str(json.load(handle).get("made_with"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def write_done(output: str, stamp: str) -> None:
+    atomic_write(done_path(output), json.dumps({"made_with": stamp}) + "\n")
+
+
+def clear_output(output: str) -> None:
+    """Remove a complete output made with other settings, its failures and its record."""
+    for path in (output, failures_path(output), done_path(output)):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
 def prepare(output: str, stamp: str) -> bool:
     """Keep partial files written under `stamp`, else clear them; True when resuming."""
     meta = meta_path(output)

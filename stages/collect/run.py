@@ -78,8 +78,31 @@ def prepared(cfg: CollectConfig, run_dir: str, log: logging.Logger) -> CollectCo
 
 
 def _collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
+    """The output, collected now or already complete: complete only when it was made with
+    the settings that shape every rollout and the same range (`made_with`); an output made
+    otherwise (the stage runs again because its config changed) is collected afresh."""
+    from stages.collect import io
+
+    stamp = made_with(cfg)
     if os.path.exists(cfg.output):
-        return up_to_date(cfg.output, ctx)
+        if io.read_done(cfg.output) == stamp:
+            return up_to_date(cfg.output, ctx)
+        ctx.log.info("collect: %s was made with other settings; collecting it again", cfg.output)
+        io.clear_output(cfg.output)
+    metrics = _collect_now(cfg, ctx)
+    io.write_done(cfg.output, stamp)
+    return metrics
+
+
+def made_with(cfg: CollectConfig) -> str:
+    """What a complete output was made with: the settings that shape each rollout
+    (`io.resume_key`) and its range."""
+    from stages.collect import io
+
+    return f"{io.resume_key(cfg)}:{cfg.start_idx}:{cfg.end_idx}:{cfg.limit}"
+
+
+def _collect_now(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     if ctx.link is not None:  # placed on several workers: a shard each, on their devices
         from stages.collect.shard import run_on_nodes
 

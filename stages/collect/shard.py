@@ -130,7 +130,7 @@ def merge_shards(output: str, parts: list[str]) -> None:
     if any(os.path.exists(p) for p in failure_parts):
         publish.concat(failure_parts, io.failures_path(output))
     publish.concat(parts, output)
-    for path in parts + failure_parts:
+    for path in parts + failure_parts + [io.done_path(p) for p in parts]:
         if os.path.exists(path):
             os.remove(path)
 

@@ -119,6 +119,7 @@ def test_collects_every_pair_once_with_exact_rewards(tmp_path: Path, server: Thr
     assert metrics["tokens"] == {"prompt": 12 * 5, "completion": 12 * 4}  # "What is i + i?"
     assert sorted(p.name for p in Path(cfg.output).parent.iterdir()) == [
         "rollouts.jsonl",
+        "rollouts.jsonl.done.json",  # what the complete output was made with
         "rollouts.jsonl.failures.jsonl",
         "track.jsonl",  # the progress points for the run's trackers (stages.lib.io.metrics)
     ]
@@ -256,6 +257,25 @@ def test_a_complete_output_means_nothing_to_do(tmp_path: Path, server: ThreadHan
     assert metrics == {"up_to_date": True, "rows": 4, "failures": 0, "written": 0}
     assert server.server.counters.requests == before
     assert Path(cfg.output).read_bytes() == first
+
+
+def test_a_complete_output_made_with_other_settings_is_collected_again(
+    tmp_path: Path, server: ThreadHandle
+):
+    """The stage runs again when its config changed (the engine's cache key): an output made
+    with another verifier, temperature or range is not taken as complete."""
+    write_rows(tmp_path / "in.jsonl", good_rows(4))
+    cfg = config(tmp_path, server.url)
+    run_collect(cfg, context(tmp_path))
+    before = server.server.counters.requests
+    hotter = cfg.model_copy(update={"temperature": cfg.temperature + 0.5})
+    metrics = run_collect(hotter, context(tmp_path))
+    assert "up_to_date" not in metrics and metrics["written"] == 4 * cfg.num_repeats
+    assert server.server.counters.requests - before == 4 * cfg.num_repeats
+    fewer = hotter.model_copy(update={"limit": 2})
+    run_collect(fewer, context(tmp_path))
+    assert len(read_jsonl(cfg.output)) == 2 * cfg.num_repeats
+    assert run_collect(fewer, context(tmp_path))["up_to_date"] is True
 
 
 def test_changed_sampling_settings_start_over(tmp_path: Path, server: ThreadHandle):
