@@ -203,8 +203,11 @@ def train_part(model_dir: str, data_path: str, trainer: str, args: Any, lora: bo
     loop = pipe_loop(model_dir, data_path, trainer, settings)
     bare = BareLoop(model_dir, loop, lora, args.bf16)
     tokens = [
-        sum(len(loop.data.examples[s].input_ids) for u in loop.plan.step(k).units
-            for s in loop.data.units[u])
+        sum(
+            len(loop.data.examples[s].input_ids)
+            for u in loop.plan.step(k).units
+            for s in loop.data.units[u]
+        )
         for k in range(args.steps + 1)
     ]
     times: dict[str, list[float]] = {"pipe": [], "bare": []}
@@ -298,8 +301,6 @@ def generate_part(model_dir: str, args: Any) -> dict:
         "bare_s": round(statistics.mean(times["bare"]), 3),
     }
     out["ratio"] = out["bare_s"] / out["engine_s"]
-    del model
-    gc.collect()
     return out
 
 
