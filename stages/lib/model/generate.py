@@ -286,7 +286,8 @@ def _keeps_logits(model: Any) -> bool:
     does (at Gemma 3's 262k-token vocabulary, all positions' logits cost as much as the rest of
     the prefill together)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return _takes_keep(type(base))
+    model_class: Any = type(base)
+    return _takes_keep(model_class)
 
 
 @functools.cache
