@@ -14,7 +14,7 @@ verdict on integer answers).
 `--gemma3`: the settings of pipelines/gemma3_grpo.yaml's grpo stage on its SFT checkpoint
 (Gemma 3 270M): LoRA (rank 16, alpha 32, all-linear: peft, as `lora: {rank: 16}`), bf16,
 prompts rendered as "Question: {prompt}\nAnswer:" (its `chat_template: plain`; TRL gets the
-text, not messages), 16 prompts x 8 samples a step, 8 answer tokens, lr 5e-5, the torch
+text, not messages), 16 prompts x 8 samples a step (`--shape`), 8 answer tokens, lr 5e-5, the torch
 threads of `--threads`; every `--mark-min` minutes of training wall time (10) it stops the
 clock and scores greedy answers to the first `--eval-limit` (200) prompts of `--eval`,
 and writes each mark (minutes, step, accuracy) to `marks` in `trl_result.json`; it stops
@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--mark-min", type=float, default=10.0, help="--gemma3: minutes between marks")
     p.add_argument("--minutes", type=float, default=60.0, help="--gemma3: training wall time")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--shape", default="16x8", help="--gemma3: prompts x samples a step")
     args = p.parse_args()
     if args.gemma3:
         gemma3(args)
@@ -174,7 +175,7 @@ def gemma3(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
-    prompts, group = 16, 8
+    prompts, group = (int(x) for x in args.shape.split("x"))
     config = GRPOConfig(
         output_dir=args.out,
         per_device_train_batch_size=prompts * group,
