@@ -258,11 +258,10 @@ def gemma3(steps: int, threads: int, python: str) -> None:
     subprocess.run(args, cwd=ROOT, env=env, check=True)
     rows = [json.loads(x) for x in (run / "grpo/metrics.jsonl").read_text().splitlines()]
     spent, ours_marks = 0.0, []
-    for r in rows:  # training wall time: the held-out evaluations' rows are apart
+    for r in rows:  # step_s: train, sync and generation, the step's held-out score apart
+        spent += r["step_s"]
         if r.get("eval_accuracy") is not None:
             ours_marks.append((spent / 60, r["step"], r["eval_accuracy"]))
-        else:
-            spent += r["step_s"]
     out = OUT / "gemma3-trl"
     data = run / "data"
     cmd = [
