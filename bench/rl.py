@@ -258,9 +258,14 @@ def gemma3(steps: int, threads: int, python: str) -> None:
     subprocess.run(args, cwd=ROOT, env=env, check=True)
     rows = [json.loads(x) for x in (run / "grpo/metrics.jsonl").read_text().splitlines()]
     spent, ours_marks = 0.0, []
-    for r in rows:  # step_s: train, sync and generation, the step's held-out score apart
-        spent += r["step_s"]
-        if r.get("eval_accuracy") is not None:
+    # a scored step's step_s holds its held-out evaluation too (TRL's clock stops for its
+    # marks): such a step counts as the mean of the others
+    plain = [r["step_s"] for r in rows if r.get("eval_accuracy") is None]
+    usual = sum(plain) / max(len(plain), 1)
+    for r in rows:
+        scored = r.get("eval_accuracy") is not None
+        spent += usual if scored and plain else r["step_s"]
+        if scored:
             ours_marks.append((spent / 60, r["step"], r["eval_accuracy"]))
     out = OUT / "gemma3-trl"
     data = run / "data"
