@@ -71,7 +71,8 @@ wheelhouse:
 	  $(if $(TARGET_HAS),--target-has $(foreach h,$(TARGET_HAS),'$(h)'))
 
 # on a GPU machine, offline: install from wheelhouse/ when pipe is missing, print the machine, run
-# the `gpu` tests and the GRPO quickstart, each bounded; summary in runs/gpu-check/summary.md
+# the `gpu` tests, the GRPO quickstart and (where models/ has it) the Gemma 3 test, each bounded;
+# summary in runs/gpu-check/summary.md
 gpu-check:
 	bash scripts/gpu_check.sh
 

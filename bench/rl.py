@@ -4,6 +4,7 @@
         [--schedule cosine]
     .venv/bin/python bench/rl.py --async [--shapes 32x8] [--steps 60]
     .venv/bin/python bench/rl.py --packing [--samples 512] [--micro 128] [--rounds 5]
+    .venv/bin/python bench/rl.py --gemma3 [--steps 300] [--threads 2]
 
 Both start from the warm-up of pipelines/grpo_quickstart.yaml (made once in
 bench/out/rl/base: its data and warmup stages), take the same prompts, group size,
@@ -17,6 +18,13 @@ synchronous and asynchronous modes side by side instead. `--repeats N` runs each
 times per shape with sampling seeds 0..N-1 (same warm-up) and prints their means too: one
 run's held-out accuracy moves by a few points with the seed alone. With --packing: the
 actor's update on packed micro batches beside padded ones (bench/rl_packing.py).
+
+With --gemma3 (`make gemma3` first; hours on a CPU): pipelines/gemma3_grpo.yaml's data and
+SFT (made once in bench/out/rl/gemma3), then its grpo stage (LoRA, bf16) for --steps steps,
+held-out accuracy on 200 test prompts every 10 steps, then TRL's GRPOTrainer on the same SFT
+checkpoint, data, LoRA, batch and threads for as much training wall time
+(bench/rl_trl.py --gemma3), scored every 10 minutes; printed: accuracy against training wall
+time, both sides.
 """
 
 from __future__ import annotations
@@ -188,7 +196,12 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=512, help="--packing: samples per step")
     p.add_argument("--micro", type=int, default=128, help="--packing: samples per micro batch")
     p.add_argument("--rounds", type=int, default=5, help="--packing: steps of each layout")
+    p.add_argument("--gemma3", action="store_true", help="Gemma 3 270M, LoRA: accuracy vs time")
+    p.add_argument("--threads", type=int, default=2, help="--gemma3: torch threads, both sides")
     args = p.parse_args()
+    if args.gemma3:
+        gemma3(args.steps, args.threads, args.trl_python)
+        return
     if args.packing:
         from bench.rl_packing import main as packing
 
@@ -227,6 +240,51 @@ def main() -> None:
         if args.repeats > 1:
             means = [sum(col) / len(col) for col in zip(*runs, strict=True)]
             print(_row(shape, "mean", means, args.asynchronous), flush=True)
+
+
+def gemma3(steps: int, threads: int, python: str) -> None:
+    """--gemma3 (module docstring)."""
+    run = OUT / "gemma3"
+    grpo = ["--only", "grpo", "--force", "--run-dir", str(run)]
+    env = {**ENV, "OMP_NUM_THREADS": str(threads)}
+    pipeline = "pipelines/gemma3_grpo.yaml"
+    if not (run / "sft" / "checkpoint" / "config.json").exists():
+        only = ["--only", "data", "--only", "sft", "--run-dir", str(run)]
+        subprocess.run([*PIPE, "run", pipeline, *only], cwd=ROOT, env=env, check=True)
+    sets = {"max_steps": steps, "eval_every": 10, "num_threads": threads, "save_steps": steps}
+    args = [*PIPE, "run", pipeline, *grpo]
+    for k, v in sets.items():
+        args += ["--set", f"stages.grpo.config.{k}={v}"]
+    subprocess.run(args, cwd=ROOT, env=env, check=True)
+    rows = [json.loads(x) for x in (run / "grpo/metrics.jsonl").read_text().splitlines()]
+    spent, ours_marks = 0.0, []
+    # a scored step's step_s holds its held-out evaluation too (TRL's clock stops for its
+    # marks): such a step counts as the mean of the others
+    plain = [r["step_s"] for r in rows if r.get("eval_accuracy") is None]
+    usual = sum(plain) / max(len(plain), 1)
+    for r in rows:
+        scored = r.get("eval_accuracy") is not None
+        spent += usual if scored and plain else r["step_s"]
+        if scored:
+            ours_marks.append((spent / 60, r["step"], r["eval_accuracy"]))
+    out = OUT / "gemma3-trl"
+    data = run / "data"
+    cmd = [
+        python,
+        str(ROOT / "bench/rl_trl.py"),
+        "--gemma3",
+        "--model",
+        str(run / "sft/checkpoint"),
+    ]
+    cmd += ["--train", str(data / "train.jsonl"), "--eval", str(data / "test.jsonl")]
+    cmd += ["--out", str(out), "--minutes", f"{spent / 60:.2f}", "--threads", str(threads)]
+    subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": ""}, check=True)
+    theirs = json.loads((out / "trl_result.json").read_text())["marks"]
+    print("side     minutes   step  held-out accuracy")
+    for minutes, step, acc in ours_marks:
+        print(f"ours  {minutes:>10.1f}{step:>7}{acc:>19.3f}")
+    for m in theirs:
+        print(f"TRL   {m['minutes']:>10.1f}{m['step']:>7}{m['accuracy']:>19.3f}")
 
 
 def _row(shape: str, seed: str, vals: Sequence[float], asynchronous: bool) -> str:

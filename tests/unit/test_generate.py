@@ -141,3 +141,25 @@ def test_decoding_passes_the_kv_cache_by_its_current_name_without_a_deprecation_
         spy.remove()
     assert passed == [set()] + [{current or "past_key_values"}] * 2  # prefill, then 2 steps
     assert [m for m in messages if "deprecated" in m] == []
+
+
+def test_the_prefill_projects_only_the_last_position_onto_the_vocabulary(
+    models: dict[str, Path],
+):
+    """`model.generate`'s habit (`logits_to_keep=1`): at Gemma 3's 262k-token vocabulary the
+    logits of every prompt position cost as much as the rest of the prefill; the answers are
+    the same."""
+    from stages.lib.model.generate import load
+
+    model, _ = load(str(models["plain"]))
+    head = model.get_output_embeddings()
+    rows: list[int] = []
+    spy = head.register_forward_hook(lambda _m, _a, out: rows.append(out.shape[1]))
+    kw = {"num_samples": 2, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 3, "seed": 0}
+    try:
+        out = generate(str(models["plain"]), PROMPTS[3:], **kw)
+    finally:
+        spy.remove()
+    assert rows[0] == 1  # the prompt is several tokens long: only its last is projected
+    assert rows == [1] * len(rows)
+    assert len(out[0]) == 2

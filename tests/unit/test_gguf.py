@@ -270,3 +270,15 @@ def test_collect_serves_the_converted_gguf_with_the_stages_template(
     weights = Path(folder, "model.safetensors").resolve()
     assert weights.parent.name == f"gguf-{_sha(tiny[0])[:16]}-bfloat16"  # the precision named
     assert served.model_copy(update={"backend": cfg.backend}) == cfg  # nothing else changed
+
+
+def test_a_missing_fetched_gguf_names_the_command_that_fetches_it(tmp_path: Path):
+    """pipelines/gemma3_grpo.yaml names the file `make gemma3` writes, which is not in git."""
+    _pipeline(tmp_path, "../models/gemma-3-270m-q4_k_m.gguf")
+    result = run_cli("validate", "p.yaml", cwd=tmp_path)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        "p.yaml:5:37: stages.t.config.model: no GGUF file '../models/gemma-3-270m-q4_k_m.gguf' "
+        "(relative to the pipeline's folder): `make gemma3` fetches it (from the repository's "
+        "root)"
+    ]

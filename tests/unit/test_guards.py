@@ -13,6 +13,7 @@ from engine.spec.jsonschema import schema_text
 from engine.spec.load import load_pipeline
 from engine.spec.source import load_document
 from tests.conftest import ROOT, run_cli
+from tests.fetched import planned_from
 
 PIPELINES = sorted((ROOT / "pipelines").glob("*.yaml"))
 
@@ -34,8 +35,9 @@ def test_pipeline_header_names_its_command_and_schema(path: Path):
 
 
 @pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.name)
-def test_pipeline_validates(path: Path):
-    result = run_cli("validate", str(path))
+def test_pipeline_validates(path: Path, tmp_path: Path):
+    cwd = planned_from(path, tmp_path)  # a fetched model file: its stand-in
+    result = run_cli("validate", f"pipelines/{path.name}", cwd=cwd)
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip().endswith("stages)")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DATA, ROOT, run_cli
+from tests.fetched import planned_from
 
 PIPELINES = sorted((ROOT / "pipelines").glob("*.yaml"))
 GOLDEN = DATA / "explain"
@@ -22,8 +23,9 @@ def _no_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.stem)
-def test_explain_full_text(path: Path):
-    result = run_cli("plan", f"pipelines/{path.name}", "--explain", cwd=ROOT)
+def test_explain_full_text(path: Path, tmp_path: Path):
+    cwd = planned_from(path, tmp_path)  # a fetched model file: its stand-in
+    result = run_cli("plan", f"pipelines/{path.name}", "--explain", cwd=cwd)
     assert result.exit_code == 0, result.stderr
     golden = GOLDEN / f"{path.stem}.txt"
     if os.environ.get("PIPE_REGEN_GOLDEN"):
@@ -32,13 +34,15 @@ def test_explain_full_text(path: Path):
 
 
 @pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.stem)
-def test_json_shape_every_value_resolved(path: Path):
-    result = run_cli("plan", f"pipelines/{path.name}", "--format", "json", cwd=ROOT)
+def test_json_shape_every_value_resolved(path: Path, tmp_path: Path):
+    cwd = planned_from(path, tmp_path)
+    result = run_cli("plan", f"pipelines/{path.name}", "--format", "json", cwd=cwd)
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     assert set(data) == {"name", "profile", "memory", "date", "stages", "roles"}
     for stage in data["stages"].values():
-        assert set(stage) == {"kind", "needs", "resources", "config"}
+        # a stage that reads a GGUF file names its sha256 (`stages.lib.model.gguf`)
+        assert set(stage) - {"sha256"} == {"kind", "needs", "resources", "config"}
         assert set(stage["resources"]) == {"role", "gpus"}
         assert isinstance(stage["resources"]["gpus"], int)
         cfg = stage["config"]

@@ -5,9 +5,9 @@ Output: per prompt, `num_samples` `Generation`s (text, finish reason, token coun
 
 Prompts go through the shared chat template (`stages.lib.chat.prompt.format_prompt`),
 so generation sees exactly the format training used. Prompts are grouped by
-length and left-padded; each batch is prefilled once and its KV cache repeated
-for the `num_samples` samples (they share the prompt), then decoded token by
-token with the cache, finished rows leaving the batch. Temperature 0 is
+length and left-padded; each batch is prefilled once (logits at its last position only) and
+its KV cache repeated for the `num_samples` samples (they share the prompt), then decoded
+token by token with the cache, finished rows leaving the batch. Temperature 0 is
 greedy; otherwise nucleus sampling from a generator seeded with `seed`. The
 loaded model is cached per process (one Dask worker evaluates several
 batches, or several stages, without reloading).
@@ -270,13 +270,31 @@ def _prefill(model: Any, ids: list[list[int]], pad: int, repeats: int) -> tuple[
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=model.device)
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=model.device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    step = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    keep = {"logits_to_keep": 1} if _keeps_logits(model) else {}  # only the last position's
+    step = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, **keep)
     cache, logits = getattr(step, _cache_arg(model)), step.logits[:, -1].float()
     if repeats > 1:
         cache.batch_repeat_interleave(repeats)
         logits = logits.repeat_interleave(repeats, 0)
         mask = mask.repeat_interleave(repeats, 0)
     return cache, logits, mask
+
+
+def _keeps_logits(model: Any) -> bool:
+    """Whether the model's forward (a peft model's: its base's) takes `logits_to_keep`: then
+    the prefill projects the last position onto the vocabulary only, as `model.generate`
+    does (at Gemma 3's 262k-token vocabulary, all positions' logits cost as much as the rest of
+    the prefill together)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_class: Any = type(base)
+    return _takes_keep(model_class)
+
+
+@functools.cache
+def _takes_keep(cls: Any) -> bool:
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 def _cache_arg(model: Any) -> str:

@@ -54,6 +54,8 @@ _SCALARS = {
     12: "<d",
 }
 _STRING, _ARRAY = 8, 9
+# files a make target fetches (not in git): a refusal of a missing one names the command
+FETCHED_BY = {"gemma-3-270m-q4_k_m.gguf": "make gemma3"}
 
 
 class NotGGUF(ValueError):
@@ -228,7 +230,9 @@ def check_gguf(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:
     """A `.gguf` model path: a file there that reads as GGUF (its header only)."""
     where = "" if value.startswith("/") else " (relative to the pipeline's folder)"
     if not os.path.isfile(value):
-        return [ctx.error(field, f"no GGUF file '{value}'{where}")]
+        fetch = FETCHED_BY.get(os.path.basename(value))
+        hint = f": `{fetch}` fetches it (from the repository's root)" if fetch else ""
+        return [ctx.error(field, f"no GGUF file '{value}'{where}{hint}")]
     try:
         header = read_header(value)
     except (NotGGUF, OSError) as e:
