@@ -132,7 +132,7 @@ def figure(records: list[dict[str, Any]], title: str) -> Any:
         )
         right.set_ylabel("reward model score")
     ax.set_title(title)
-    ax.legend(lines, [line.get_label() for line in lines], loc="best")
+    ax.legend(lines, [str(line.get_label()) for line in lines], loc="best")
     fig.tight_layout()
     return fig
 
