@@ -12,7 +12,10 @@ worker ADDR --preload engine.cluster.worker_setup` does the same there.
 The run's output is pipe's own (its stage lines and progress with a rate): the progress bars
 of Hugging Face's libraries (transformers' "Loading weights" and "Writing model shards", the
 hub's downloads) are turned off here, by `HF_HUB_DISABLE_PROGRESS_BARS`, which both read as
-they are imported, so the processes a stage starts (ranks, engines) inherit it.
+they are imported, so the processes a stage starts (ranks, engines) inherit it. The
+driver's standard output holds the run's result (each stage's headline, evaluate's table):
+what a library prints from a worker (DeepSpeed's accelerator notice, which accelerate
+imports when transformers saves a model) goes to the worker's standard error instead.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ PRELOAD = __name__
 
 def dask_setup(worker: Any) -> None:
     """Drop the tracker credentials from this worker's environment; turn off the Hugging
-    Face libraries' progress bars."""
+    Face libraries' progress bars; send what the worker prints to its standard error."""
     for name in CREDENTIALS:
         os.environ.pop(name, None)
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    sys.stdout = sys.stderr  # stdout is the driver's result; a library's print goes to stderr
     if "transformers" in sys.modules:  # imported before this ran (a preload of the user's)
         from transformers.utils import logging as hf_logging
 

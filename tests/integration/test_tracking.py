@@ -128,7 +128,7 @@ def test_quickstart_with_every_tracker(tmp_path: Path):
     ]
     assert [line.split()[0] for line in out[table + 2 : table + 4]] == ["warmup", "rft"]
     assert out[table + 2].endswith("baseline") and out[table + 3].endswith(" pts")
-    assert out[0].startswith("data: 96 train, 24 test rows")
+    assert out[0].startswith("data: 96 train, 24 test, 8 val rows")
     assert any(line.startswith("warmup: final loss ") for line in out)
     links = report["tracking"]
     assert out[table + 4 :] == [f"{k}: {v}" for k, v in links.items()]
