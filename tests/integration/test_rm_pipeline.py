@@ -14,21 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.test_quickstart import SHRINK as QUICKSTART_SHRINK
 from tests.integration.test_quickstart import _pipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SHRINK = [
-    "stages.data.config.size=96",
-    "stages.data.config.test_size=24",
-    "stages.data.config.val_size=8",
-    "stages.warmup.config.max_steps=6",
-    "stages.warmup.config.train_batch_size=16",
-    "stages.warmup.config.micro_train_batch_size=16",
-    "stages.warmup.config.model.hidden_size=32",
-    "stages.warmup.config.model.num_layers=1",
-    "stages.warmup.config.model.num_heads=2",
-    "stages.warmup.config.model.vocab_size=300",
+    # the quickstart's data and warm-up, shrunk as its own test shrinks them
+    *(s for s in QUICKSTART_SHRINK if s.startswith(("stages.data.", "stages.warmup."))),
     "stages.collect.config.limit=12",
     "stages.collect_heldout.config.limit=8",
     "stages.rm.config.max_steps=2",
