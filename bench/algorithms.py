@@ -18,10 +18,11 @@ With --trl: the target of issue 39 on bench/rl.py's comparison (8 prompts x 4 sa
 accuracy after 100 steps, and the first step (of every 10) at which our default settings
 reach it, per sampling seed.
 
-With --equal-cost: the default judged at equal cost (issue 45): `grpo` (dynamic sampling off)
-against `dynamic` (on), every task, seeds 0-2, held-out accuracy every 10 steps; each pair
-(task, seed) compared at the generated tokens of the cheaper arm's last step and at its wall
-time (each arm's accuracy at its last evaluation within that budget), and at equal steps.
+With --equal-cost: the default judged at equal cost (issue 45): `grpo` (dynamic sampling off,
+the default since) against `dynamic` (on, the default before), every task, seeds 0-2,
+held-out accuracy every 10 steps; each pair (task, seed) compared at the generated tokens of
+the cheaper arm's last step and at its wall time (each arm's accuracy at its last evaluation
+within that budget), and at equal steps.
 Written: bench/out/algos/equal_cost.json and equal_cost.png (accuracy against tokens).
 
 `pipe run` caches each arm's stage in its run folder, so running the bench again prints the
@@ -50,14 +51,15 @@ TASKS = {
     "variant": {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 2},
     "hard": {"min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 2},
 }
-# each arm: the grpo stage's settings it changes; the rest are the quickstart's
-OFF = {"dynamic_sampling": False}  # the default since this comparison: off in the others
+# each arm: the grpo stage's settings it changes, explicit even where they are the default
+# (`grpo` is the default); the rest are the quickstart's
+OFF = {"dynamic_sampling": False}  # the default (issue 45: it did not lead at equal cost)
 ARMS: dict[str, dict[str, Any]] = {
     "grpo": {"advantage": "grpo", **OFF},
     "dr_grpo": {"advantage": "dr_grpo", **OFF},
     "rloo": {"advantage": "rloo", **OFF},
     "reinforce_pp": {"advantage": "reinforce_pp", **OFF},
-    # DAPO's dynamic sampling alone, on GRPO's estimator (the default it chose)
+    # DAPO's dynamic sampling alone, on GRPO's estimator (the default from issue 39 to 45)
     "dynamic": {"advantage": "grpo", "dynamic_sampling": True},
     # DAPO's four: clip-higher (its 0.28), dynamic sampling, token-level loss (token_mean,
     # the default), overlong shaping (4 of the 8 answer tokens; the answers need 2-5)

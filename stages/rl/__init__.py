@@ -148,8 +148,8 @@ class RLConfig(
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """The vLLM engines from the `vllm` role's GPUs (engines x tensor-parallel size = the
-        role's GPUs), prefix caching for groups, half a shared GPU left to training; dynamic
-        sampling off where the estimator trains every group (`derive_algorithm`)."""
+        role's GPUs), prefix caching for groups, half a shared GPU left to training; GSPO's
+        loss and clip with ratio_level sequence (`derive_algorithm`)."""
         out = derive_backend(self.backend, engine_context(ctx), self.num_repeats)
         return out | derive_algorithm(self)
 

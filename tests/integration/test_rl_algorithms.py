@@ -29,7 +29,7 @@ def pipeline(extra: str, prompts: int) -> str:
 
 
 ARMS = {
-    # the defaults otherwise: dynamic sampling resolves off, every group trains (issue 45)
+    # the defaults otherwise: dynamic sampling off (the default, issue 45), every group trains
     "reinforce_pp": "advantage: reinforce_pp\n          kl_coef: 0.05\n          train_batch_size: 16",
     # dynamic sampling too: this untrained model's groups seldom carry a signal
     # GSPO as users get it: its clip range and loss_agg resolve from ratio_level (issue 45)

@@ -393,34 +393,40 @@ def resolved_rl(tmp_path: Path, config: str) -> Any:
     return resolve(load_pipeline(str(tmp_path / "p.yaml"), ()), run_dir=str(tmp_path)).stages["rl"]
 
 
-def test_reinforce_pp_with_the_defaults_trains_every_group(
+def test_dynamic_sampling_is_off_by_default_for_every_estimator(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: Any
 ):
-    """Issue 45: dynamic sampling, on by default, dropped every REINFORCE++ group whose
-    rewards agree; its baseline is the batch's, so those groups train (as OpenRLHF's)."""
+    """Issue 45 point 13: at equal generated tokens and wall time dynamic sampling did not
+    lead, so no estimator turns it on by default. A step trains on the groups it drew, no
+    refill: REINFORCE++ trains every group (its baseline is the batch's), GRPO's family the
+    groups whose rewards differ (a group whose rewards agree has advantages 0)."""
     from stages.rl.controller.batch import rollout
 
     monkeypatch.chdir(tmp_path)
-    stage = resolved_rl(tmp_path, "advantage: reinforce_pp")
-    assert stage.config.dynamic_sampling is False
-    assert stage.source("dynamic_sampling").render() == (
-        "rule: advantage reinforce_pp trains every group: its baseline is the batch's, so a "
-        "group whose rewards agree has advantages too, as in OpenRLHF"
-    )
+    never = Verifier(kind="regex", pattern="^never$")  # every group's rewards agree
+    trained = {"reinforce_pp": (3, 12, 1), "grpo": (0, 0, 1)}
+    for advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
+        stage = resolved_rl(tmp_path, f"advantage: {advantage}")
+        assert stage.config.dynamic_sampling is False
+        assert stage.source("dynamic_sampling").render() == "kind default"
+        if advantage in trained:
+            batch = rollout(controller(engine, never, **stage.config.model_dump(include={
+                "advantage", "dynamic_sampling", "dynamic_sampling_max_rounds"})), 1)  # fmt: skip
+            assert (batch.kept, len(batch.samples), batch.rounds) == trained[advantage]
     assert algorithm_settings(stage.config)["dynamic_sampling"] == (
         "applied",
         "off: every group trains (REINFORCE++'s baseline is the batch's: a group whose rewards "
         "agree has advantages too)",
     )
-    never = Verifier(kind="regex", pattern="^never$")
-    batch = rollout(controller(engine, never, **stage.config.model_dump(include={
-        "advantage", "dynamic_sampling", "dynamic_sampling_max_rounds"})), 1)  # fmt: skip
-    assert (batch.kept, len(batch.samples), batch.rounds) == (3, 12, 1)
-    # the group estimators keep the default: their uniform groups have advantages of 0
-    for advantage in ("grpo", "dr_grpo", "rloo"):
-        assert resolved_rl(tmp_path, f"advantage: {advantage}").config.dynamic_sampling is True
+    grpo = resolved_rl(tmp_path, "advantage: grpo")
+    assert algorithm_settings(grpo.config)["dynamic_sampling"] == (
+        "applied",
+        "off: groups whose rewards all agree have advantages 0 and train nothing; the step "
+        "trains on the rest, no refill",
+    )
     ppo = resolved_rl(tmp_path, "algorithm: ppo")
     assert ppo.config.dynamic_sampling is False
+    assert ppo.source("dynamic_sampling").render() == "kind default"
     assert algorithm_settings(ppo.config)["dynamic_sampling"] == (
         "applied",
         "off: every group trains (the critic values them)",
@@ -495,8 +501,13 @@ def test_dynamic_sampling_judges_a_group_on_the_verifiers_rewards_not_the_shaped
 def test_settings_that_cannot_act_are_recorded_skipped_with_a_reason():
     ppo = algorithm_settings(RLConfig(input="x.jsonl", algorithm="ppo"))
     assert ppo["advantage"][0] == "skipped" and "GAE" in ppo["advantage"][1]
-    assert ppo["dynamic_sampling"][0] == "skipped" and "critic" in ppo["dynamic_sampling"][1]
-    grpo = algorithm_settings(RLConfig(input="x.jsonl", dynamic_sampling=False))
+    assert ppo["dynamic_sampling"] == (
+        "applied",
+        "off: every group trains (the critic values them)",
+    )
+    ppo_on = algorithm_settings(RLConfig(input="x.jsonl", algorithm="ppo", dynamic_sampling=True))
+    assert ppo_on["dynamic_sampling"][0] == "skipped" and "critic" in ppo_on["dynamic_sampling"][1]
+    grpo = algorithm_settings(RLConfig(input="x.jsonl"))  # dynamic_sampling off by default
     assert grpo["dynamic_sampling_max_rounds"] == ("skipped", "dynamic_sampling is off")
     assert grpo["overlong_penalty"] == ("skipped", "overlong_buffer is empty")
     rloo = algorithm_settings(RLConfig(input="x.jsonl", advantage="rloo"))
@@ -531,9 +542,7 @@ def test_settings_that_cannot_act_are_recorded_skipped_with_a_reason():
         (
             "advantage: reinforce_pp, dynamic_sampling_max_rounds: 5",
             "p.yaml:5:84: stages.rl.config.dynamic_sampling_max_rounds: dynamic_sampling is off "
-            "(rule: advantage reinforce_pp trains every group: its baseline is the batch's, so a "
-            "group whose rewards agree has advantages too, as in OpenRLHF): set it true, or "
-            "leave this out",
+            "(kind default): set it true, or leave this out",
         ),
         ("overlong_penalty: 0.5", "overlong_buffer is empty"),
         ("algorithm: ppo, dynamic_sampling: true", "algorithm ppo trains every group"),

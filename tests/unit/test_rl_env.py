@@ -78,9 +78,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def controller(
     engine: Any, environment: dict[str, Any] | None = None, verifier: Verifier = EXACT, **cfg: Any
 ) -> Any:
-    # no refills: the oracle below is the rollout before dynamic sampling
-    settings = {"num_repeats": 4, "rollout_batch_size": 6, "max_output_tokens": 6}
-    settings = settings | {"dynamic_sampling": False} | cfg
+    # no refills (dynamic sampling is off by default): the oracle below is the step's rollout
+    settings = {"num_repeats": 4, "rollout_batch_size": 6, "max_output_tokens": 6} | cfg
     config = RLConfig(
         input="x.jsonl",
         verifier=verifier,

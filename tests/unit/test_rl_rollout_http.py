@@ -151,11 +151,8 @@ def test_a_sample_trains_one_behaviour_log_prob_per_completion_token(
     server.server.stop = (7, how)
     url = server.url.removesuffix("/v1")
     engine = HTTPRollouts([url], _Chat(), "fake", {}, 30.0, 8, stops=[7])
-    # reinforce_pp (dynamic sampling off): the fake's groups, all alike, train too
-    cfg = RLConfig(
-        input="x.jsonl", rollout_batch_size=2, num_repeats=2, advantage="reinforce_pp",
-        dynamic_sampling=False,
-    )  # fmt: skip
+    # reinforce_pp (dynamic sampling off by default): the fake's groups, all alike, train too
+    cfg = RLConfig(input="x.jsonl", rollout_batch_size=2, num_repeats=2, advantage="reinforce_pp")
     c = SimpleNamespace(
         cfg=cfg,
         engine=engine,

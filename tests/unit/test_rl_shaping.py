@@ -79,11 +79,14 @@ def test_dynamic_sampling_judges_on_the_verifier_only_where_it_is_in_the_reward(
         for _ in range(4)
     ]
     scores = [0.1, 0.9, -0.4, 0.3]
-    alone = RLConfig(input="x.jsonl", reward_model="rm")
+    alone = RLConfig(input="x.jsonl", reward_model="rm", dynamic_sampling=True)
     assert alone.dynamic_sampling and alone.verifier is not None
     assert _score(alone, group, scores).trains(dynamic=True, every=False)
     weighed = RLConfig(
-        input="x.jsonl", reward_model="rm", reward_weights={"reward_model": 1.0, "verifier": 0.5}
+        input="x.jsonl",
+        reward_model="rm",
+        reward_weights={"reward_model": 1.0, "verifier": 0.5},
+        dynamic_sampling=True,
     )
     assert not _score(weighed, group, scores).trains(dynamic=True, every=False)
     assert _score(weighed, group, scores).trains(dynamic=False, every=False)

@@ -117,7 +117,8 @@ def _dynamic(cfg: Any) -> tuple[str, str]:
             "off: every group trains (REINFORCE++'s baseline is the batch's: a group whose "
             "rewards agree has advantages too)"
             if reinforce
-            else "off: groups whose rewards all agree are dropped, the step trains on the rest"
+            else "off: groups whose rewards all agree have advantages 0 and train nothing; the "
+            "step trains on the rest, no refill"
         )
     from stages.rl.algo.shaping import verifier_weighs
 

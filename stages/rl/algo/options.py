@@ -59,15 +59,17 @@ class AlgorithmOptions(StageConfig):
         "seq_mean_token_mean and clip range eps_clip 3e-4, eps_clip_high 4e-4, each overridable).",
     )
     dynamic_sampling: bool = Field(
-        True,
+        False,
         description="DAPO's dynamic sampling: groups whose verifier rewards all agree (before "
         "overlong_buffer's shaping, as DAPO and verl judge them; a reward_model's scores where "
         "the verifier is not in the reward) are dropped and the step "
         "refilled from further prompts until rollout_batch_size groups carry a signal, at most "
-        "dynamic_sampling_max_rounds generation rounds (on by default with advantage grpo, "
-        "dr_grpo and rloo, whose advantages are 0 in such a group: the most held-out accuracy "
-        "per step measured, BENCHMARKS.md; off by default with advantage reinforce_pp and "
-        "algorithm ppo, which train every group; off: a step trains on the groups it drew).",
+        "dynamic_sampling_max_rounds generation rounds. Off by default for every estimator: at "
+        'equal generated tokens and wall time it did not lead (BENCHMARKS.md, "Online RL: '
+        'dynamic sampling at equal cost (issue 45)"); off, a step trains on the groups it drew '
+        "(with advantage grpo, dr_grpo and rloo a group whose rewards agree has advantages 0 and "
+        "trains nothing). Set true for DAPO's dynamic sampling (not with algorithm ppo, which "
+        "trains every group).",
     )
     dynamic_sampling_max_rounds: int = Field(
         3,
