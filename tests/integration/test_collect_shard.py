@@ -90,6 +90,7 @@ def test_shards_run_as_dask_tasks_and_merge_in_input_order(
     # the shards merged into one output; track.jsonl: their progress points for the trackers
     assert sorted(p.name for p in Path(ctx.stage_dir).iterdir()) == [
         "rollouts.jsonl",
+        "rollouts.jsonl.done.json",  # what the merged output was made with; the shards' gone
         "track.jsonl",
     ]
     rows = [json.loads(x) for x in Path(cfg.output).read_text().splitlines()]
