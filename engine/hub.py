@@ -23,6 +23,7 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 PIN_TIMEOUT_S = 10.0  # how long `pipe plan` waits for the hub to name a revision's commit
@@ -276,13 +277,23 @@ def fetch(value: str, log: logging.Logger | None = None, repo_type: str = "model
 
 
 def _snapshot(hub: HubId, repo_type: str, local: bool) -> str:
+    """The snapshot folder, read from the cache (`local`) or downloaded with a progress bar of
+    the bytes: plain tqdm's, which `HF_HUB_DISABLE_PROGRESS_BARS` (set on every worker, so that
+    transformers' loading bars stay out of the run's output) does not silence."""
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(
+    bars: dict[str, Any] = {}
+    if not local:
+        from tqdm import tqdm
+
+        bars["tqdm_class"] = tqdm
+    folder = snapshot_download(
         hub.repo,
         repo_type=repo_type,
         revision=hub.revision,
         cache_dir=hub_cache(),
         endpoint=endpoint(),
         local_files_only=local,
+        **bars,
     )
+    return str(folder)

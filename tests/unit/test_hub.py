@@ -252,3 +252,23 @@ def test_an_openai_backends_model_is_a_served_name_not_a_hub_id(tmp_path: Path, 
     )
     assert _plan(tmp_path)["stages"]["collect"]["config"]["backend"]["model"] == "org/tiny"
     assert hub.requests == []
+
+
+def test_a_download_shows_a_progress_bar_where_hugging_faces_bars_are_off(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Workers set HF_HUB_DISABLE_PROGRESS_BARS (transformers' loading bars stay out of the
+    run's output); a model's download still shows its bar, and a second fetch reads the cache."""
+    import importlib
+
+    from engine.hub import fetch
+
+    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")
+    monkeypatch.setattr(hub_tqdm, "HF_HUB_DISABLE_PROGRESS_BARS", True)
+    assert hub_tqdm.are_progress_bars_disabled()  # as on a worker
+    folder = fetch("org/tiny@main")
+    assert (Path(folder) / "config.json").is_file()
+    bar = capfd.readouterr().err
+    assert "Downloading bytes" in bar and "100%" in bar
+    assert fetch("org/tiny@main") == folder  # from the cache: no bar
+    assert "Downloading bytes" not in capfd.readouterr().err
