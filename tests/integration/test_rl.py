@@ -359,6 +359,7 @@ AUDITED = """\
           max_steps: 2
           max_output_tokens: 4
           log_samples_every: 1
+          dynamic_sampling: true      # a step trains groups with a signal: samples to log
 """
 
 
