@@ -43,6 +43,8 @@ def tokenizer() -> Any:
 
 def test_the_pair_shapes_of_hh_ultrafeedback_and_explicit_prompts_are_read() -> None:
     assert check_pair_rows([HH, UF, EXPLICIT], "p") == 3
+    # a rollout that stopped at once is an answer (an empty one) to its prompt: filter's pairs
+    assert check_pair_rows([{**EXPLICIT, "rejected": ""}], "p") == 1
     assert pair_prompt_key(HH) == "\n\nHuman: 2 + 2?\n\nAssistant: "
     assert pair_prompt_key(UF) == pair_prompt_key(EXPLICIT) == "2 + 2?"
 
@@ -54,6 +56,10 @@ def test_the_pair_shapes_of_hh_ultrafeedback_and_explicit_prompts_are_read() -> 
             {"prompt": "q", "chosen": "a"},
             "p: row 2 has no 'rejected' (a preference pair needs 'chosen' and 'rejected', each "
             "text or messages; 'prompt' optional)",
+        ),
+        (
+            {"chosen": "a", "rejected": ""},
+            "p: row 2 'rejected' is empty (and there is no 'prompt' it answers)",
         ),
         (
             {"chosen": "a", "rejected": 3},
@@ -80,6 +86,8 @@ def test_the_sequence_scored_is_what_training_on_rollouts_sees(tokenizer: Any) -
     answer = tokenizer("4", add_special_tokens=False)["input_ids"]
     explicit = score_ids(tokenizer, "2 + 2?", "4")
     assert explicit == prompt_ids(tokenizer, "2 + 2?") + answer + end
+    # an empty answer (a rollout that stopped at once) is the prompt and the end
+    assert score_ids(tokenizer, "2 + 2?", "") == prompt_ids(tokenizer, "2 + 2?") + end
     # a conversation that holds its prompt is the same sequence; the row's prompt is not repeated
     assert score_ids(tokenizer, UF["prompt"], UF["chosen"]) == explicit
     assert score_ids(tokenizer, "2 + 2?", [{"role": "assistant", "content": "4"}]) == explicit

@@ -71,8 +71,8 @@ def pair_problem(row: dict[str, Any]) -> str | None:
     for name in ("chosen", "rejected"):
         value = row[name]
         if isinstance(value, str):
-            if not value:
-                return f"'{name}' is empty"
+            if not value and row.get("prompt") is None:  # with a prompt: an empty answer
+                return f"'{name}' is empty (and there is no 'prompt' it answers)"
         elif isinstance(value, list):
             problem = _messages_problem(value, name, last_assistant=True)
             if problem:
