@@ -116,10 +116,16 @@ bench: install
 	$(PY) bench/train.py
 
 # TRL in its own venv (.venv-trl/), for bench/rl.py's side-by-side run against GRPOTrainer
-bench-rl-setup:
+# TRL for bench/rl.py (bench/rl_trl.py) in a virtual environment of its own: transformers and
+# peft (LoRA, --gemma3) at .venv's versions, trl at the version the bench was checked with. A real
+# venv, not pip --target on PYTHONPATH: dill (datasets' fingerprint) pickles packages off the
+# interpreter's prefix by value, and pyarrow fails so ("Can't pickle <class 'MonthDayNano'>")
+bench-rl-setup: install
 	test -x .venv-trl/bin/python || $(PYTHON) -m venv .venv-trl
 	.venv-trl/bin/pip install -q torch==2.13.0
-	.venv-trl/bin/pip install -q trl torch==2.13.0 "transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"
+	.venv-trl/bin/pip install -q trl==1.16.0 torch==2.13.0 \
+	  "transformers==$$($(PY) -c 'from importlib.metadata import version; print(version("transformers"))')" \
+	  "peft==$$($(PY) -c 'from importlib.metadata import version; print(version("peft"))')"
 
 bench-rl: install bench-rl-setup
 	$(PY) bench/rl.py

@@ -22,9 +22,9 @@ actor's update on packed micro batches beside padded ones (bench/rl_packing.py).
 With --gemma3 (`make gemma3` first; hours on a CPU): pipelines/gemma3_grpo.yaml's data and
 SFT (made once in bench/out/rl/gemma3), then its grpo stage (LoRA, bf16) for --steps steps,
 held-out accuracy on 200 test prompts every 10 steps, then TRL's GRPOTrainer on the same SFT
-checkpoint, data, LoRA, batch and threads for as much training wall time
-(bench/rl_trl.py --gemma3), scored every 10 minutes; printed: accuracy against training wall
-time, both sides.
+checkpoint, data, LoRA, batch, schedule (over --steps) and threads for as much training wall
+time, or --steps steps if fewer (bench/rl_trl.py --gemma3), scored every 10 minutes and where
+it stops; printed: accuracy against training wall time, both sides.
 """
 
 from __future__ import annotations
@@ -278,6 +278,7 @@ def gemma3(steps: int, threads: int, python: str) -> None:
     ]
     cmd += ["--train", str(data / "train.jsonl"), "--eval", str(data / "test.jsonl")]
     cmd += ["--out", str(out), "--minutes", f"{spent / 60:.2f}", "--threads", str(threads)]
+    cmd += ["--steps", str(steps)]  # our schedule's length (max_steps)
     subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": ""}, check=True)
     theirs = json.loads((out / "trl_result.json").read_text())["marks"]
     print("side     minutes   step  held-out accuracy")

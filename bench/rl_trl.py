@@ -5,28 +5,60 @@ bench/rl.py in .venv-trl, an interpreter with the `trl` package; no vLLM, CPU).
         --steps 100 --lr 1e-4 --max-tokens 8 --seed 0 [--schedule cosine]
 
     .venv-trl/bin/python bench/rl_trl.py --gemma3 --model SFT_DIR --train F --eval TEST --out DIR \
-        [--minutes 60] [--threads 2]
+        [--steps 100] [--minutes 60] [--threads 2] [--shape 16x8] [--mark-min 10]
 
 Writes the trained checkpoint to --out and `trl_result.json` there (steps, seconds, seconds
 per step of the training loop). Reward: exact match of the answer (the chain_sum scorer's
 verdict on integer answers).
 
 `--gemma3`: the settings of pipelines/gemma3_grpo.yaml's grpo stage on its SFT checkpoint
-(Gemma 3 270M): LoRA (rank 16, alpha 32, all-linear: peft, as `lora: {rank: 16}`), bf16,
-prompts rendered as "Question: {prompt}\nAnswer:" (its `chat_template: plain`; TRL gets the
-text, not messages), 16 prompts x 8 samples a step (`--shape`), 8 answer tokens, lr 5e-5, the torch
-threads of `--threads`; every `--mark-min` minutes of training wall time (10) it stops the
-clock and scores greedy answers to the first `--eval-limit` (200) prompts of `--eval`,
-and writes each mark (minutes, step, accuracy) to `marks` in `trl_result.json`; it stops
-after `--minutes`. bench/rl.py --gemma3 runs it beside the rl stage.
+(Gemma 3 270M): LoRA (rank 16, alpha 32, dropout 0, all-linear: peft, as `lora: {rank: 16}`),
+bf16, prompts rendered as "Question: {prompt}\nAnswer:" (its `chat_template: plain`; TRL gets
+the text, not messages, and Gemma's tokenizer puts the BOS first, as plain does), 16 prompts x 8
+samples a step (`--shape`) in micro batches of 32 (TRL's gradient accumulation, one optimizer
+step a batch), 8 answer tokens, temperature 1, lr 5e-5 with 10% warm-up then cosine to a tenth
+over `--steps` (the grpo stage's max_steps, 100), AdamW betas 0.9/0.95, no weight decay,
+gradients clipped at norm 1, no gradient checkpointing (TRL's GRPOConfig turns it on); the
+stage's grpo defaults: one update per batch (`num_iterations=1`, on-policy), no KL
+(`kl_coef: 0` as `beta=0`, no reference model), group-std advantages (`scale_rewards="group"`,
+`advantage: grpo`), each token of the step weighing the same (`loss_type="dapo"`, our
+`loss_agg: token_mean`), ratio clip 0.2; the torch threads of `--threads`. Every `--mark-min`
+minutes of training wall time (10) it stops the clock and scores greedy answers to the first
+`--eval-limit` (200) prompts of `--eval`, and writes each mark (minutes, step, accuracy) to
+`marks` in `trl_result.json`, with a last mark where training ends (after `--minutes`, or at
+`--steps`), and the steps and training seconds per step. bench/rl.py --gemma3 runs it beside
+the rl stage.
+
+Run it in a virtual environment (`make bench-rl-setup`), not on packages installed with `pip
+install --target` or put on PYTHONPATH: datasets fingerprints a Dataset with dill, which
+pickles a module by value unless its file lies under the interpreter's prefix or in a
+`site-packages` folder, and pyarrow by value fails (`PicklingError: Can't pickle <class
+'MonthDayNano'>`); the script refuses such an install up front.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import sys
 import time
+
+# --gemma3: GRPOConfig's values for the rl stage's defaults, set whatever TRL's own defaults are
+OURS = {
+    "adam_beta1": 0.9,  # stages/lib/distributed/trainer.py's BETAS
+    "adam_beta2": 0.95,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "gradient_checkpointing": False,  # GRPOConfig's default is True (TRL 1.x); the stage's off
+    # the grpo defaults of stages/rl/algo/options.py
+    "beta": 0.0,  # kl_coef 0: no reference model
+    "num_iterations": 1,  # ppo_epochs 1: one update per batch, on-policy
+    "epsilon": 0.2,  # eps_clip
+    "scale_rewards": "group",  # advantage grpo: (r - mean) / std in the group
+    "loss_type": "dapo",  # loss_agg token_mean: every loss token of the step weighs the same
+}
 
 
 def main() -> None:
@@ -35,7 +67,9 @@ def main() -> None:
         p.add_argument(name, required=True)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=4)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument(
+        "--steps", type=int, default=100, help="steps (--gemma3: the schedule's, and at most)"
+    )
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup-ratio", type=float, default=0.1)
     p.add_argument(
@@ -121,6 +155,7 @@ def main() -> None:
 
 
 TEMPLATE = "Question: {prompt}\nAnswer:"  # gemma3_grpo.yaml's prompt_template (plain)
+MICRO = 32  # gemma3_grpo.yaml's micro_train_batch_size
 
 
 def held_out(model: object, tokenizer: object, rows: list[dict], max_tokens: int) -> float:
@@ -150,8 +185,24 @@ def held_out(model: object, tokenizer: object, rows: list[dict], max_tokens: int
     return right / max(len(rows), 1)
 
 
+def installed_by_reference() -> None:
+    """Refuse packages that dill would pickle by value (module docstring): datasets'
+    fingerprint of any Dataset would fail on pyarrow, after minutes of imports."""
+    import dill._dill
+    import pyarrow
+
+    if not dill._dill._is_builtin_module(pyarrow):
+        raise SystemExit(
+            f"pyarrow is imported from {pyarrow.__file__}, outside this interpreter's prefix "
+            f"({sys.prefix}) and any site-packages folder: datasets' fingerprint (dill) would "
+            "fail with \"Can't pickle <class 'MonthDayNano'>\". Install trl in a virtual "
+            "environment (make bench-rl-setup), not with pip --target or PYTHONPATH."
+        )
+
+
 def gemma3(args: argparse.Namespace) -> None:
     """The --gemma3 mode (module docstring): accuracy against wall time, LoRA, bf16."""
+    installed_by_reference()
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -176,17 +227,23 @@ def gemma3(args: argparse.Namespace) -> None:
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
     prompts, group = (int(x) for x in args.shape.split("x"))
+    batch = prompts * group  # the grpo stage's train_batch_size: one optimizer step a batch
+    micro = min(MICRO, batch)
+    if batch % micro:
+        raise SystemExit(f"--shape {args.shape}: {batch} samples are not micro batches of {micro}")
     config = GRPOConfig(
         output_dir=args.out,
-        per_device_train_batch_size=prompts * group,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro,  # one generation of `batch` a step
         num_generations=group,
         max_completion_length=8,
-        learning_rate=5e-5,
-        warmup_steps=10,
-        lr_scheduler_type="constant_with_warmup",
-        max_steps=100000,  # the clock stops it
-        beta=0.0,
         temperature=1.0,
+        learning_rate=5e-5,
+        warmup_steps=math.ceil(0.1 * args.steps),  # warmup_ratio 0.1, as ours rounds
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        max_steps=args.steps,  # and the clock (--minutes), whichever comes first
+        **OURS,
         logging_steps=10,
         save_strategy="no",
         report_to=[],
@@ -195,27 +252,38 @@ def gemma3(args: argparse.Namespace) -> None:
         bf16=True,
         dataloader_num_workers=0,
     )
-    lora = LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, target_modules="all-linear")
+    lora = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        bias="none",
+    )
     marks: list[dict[str, float]] = []
 
     class Clock(TrainerCallback):  # type: ignore[misc]
         """Training wall time (the marks' own evaluation excluded); a mark every mark-min."""
 
         def __init__(self) -> None:
-            self.spent, self.since = 0.0, time.perf_counter()
+            self.spent, self.since, self.steps = 0.0, time.perf_counter(), 0
 
         def on_step_end(self, _args: object, state: object, control: object, **kw: object) -> None:
             now = time.perf_counter()
             self.spent += now - self.since
+            self.steps = state.global_step  # type: ignore[attr-defined]
             if self.spent >= len(marks) * args.mark_min * 60:  # marks[0]: the start
-                acc = held_out(kw["model"], tokenizer, test, 8)
-                step = state.global_step  # type: ignore[attr-defined]
-                marks.append({"minutes": self.spent / 60, "step": step, "accuracy": acc})
-                print(json.dumps(marks[-1]), flush=True)
+                self.mark(kw["model"])
             if self.spent >= args.minutes * 60:
                 control.should_training_stop = True  # type: ignore[attr-defined]
             self.since = time.perf_counter()
 
+        def mark(self, model: object) -> None:
+            acc = held_out(model, tokenizer, test, 8)
+            marks.append({"minutes": self.spent / 60, "step": self.steps, "accuracy": acc})
+            print(json.dumps(marks[-1]), flush=True)
+
+    clock = Clock()
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
@@ -223,15 +291,22 @@ def gemma3(args: argparse.Namespace) -> None:
         train_dataset=data,
         processing_class=tokenizer,
         peft_config=lora,
-        callbacks=[Clock()],
+        callbacks=[clock],
     )
     start = time.perf_counter()
-    base = held_out(trainer.model, tokenizer, test, 8)
-    print(json.dumps({"minutes": 0, "step": 0, "accuracy": base}), flush=True)
-    marks.append({"minutes": 0.0, "step": 0, "accuracy": base})
+    clock.mark(trainer.model)
+    clock.since = time.perf_counter()
     trainer.train()
+    if marks[-1]["step"] != clock.steps:  # where training ended
+        clock.mark(trainer.model)
     os.makedirs(args.out, exist_ok=True)
-    result = {"marks": marks, "wall_s": time.perf_counter() - start}
+    result = {
+        "marks": marks,
+        "steps": clock.steps,
+        "train_s": clock.spent,
+        "seconds_per_step": clock.spent / max(clock.steps, 1),
+        "wall_s": time.perf_counter() - start,
+    }
     with open(os.path.join(args.out, "trl_result.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
     print(json.dumps(result))
