@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from engine.errors import PipeError
 from engine.fsio import exists, move
 from engine.plan.checksums import HashCache
 from engine.plan.dag import Plan
@@ -80,7 +81,29 @@ def prepare(plan: Plan, options: RunOptions, report: RunReport) -> tuple[dict[st
             if done:  # forced: run again from scratch, not resumed from its own last checkpoint
                 _set_aside(plan, name, stage_dir, report.history(run_dir))
             pending.append(name)
+    _check_needs(plan, report, pending)
     return keys, pending
+
+
+def _check_needs(plan: Plan, report: RunReport, pending: list[str]) -> None:
+    """Refuse, before anything starts, a selected stage that needs a stage neither selected
+    nor complete in this run folder (`--only grpo` in a fresh folder): it would fail reading
+    an output that is not there."""
+    missing = [
+        (name, need)
+        for name in pending
+        for need in plan.stages[name].resolved.needs
+        if report.stages[need].status == "not-selected"
+    ]
+    if missing:
+        what = "; ".join(f"'{name}' needs '{need}'" for name, need in missing)
+        add = " ".join(f"--only {need}" for need in sorted({need for _, need in missing}))
+        raise PipeError.single(
+            None,
+            "--only",
+            f"{what}, whose output in {plan.resolved.run_dir} is missing or out of date: "
+            f"add {add}, or run without --only",
+        )
 
 
 def _set_aside(plan: Plan, name: str, stage_dir: str, history: str) -> None:

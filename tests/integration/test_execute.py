@@ -272,6 +272,19 @@ def test_only_and_from_are_validated(tmp_path: Path):
     assert result.stderr.strip() == "--only bb: no stage named 'bb'; did you mean 'b'?"
 
 
+def test_only_a_stage_whose_need_has_no_output_is_refused_before_anything_runs(tmp_path: Path):
+    write(tmp_path, CHAIN)
+    result = pipe(tmp_path, "run", "p.yaml", "--only", "d")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (
+        "--only: 'd' needs 'b', whose output in runs/p is missing or out of "
+        "date: add --only b, or run without --only"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs/p/d").exists()
+    assert pipe(tmp_path, "run", "p.yaml", "--only", "a", "--only", "b").returncode == 0
+    assert pipe(tmp_path, "run", "p.yaml", "--only", "d").returncode == 0  # b is complete now
+
+
 def test_workers_of_the_embedded_cluster_hold_no_tracker_credentials(tmp_path: Path):
     """The driver alone writes to trackers: its W&B and MLflow credentials are not in a
     worker's environment; the other variables a stage may need are."""
