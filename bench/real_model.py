@@ -2,6 +2,7 @@
 
 .venv/bin/python bench/real_model.py [--model DIR] [--steps 3] [--batch 8] [--seq 32]
     [--threads N] [--new-tokens 16] [--bf16] [--only train,lora,generate,vllm]
+    [--vllm-timeout 900]
 
 `--model` is a Hugging Face checkpoint folder (default: /work/models/gemma-3-270m, else
 models/gemma-3-270m) or a GGUF file (converted first, as a stage converts it). Three parts,
@@ -21,10 +22,22 @@ each timed side by side on the same cores, with the same threads, in one process
   prompts, batch and max_new_tokens. Each answer ends at its end-of-sequence token; the
   engine drops finished rows, `generate` pads them to the longest: both count the same
   answer tokens.
-- vllm: vLLM's CPU build on the same model against the local engine, where `.venv-vllm/`
-  exists (`make install-vllm`); otherwise the bench says so and skips it.
+- vllm: vLLM's CPU build (`.venv-vllm/`, `make install-vllm`; without it the bench says so
+  and skips this part) serving the same folder, started and stopped as a stage's
+  `backend: vllm` starts it (`stages.lib.vllm.server`: 127.0.0.1, a secret, `--enforce-eager`,
+  1 GiB of KV cache), in the bench's dtype, its threads unpinned (`VLLM_CPU_OMP_THREADS_BIND`
+  nobind) and `--threads` of them, against the local engine in the same process as above.
+  Reported: the server's start-up (launch to healthy), then the generate part's batch (the
+  same prompts through the same chat template, greedy, the same max_new_tokens) sent as
+  concurrent chat requests (`stages.lib.api.client.complete_all`, what evaluate's vllm
+  backend sends) and through the local engine, one untimed round, then `--steps` rounds
+  taking turns: wall seconds a batch, CPU seconds a batch (vLLM's: its API server, engine
+  core and worker processes together; the engine's: this process), and how many of the
+  greedy answers are identical. A server that fails to start or to answer gives the key
+  line of its log (the root exception) instead of the figures.
 
-Ratios above 1 mean pipe is faster. BENCHMARKS.md records the figures ("A real model").
+Ratios above 1 mean pipe is faster (the vllm part's too: vLLM's seconds over the local
+engine's, below 1 where vLLM is faster). BENCHMARKS.md records the figures ("A real model").
 """
 
 from __future__ import annotations
@@ -34,10 +47,13 @@ import gc
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -239,26 +255,26 @@ def train_part(model_dir: str, data_path: str, trainer: str, args: Any, lora: bo
 # -- generate --------------------------------------------------------------------------------
 
 
-def generate_part(model_dir: str, args: Any) -> dict:
+def batch_prompts(args: Any) -> list[str]:
+    """The generation batch both the generate and the vllm parts send: `--batch` chain sums."""
+    return [r["prompt"] for r in sum_rows(args.batch, 7, args.terms)]
+
+
+def load_local(model_dir: str, args: Any) -> tuple[Any, Any]:
+    """The model (in the bench's dtype) and tokenizer the local engine generates with."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.lib.chat.prompt import prompt_ids
-    from stages.lib.model.generate import _eos_ids, generate_with
-
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
-    prompts = [r["prompt"] for r in sum_rows(args.batch, 7, args.terms)]
-    encoded = [prompt_ids(tok, p) for p in prompts]
-    eos = sorted(_eos_ids(model, tok))
-    width = max(map(len, encoded))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
-    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+    return model, AutoTokenizer.from_pretrained(model_dir)
 
-    def engine() -> int:
+
+def local_engine(model: Any, tok: Any, prompts: list[str], args: Any) -> Callable[[], list[Any]]:
+    """One greedy batch through the local engine (`generate_with`): its `Generation`s."""
+    from stages.lib.model.generate import generate_with
+
+    def run() -> list[Any]:
         gens = generate_with(
             model,
             tok,
@@ -270,7 +286,58 @@ def generate_part(model_dir: str, args: Any) -> dict:
             seed=0,
             batch_size=args.batch,
         )
-        return sum(g[0].completion_tokens for g in gens)
+        return [g[0] for g in gens]
+
+    return run
+
+
+def side_by_side(
+    sides: dict[str, Callable[[], Any]],
+    steps: int,
+    cpu: dict[str, Callable[[], float]] | None = None,
+) -> tuple[dict, dict, dict]:
+    """Each side's seconds of each of `steps` timed rounds after one warm-up round, the sides
+    taking turns (reversed order on odd rounds); the CPU seconds of each round by the clock
+    `cpu` names for that side (where it names one); and each side's last result."""
+    cpu = cpu or {}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    used: dict[str, list[float]] = {name: [] for name in cpu}
+    last: dict[str, Any] = {}
+    for k in range(steps + 1):
+        for name in list(sides)[:: 1 if k % 2 == 0 else -1]:
+            clock = cpu.get(name)
+            t, c = time.perf_counter(), clock() if clock else 0.0
+            last[name] = sides[name]()
+            if k:
+                times[name].append(round(time.perf_counter() - t, 3))
+                if clock:
+                    used[name].append(round(clock() - c, 3))
+    return times, used, last
+
+
+def mean_s(times: list[float]) -> float:
+    return round(statistics.mean(times), 3)
+
+
+def generate_part(model_dir: str, args: Any) -> dict:
+    import torch
+
+    from stages.lib.chat.prompt import prompt_ids
+    from stages.lib.model.generate import _eos_ids
+
+    model, tok = load_local(model_dir, args)
+    tok.padding_side = "left"
+    prompts = batch_prompts(args)
+    encoded = [prompt_ids(tok, p) for p in prompts]
+    eos = sorted(_eos_ids(model, tok))
+    width = max(map(len, encoded))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+    run = local_engine(model, tok, prompts, args)
+
+    def engine() -> int:
+        return sum(g.completion_tokens for g in run())
 
     def bare() -> int:
         with torch.inference_mode():
@@ -286,19 +353,12 @@ def generate_part(model_dir: str, args: Any) -> dict:
         new = out[:, width:].tolist()
         return sum(next((i + 1 for i, t in enumerate(r) if t in eos), len(r)) for r in new)
 
-    times: dict[str, list[float]] = {"engine": [], "bare": []}
-    counts: dict[str, int] = {}
-    for k in range(args.steps + 1):
-        for name, fn in (("engine", engine), ("bare", bare))[:: 1 if k % 2 == 0 else -1]:
-            t = time.perf_counter()
-            counts[name] = fn()
-            if k:
-                times[name].append(time.perf_counter() - t)
+    times, _, counts = side_by_side({"engine": engine, "bare": bare}, args.steps)
     out = {
         "prompt_tokens": width,
         "answer_tokens": counts,
-        "engine_s": round(statistics.mean(times["engine"]), 3),
-        "bare_s": round(statistics.mean(times["bare"]), 3),
+        "engine_s": mean_s(times["engine"]),
+        "bare_s": mean_s(times["bare"]),
     }
     out["ratio"] = out["bare_s"] / out["engine_s"]
     return out
@@ -307,17 +367,129 @@ def generate_part(model_dir: str, args: Any) -> dict:
 # -- vllm ------------------------------------------------------------------------------------
 
 
-def vllm_part() -> str:
-    venv = ROOT / ".venv-vllm" / "bin" / "python"
-    if not venv.exists():
+@dataclass(frozen=True)
+class Greedy:
+    """The request settings `stages.lib.endpoints.make_client` reads: greedy, the bench's
+    max_new_tokens."""
+
+    max_output_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    timeout_s: float = 600.0
+
+
+ERROR_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception)\b: .+")
+
+
+def key_error(log_text: str) -> str | None:
+    """The line of a vLLM server's log that says why it failed: the first exception a
+    traceback ends with (`SomethingError: ...`, without the log's prefix), passing over the
+    wrappers that point back at it ("See root cause above") and errors quoted in INFO or
+    WARNING lines; None where the log has no such line."""
+    found = [
+        m.group(0)
+        for line in log_text.splitlines()
+        if " WARNING " not in line and " INFO " not in line and (m := ERROR_LINE.search(line))
+    ]
+    causes = [line for line in found if "root cause" not in line]
+    return (causes or found or [None])[0]
+
+
+def server_cpu_s() -> float:
+    """CPU seconds used so far by the sessions this process's children lead: a vLLM server
+    runs in a session of its own (`stages.lib.vllm.process`) with its API server, engine core
+    and worker processes, where the load of the other jobs on a shared machine does not count.
+    """
+    me, ticks, stats = os.getpid(), 0, []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                text = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # ended meanwhile
+                continue
+            # after "pid (comm) ": state ppid pgrp session ... utime (12th) stime (13th)
+            stats.append((int(entry), text[text.rindex(")") + 2 :].split()))
+    leaders = {pid for pid, f in stats if int(f[1]) == me and int(f[3]) == pid}
+    ticks = sum(int(f[11]) + int(f[12]) for _, f in stats if int(f[3]) in leaders)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def vllm_part(model_dir: str, args: Any, tmp: str) -> dict[str, Any] | str:
+    """vLLM's CPU build (`.venv-vllm/`) serving `model_dir` against the local engine: the
+    server's start-up, then the generate part's batch (the same prompts through the same chat
+    template, greedy, the same max_new_tokens) as concurrent chat requests, a round of both
+    sides untimed, then `--steps` rounds taking turns. The server is started and stopped as a
+    stage's `backend: vllm` is (`stages.lib.vllm.server`), with the bench's dtype and threads.
+    """
+    if not (ROOT / ".venv-vllm" / "bin" / "python").exists():
         return (
             "skipped: no .venv-vllm/ here (make install-vllm builds vLLM's CPU build in it); "
             "nothing to compare the local engine against"
         )
-    return (
-        f"found {venv}: this bench does not start vLLM's server on a shared 2-core machine; "
-        "bench/vllm_startup.py and the `vllm` tests measure it"
-    )
+    import asyncio
+    import logging
+
+    from stages.lib.api.client import RequestError, complete_all
+    from stages.lib.config import VLLMBackend
+    from stages.lib.endpoints import Endpoint, make_client
+    from stages.lib.vllm.auth import new_secret
+    from stages.lib.vllm.server import vllm_server
+
+    model, tok = load_local(model_dir, args)
+    prompts = batch_prompts(args)
+    engine = local_engine(model, tok, prompts, args)
+    backend = VLLMBackend(kind="vllm", model=model_dir, startup_timeout_s=args.vllm_timeout)
+    log_file = Path(tmp) / "vllm.log"
+    # the local engine's dtype and thread count; threads unpinned, as torch's are
+    dtype = ["--dtype", "bfloat16" if args.bf16 else "float32"]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(args.threads_used)}
+    secret = new_secret()
+    started = time.perf_counter()
+    try:
+        with vllm_server(
+            backend,
+            gpus=0,
+            log=logging.getLogger("bench.real_model"),
+            log_file=log_file,
+            secret=secret,
+            extra_args=dtype,
+            extra_env=env,
+        ) as url:
+            startup = time.perf_counter() - started
+            endpoint = Endpoint(url, model_dir, "chat", api_key=secret, vllm=True)
+            client = make_client(Greedy(args.new_tokens), endpoint, connections=args.batch)
+
+            def served() -> list[Any]:
+                done = complete_all(client, prompts, num_samples=1, seed=0, parallel=args.batch)
+                return [c[0] for c in asyncio.run(done)]
+
+            cpu = {"vllm": server_cpu_s, "engine": time.process_time}
+            times, used, last = side_by_side({"vllm": served, "engine": engine}, args.steps, cpu)
+    except (RuntimeError, RequestError) as exc:
+        text = log_file.read_text(errors="replace") if log_file.exists() else ""
+        # the server's own error, else ours without the log's tail (its folder goes away)
+        reason = key_error(text) or str(exc).splitlines()[0].split("; last lines of")[0]
+        return f"vLLM's CPU build did not serve {args.model}: {reason}"
+    same = sum(v.text == e.text for v, e in zip(last["vllm"], last["engine"], strict=True))
+    return {
+        "startup_s": round(startup, 1),
+        "vllm_s": mean_s(times["vllm"]),
+        "engine_s": mean_s(times["engine"]),
+        "ratio": mean_s(times["vllm"]) / mean_s(times["engine"]),
+        "cpu_ratio": mean_s(used["vllm"]) / mean_s(used["engine"]),
+        "rounds_s": times,
+        "vllm_cpu_s": mean_s(used["vllm"]),
+        "engine_cpu_s": mean_s(used["engine"]),
+        "answer_tokens": {
+            "vllm": sum(c.completion_tokens for c in last["vllm"]),
+            "engine": sum(g.completion_tokens for g in last["engine"]),
+        },
+        "identical": same,
+        "texts": {
+            "vllm": [c.text for c in last["vllm"]],
+            "engine": [g.text for g in last["engine"]],
+        },
+    }
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -333,6 +505,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--bf16", action="store_true", help="bf16 (fp32 otherwise)")
     parser.add_argument("--only", default="train,lora,generate,vllm", help="parts to run")
+    parser.add_argument(
+        "--vllm-timeout", type=float, default=900, help="seconds vLLM's server may take to start"
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     import torch
@@ -342,6 +517,7 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    args.threads_used = threads
     parts = set(args.only.split(","))
     if not os.path.exists(args.model):
         sys.exit(f"{args.model}: no such model (make gemma3 fetches the GGUF)")
@@ -379,8 +555,19 @@ def main() -> None:
                 flush=True,
             )
         if "vllm" in parts:
-            results["vllm"] = vllm_part()
-            print(f"vllm: {results['vllm']}")
+            r = results["vllm"] = vllm_part(model_dir, args, tmp)
+            if isinstance(r, str):
+                print(f"vllm: {r}", flush=True)
+            else:
+                print(
+                    f"vllm: start-up {r['startup_s']}s; batch {args.batch}, max_new_tokens "
+                    f"{args.new_tokens}, answer tokens {r['answer_tokens']}: vLLM "
+                    f"{r['vllm_s']}s, engine {r['engine_s']}s a batch: {r['ratio']:.2f}x "
+                    f"{r['rounds_s']}\n      CPU seconds a batch: vLLM {r['vllm_cpu_s']}, "
+                    f"engine {r['engine_cpu_s']}: {r['cpu_ratio']:.2f}x; {r['identical']} of "
+                    f"{args.batch} greedy answers identical",
+                    flush=True,
+                )
     print(f"({time.perf_counter() - started:.0f}s in all; load average {os.getloadavg()[0]:.1f})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
