@@ -143,6 +143,30 @@ def test_decoding_passes_the_kv_cache_by_its_current_name_without_a_deprecation_
     assert [m for m in messages if "deprecated" in m] == []
 
 
+def test_a_lora_model_decodes_with_its_base_models_cache_name(models: dict[str, Path]):
+    """A peft model's own forward takes **kwargs: the cache's name is its base model's, so
+    rl's local engine with `lora:` warns no deprecation either."""
+    import inspect
+
+    peft = pytest.importorskip("peft")
+    from stages.lib.model.generate import generate_with, load
+
+    base, tokenizer = load(str(models["sevens"]))
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules="all-linear"))
+    current = "cache" if "cache" in inspect.signature(type(base).forward).parameters else None
+    passed: list[set[str]] = []
+    spy = base.register_forward_pre_hook(
+        lambda _m, _a, kwargs: passed.append({"cache", "past_key_values"} & set(kwargs)),
+        with_kwargs=True,
+    )
+    kw = {"num_samples": 1, "temperature": 0.0, "top_p": 1.0, "seed": 0, "batch_size": 2}
+    try:
+        generate_with(lora, tokenizer, PROMPTS[:2], max_new_tokens=3, **kw)
+    finally:
+        spy.remove()
+    assert passed == [set()] + [{current or "past_key_values"}] * 2  # prefill, then 2 steps
+
+
 def test_the_prefill_projects_only_the_last_position_onto_the_vocabulary(
     models: dict[str, Path],
 ):

@@ -300,8 +300,10 @@ def _takes_keep(cls: Any) -> bool:
 def _cache_arg(model: Any) -> str:
     """The forward's name for the KV cache, in and out: `cache` where the model's forward
     takes it (transformers 5.24 on, where `past_key_values` warns and goes in 5.40),
-    `past_key_values` before; looked up once per model class."""
-    model_class: Any = type(model)
+    `past_key_values` before; a peft model's: its base's (its own forward passes **kwargs on);
+    looked up once per model class."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_class: Any = type(base)
     return _cache_name(model_class)
 
 
