@@ -18,6 +18,7 @@ from engine.plan.checksums import HashCache
 from engine.plan.dag import Plan
 from engine.run.cache import stage_keys, up_to_date
 from engine.run.report import RunReport
+from engine.run.task import STAMP
 
 log = logging.getLogger("pipe.run")
 
@@ -87,22 +88,34 @@ def prepare(plan: Plan, options: RunOptions, report: RunReport) -> tuple[dict[st
 
 def _check_needs(plan: Plan, report: RunReport, pending: list[str]) -> None:
     """Refuse, before anything starts, a selected stage that needs a stage neither selected
-    nor complete in this run folder (`--only grpo` in a fresh folder): it would fail reading
-    an output that is not there."""
-    missing = [
-        (name, need)
-        for name in pending
-        for need in plan.stages[name].resolved.needs
-        if report.stages[need].status == "not-selected"
-    ]
+    nor ever completed in this run folder (`--only grpo` in a fresh folder): it would fail
+    reading an output that is not there. A need completed under other settings or code runs
+    as `--only` asks, with a warning: its output is there, only out of date."""
+    run_dir = plan.resolved.run_dir.rstrip("/")
+    missing: list[tuple[str, str]] = []
+    for name in pending:
+        for need in plan.stages[name].resolved.needs:
+            if report.stages[need].status != "not-selected":
+                continue
+            outputs = plan.stages[need].outputs.values()
+            if exists(f"{run_dir}/{need}/{STAMP}") and all(exists(p) for p in outputs):
+                log.warning(
+                    "%s: needs %s, whose output in %s is out of date (other settings or code): "
+                    "used as it is, as --only asks",
+                    name,
+                    need,
+                    run_dir,
+                )
+            else:
+                missing.append((name, need))
     if missing:
         what = "; ".join(f"'{name}' needs '{need}'" for name, need in missing)
         add = " ".join(f"--only {need}" for need in sorted({need for _, need in missing}))
         raise PipeError.single(
             None,
             "--only",
-            f"{what}, whose output in {plan.resolved.run_dir} is missing or out of date: "
-            f"add {add}, or run without --only",
+            f"{what}, which has no complete output in {run_dir}: add {add}, or run without "
+            "--only",
         )
 
 

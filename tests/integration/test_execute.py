@@ -277,12 +277,17 @@ def test_only_a_stage_whose_need_has_no_output_is_refused_before_anything_runs(t
     result = pipe(tmp_path, "run", "p.yaml", "--only", "d")
     assert result.returncode == 2, result.stderr[-2000:]
     assert (
-        "--only: 'd' needs 'b', whose output in runs/p is missing or out of "
-        "date: add --only b, or run without --only"
+        "--only: 'd' needs 'b', which has no complete output in runs/p: add --only b, or run "
+        "without --only"
     ) in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "runs/p/d").exists()
     assert pipe(tmp_path, "run", "p.yaml", "--only", "a", "--only", "b").returncode == 0
     assert pipe(tmp_path, "run", "p.yaml", "--only", "d").returncode == 0  # b is complete now
+    # b completed under other settings: used as it is, with a warning
+    write(tmp_path, CHAIN.replace("value: b}", "value: b2}"))
+    result = pipe(tmp_path, "run", "p.yaml", "--only", "d", "--force")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "d: needs b, whose output in runs/p is out of date" in result.stderr
 
 
 def test_workers_of_the_embedded_cluster_hold_no_tracker_credentials(tmp_path: Path):
