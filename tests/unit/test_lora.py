@@ -241,3 +241,22 @@ def test_a_merged_output_equals_the_adapted_model(tmp_path: Path, save: str):
         base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
         got = PeftModel.from_pretrained(base, str(tmp_path / "out"))(ids).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_adapters_go_on_without_a_deprecation_warning_from_peft(tmp_path: Path):
+    """peft 0.21 reads `is_gradient_checkpointing`, which transformers 5.24 deprecates: every
+    LoRA stage printed the FutureWarning once per process."""
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages.lib.model.lora import with_lora
+
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        vocab_size=50,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model = with_lora(LlamaForCausalLM(config), LoraBlock(rank=2))
+    assert any("lora_A" in name for name, _ in model.named_parameters())

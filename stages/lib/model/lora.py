@@ -174,10 +174,14 @@ def with_lora(model: Any, lora: LoraBlock, inference: bool = False) -> Any:
     """`model` with adapters on its target modules: only they require gradients (the frozen
     base, embeddings included, gets none), in the base's dtype (peft would keep them in fp32
     beside a bf16 base, and the trainer's forward and the engines' then disagree on dtypes)."""
+    import warnings
+
     from peft import get_peft_model
 
     dtype = next(model.parameters()).dtype
-    wrapped = get_peft_model(model, peft_config(lora, inference), autocast_adapter_dtype=False)
+    with warnings.catch_warnings():  # peft 0.21 reads a property transformers 5.24 deprecates
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+        wrapped = get_peft_model(model, peft_config(lora, inference), autocast_adapter_dtype=False)
     for name, p in wrapped.named_parameters():
         if "lora_" in name and p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
