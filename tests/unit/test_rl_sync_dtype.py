@@ -68,3 +68,17 @@ def test_fp32_sync_is_exact():
     _sync(actor, engine, bf16=False)
     for (_, a), (_, e) in zip(actor.named_parameters(), engine.named_parameters(), strict=True):
         assert torch.equal(a, e)
+
+
+def test_the_bf16_probe_judges_the_mean_and_fp32_every_token():
+    """One bf16 token off by 0.074 (Gemma 3's 262k vocabulary, weights that had arrived) is
+    rounding; weights that did not arrive move every token; fp32 allows no token over 1e-4."""
+    from stages.rl.sync.transports import SyncFailed, verify
+
+    actor = [-1.0] * 8
+    one_off = [-1.074] + [-1.005] * 7
+    assert verify("local-0", one_off, actor, "bf16", 2) == pytest.approx(0.074)
+    with pytest.raises(SyncFailed, match=r"differ by the mean 0\.0[89]\d* \(tolerance 0\.05\)"):
+        verify("local-0", [-1.09] * 8, actor, "bf16", 2)
+    with pytest.raises(SyncFailed, match=r"differ by up to 0\.074 \(tolerance 0\.0001\)"):
+        verify("local-0", one_off, actor, "fp32", 2)
