@@ -114,8 +114,7 @@ def _check_needs(plan: Plan, report: RunReport, pending: list[str]) -> None:
         raise PipeError.single(
             None,
             "--only",
-            f"{what}, which has no complete output in {run_dir}: add {add}, or run without "
-            "--only",
+            f"{what}, which has no complete output in {run_dir}: add {add}, or run without --only",
         )
 
 
