@@ -12,7 +12,8 @@ while accuracy does not: over-optimisation). Copies the rl stage's plot of rewar
 and verifier accuracy per step to bench/out/reward_model/rm_rl.png and writes the figures to
 bench/out/reward_model/results.json. `--smoke`: the sizes of
 tests/integration/test_rm_pipeline.py (a check that the command works, not a measurement);
-`--set`: further overrides, as `pipe run --set`.
+`--set`: further overrides, as `pipe run --set`; `--only STAGE`: as `pipe run --only` (the
+earlier stages as the run folder has them, e.g. the rl stage again with other settings).
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 RM_GOAL, GAIN_GOAL = 0.90, 0.05
 
 
-def run(run_dir: Path, overrides: list[str]) -> None:
+def run(run_dir: Path, overrides: list[str], only: list[str]) -> None:
     cmd = [sys.executable, "-m", "engine.cli", "run", PIPELINE, "--run-dir", str(run_dir)]
     for item in overrides:
         cmd += ["--set", item]
+    for stage in only:
+        cmd += ["--only", stage]
     subprocess.run(cmd, cwd=ROOT, env=ENV, check=True)
 
 
@@ -106,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, default=OUT / "run")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--smoke", action="store_true", help="the integration test's sizes")
+    parser.add_argument("--only", action="append", default=[], metavar="STAGE")
     args = parser.parse_args(argv)
     overrides = list(args.set)
     if args.smoke:
         from tests.integration.test_rm_pipeline import SHRINK
 
         overrides = [*SHRINK, *overrides]
-    run(args.run_dir, overrides)
+    run(args.run_dir, overrides, args.only)
     got = figures(args.run_dir)
     OUT.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(args.run_dir / "grpo" / "rl.png", OUT / "rm_rl.png")

@@ -24,6 +24,10 @@ SHRINK = [
     *(s for s in QUICKSTART_SHRINK if s.startswith(("stages.data.", "stages.warmup."))),
     "stages.collect.config.limit=12",
     "stages.collect_heldout.config.limit=8",
+    "stages.rm_base.config.max_steps=2",
+    "stages.rm_base.config.train_batch_size=16",
+    "stages.rm_base.config.micro_train_batch_size=16",
+    "stages.rm_base.config.eval_steps=2",
     "stages.rm.config.max_steps=2",
     "stages.rm.config.train_batch_size=8",
     "stages.rm.config.micro_train_batch_size=8",
@@ -51,7 +55,8 @@ def test_rm_then_grpo_on_the_reward_model_alone_shrunk_end_to_end(tmp_path: Path
     proc = _pipe(args, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((run_dir / "report.json").read_text())
-    stages = ["data", "warmup", "collect", "pairs", "collect_heldout", "pairs_heldout", "rm"]
+    stages = ["data", "warmup", "collect", "pairs", "collect_heldout", "pairs_heldout"]
+    stages += ["rm_base", "rm"]
     assert {n: s["status"] for n, s in report["stages"].items()} == dict.fromkeys(
         [*stages, "grpo", "evaluate"], "succeeded"
     )
@@ -73,6 +78,8 @@ def test_rm_then_grpo_on_the_reward_model_alone_shrunk_end_to_end(tmp_path: Path
     assert settings["reward_weights"]["how"] == "none: the reward is the model's score alone"
     assert "not in the reward" in settings["verifier"]["how"]
     assert (grpo / "rl.png").read_bytes()[:4] == b"\x89PNG"
+    start = json.loads((grpo / "rl_result.json").read_text())["eval_accuracy_start"]
+    assert f"held-out accuracy before training: {100 * start:.1f}%" in proc.stderr
     # evaluate: each checkpoint's accuracy beside the reward model's mean score
     evaluation = json.loads((run_dir / "evaluate" / "report.json").read_text())
     assert [r["checkpoint"] for r in evaluation["results"]] == ["warmup", "grpo"]

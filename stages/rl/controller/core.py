@@ -156,6 +156,8 @@ class Controller:
         stops = getattr(self.engine, "stop_ids", [])
         write_settings(f"{self.dir}/settings.json", self.cfg, self.how, stops, self.ctx.date)
         first_eval = self.evaluate() if start == 0 else None
+        if first_eval is not None:
+            self.ctx.log.info("held-out accuracy before training: %.1f%%", 100 * first_eval)
         first_turn_start = self.first_turn
         records = run_steps(self, start, first_eval)
         self.request("final")
