@@ -242,6 +242,9 @@ def main() -> None:
             print(_row(shape, "mean", means, args.asynchronous), flush=True)
 
 
+GEMMA3_LR = 1e-4  # pipelines/gemma3_grpo.yaml's grpo learning_rate, set on both sides
+
+
 def gemma3(steps: int, threads: int, python: str) -> None:
     """--gemma3 (module docstring)."""
     run = OUT / "gemma3"
@@ -252,6 +255,7 @@ def gemma3(steps: int, threads: int, python: str) -> None:
         only = ["--only", "data", "--only", "sft", "--run-dir", str(run)]
         subprocess.run([*PIPE, "run", pipeline, *only], cwd=ROOT, env=env, check=True)
     sets = {"max_steps": steps, "eval_every": 10, "num_threads": threads, "save_steps": steps}
+    sets["learning_rate"] = GEMMA3_LR  # and TRL's
     args = [*PIPE, "run", pipeline, *grpo]
     for k, v in sets.items():
         args += ["--set", f"stages.grpo.config.{k}={v}"]
@@ -278,7 +282,7 @@ def gemma3(steps: int, threads: int, python: str) -> None:
     ]
     cmd += ["--train", str(data / "train.jsonl"), "--eval", str(data / "test.jsonl")]
     cmd += ["--out", str(out), "--minutes", f"{spent / 60:.2f}", "--threads", str(threads)]
-    cmd += ["--steps", str(steps)]  # our schedule's length (max_steps)
+    cmd += ["--steps", str(steps), "--lr", str(GEMMA3_LR)]  # our schedule's length and lr
     subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": ""}, check=True)
     theirs = json.loads((out / "trl_result.json").read_text())["marks"]
     print("side     minutes   step  held-out accuracy")

@@ -11,23 +11,23 @@ Writes the trained checkpoint to --out and `trl_result.json` there (steps, secon
 per step of the training loop). Reward: exact match of the answer (the chain_sum scorer's
 verdict on integer answers).
 
-`--gemma3`: the settings of pipelines/gemma3_grpo.yaml's grpo stage on its SFT checkpoint
-(Gemma 3 270M): LoRA (rank 16, alpha 32, dropout 0, all-linear: peft, as `lora: {rank: 16}`),
-bf16, prompts rendered as "Question: {prompt}\nAnswer:" (its `chat_template: plain`; TRL gets
-the text, not messages, and Gemma's tokenizer puts the BOS first, as plain does), 16 prompts x 8
+`--gemma3`: the settings of pipelines/gemma3_grpo.yaml's grpo stage on its SFT checkpoint (Gemma
+3 270M): LoRA (rank 16, alpha 32, dropout 0, all-linear: peft, as `lora: {rank: 16}`), bf16,
+prompts rendered as "Question: {prompt}\nAnswer:" (its `chat_template: plain`; TRL gets the
+text, not messages, and Gemma's tokenizer puts the BOS first, as plain does), 16 prompts x 8
 samples a step (`--shape`) in micro batches of 32 (TRL's gradient accumulation, one optimizer
-step a batch), 8 answer tokens, temperature 1, lr 5e-5 with 10% warm-up then cosine to a tenth
-over `--steps` (the grpo stage's max_steps, 100), AdamW betas 0.9/0.95, no weight decay,
-gradients clipped at norm 1, no gradient checkpointing (TRL's GRPOConfig turns it on); the
-stage's grpo defaults: one update per batch (`num_iterations=1`, on-policy), no KL
-(`kl_coef: 0` as `beta=0`, no reference model), group-std advantages (`scale_rewards="group"`,
-`advantage: grpo`), each token of the step weighing the same (`loss_type="dapo"`, our
-`loss_agg: token_mean`), ratio clip 0.2; the torch threads of `--threads`. Every `--mark-min`
-minutes of training wall time (10) it stops the clock and scores greedy answers to the first
-`--eval-limit` (200) prompts of `--eval`, and writes each mark (minutes, step, accuracy) to
-`marks` in `trl_result.json`, with a last mark where training ends (after `--minutes`, or at
-`--steps`), and the steps and training seconds per step. bench/rl.py --gemma3 runs it beside
-the rl stage.
+step a batch), 8 answer tokens, temperature 1, lr `--lr` (bench/rl.py passes the stage's) with
+10% warm-up then cosine to a tenth over `--steps` (the grpo stage's max_steps), AdamW betas
+0.9/0.95, no weight decay, gradients clipped at norm 1, no gradient checkpointing (TRL's
+GRPOConfig turns it on); the stage's grpo defaults: one update per batch (`num_iterations=1`,
+on-policy), no KL (`kl_coef: 0` as `beta=0`, no reference model), group-std advantages
+(`scale_rewards="group"`, `advantage: grpo`), each token of the step weighing the same
+(`loss_type="dapo"`, our `loss_agg: token_mean`), ratio clip 0.2; the torch threads of
+`--threads`. Every `--mark-min` minutes of training wall time (10) it stops the clock and scores
+greedy answers to the first `--eval-limit` (200) prompts of `--eval`, and writes each mark
+(minutes, step, accuracy) to `marks` in `trl_result.json`, with a last mark where training ends
+(after `--minutes`, or at `--steps`), and the steps and training seconds per step. bench/rl.py
+--gemma3 runs it beside the rl stage.
 
 Run it in a virtual environment (`make bench-rl-setup`), not on packages installed with `pip
 install --target` or put on PYTHONPATH: datasets fingerprints a Dataset with dill, which
@@ -238,7 +238,7 @@ def gemma3(args: argparse.Namespace) -> None:
         num_generations=group,
         max_completion_length=8,
         temperature=1.0,
-        learning_rate=5e-5,
+        learning_rate=args.lr,  # bench/rl.py passes the stage's
         warmup_steps=math.ceil(0.1 * args.steps),  # warmup_ratio 0.1, as ours rounds
         lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": 0.1},
