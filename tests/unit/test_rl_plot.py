@@ -55,3 +55,8 @@ def test_without_one_the_reward_mean_and_held_out_accuracy_share_one_axis():
     assert set(got) == {"reward mean", "held-out accuracy"}
     assert got["reward mean"][1] == pytest.approx([0.1, 0.2, 0.3])
     assert len(fig.axes) == 1
+
+
+def test_the_held_out_accuracy_before_training_is_its_first_point():
+    got = series(figure(rows(scored=True), "t", start=0.1))
+    assert got["held-out accuracy"] == ([0, 1, 3], [0.1, 0.25, 0.75])

@@ -177,7 +177,7 @@ class Controller:
         every = read_metrics(f"{self.dir}/metrics.jsonl")
         what = "reward model score" if self.cfg.reward_model is not None else "reward"
         title = f"{self.ctx.name}: {self.cfg.algorithm.upper()} {what} and held-out accuracy"
-        plot(every, f"{self.dir}/rl.png", title)
+        plot(every, f"{self.dir}/rl.png", title, first_eval)
         evals = [r["eval_accuracy"] for r in every if r.get("eval_accuracy") is not None]
         out = {
             "steps": len(every),

@@ -68,8 +68,11 @@ def sample_records(step: int, samples: Sequence[Any], tokenizer: Any) -> list[di
     return out
 
 
-def plot(records: list[dict[str, Any]], path: str, title: str) -> str | None:
-    """Reward mean (and held-out accuracy where scored) against step; with a reward model
+def plot(
+    records: list[dict[str, Any]], path: str, title: str, start: float | None = None
+) -> str | None:
+    """Reward mean (and held-out accuracy where scored, `start` at step 0: before training)
+    against step; with a reward model
     (`rm_score_mean` in the records) its mean score on a second axis instead, beside the
     verifier's held-out and per-step accuracy: where the score climbs and accuracy does not,
     the policy over-optimises the model. None without matplotlib or records."""
@@ -82,14 +85,14 @@ def plot(records: list[dict[str, Any]], path: str, title: str) -> str | None:
         return None
     if not records:
         return None
-    fig = figure(records, title)
+    fig = figure(records, title, start)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=100)
     plt.close(fig)
     return path
 
 
-def figure(records: list[dict[str, Any]], title: str) -> Any:
+def figure(records: list[dict[str, Any]], title: str, start: float | None = None) -> Any:
     """`plot`'s figure (a matplotlib Figure; its axes' lines carry their labels)."""
     import matplotlib
 
@@ -111,13 +114,12 @@ def figure(records: list[dict[str, Any]], title: str) -> Any:
                 alpha=0.5,
                 label="accuracy (the step's samples)",
             )
-    evals = [r for r in records if r.get("eval_accuracy") is not None]
+    evals = [(r["step"], r["eval_accuracy"]) for r in records if r.get("eval_accuracy") is not None]
+    if start is not None:
+        evals.insert(0, (0, start))
     if evals:
         lines += ax.plot(
-            [r["step"] for r in evals],
-            [r["eval_accuracy"] for r in evals],
-            "o-",
-            label="held-out accuracy",
+            [step for step, _ in evals], [acc for _, acc in evals], "o-", label="held-out accuracy"
         )
     ax.set_xlabel("step")
     ax.set_ylim(0, 1)
