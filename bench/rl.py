@@ -24,7 +24,9 @@ SFT (made once in bench/out/rl/gemma3), then its grpo stage (LoRA, bf16) for --s
 held-out accuracy on 200 test prompts every 10 steps, then TRL's GRPOTrainer on the same SFT
 checkpoint, data, LoRA, batch, schedule (over --steps) and threads for as much training wall
 time, or --steps steps if fewer (bench/rl_trl.py --gemma3), scored every 10 minutes and where
-it stops; printed: accuracy against training wall time, both sides.
+it stops; printed: accuracy against training wall time, both sides. `--run-dir`: another
+run folder; `--reuse-ours`: our side as that folder's completed grpo stage has it (TRL's side
+only is run); `--trl-minutes`: TRL's budget instead of ours.
 """
 
 from __future__ import annotations
@@ -198,9 +200,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="--packing: steps of each layout")
     p.add_argument("--gemma3", action="store_true", help="Gemma 3 270M, LoRA: accuracy vs time")
     p.add_argument("--threads", type=int, default=2, help="--gemma3: torch threads, both sides")
+    p.add_argument("--run-dir", type=Path, default=OUT / "gemma3", help="--gemma3: the run folder")
+    p.add_argument(
+        "--reuse-ours",
+        action="store_true",
+        help="--gemma3: our side as the run folder's completed grpo stage has it (TRL's runs)",
+    )
+    p.add_argument("--trl-minutes", type=float, help="--gemma3: TRL's budget (default: ours)")
     args = p.parse_args()
     if args.gemma3:
-        gemma3(args.steps, args.threads, args.trl_python)
+        gemma3(args, args.trl_python)
         return
     if args.packing:
         from bench.rl_packing import main as packing
@@ -245,9 +254,9 @@ def main() -> None:
 GEMMA3_LR = 1e-4  # pipelines/gemma3_grpo.yaml's grpo learning_rate, set on both sides
 
 
-def gemma3(steps: int, threads: int, python: str) -> None:
+def gemma3(args: argparse.Namespace, python: str) -> None:
     """--gemma3 (module docstring)."""
-    run = OUT / "gemma3"
+    steps, threads, run = args.steps, args.threads, args.run_dir
     grpo = ["--only", "grpo", "--force", "--run-dir", str(run)]
     env = {**ENV, "OMP_NUM_THREADS": str(threads)}
     pipeline = "pipelines/gemma3_grpo.yaml"
@@ -256,12 +265,17 @@ def gemma3(steps: int, threads: int, python: str) -> None:
         subprocess.run([*PIPE, "run", pipeline, *only], cwd=ROOT, env=env, check=True)
     sets = {"max_steps": steps, "eval_every": 10, "num_threads": threads, "save_steps": steps}
     sets["learning_rate"] = GEMMA3_LR  # and TRL's
-    args = [*PIPE, "run", pipeline, *grpo]
+    cmd = [*PIPE, "run", pipeline, *grpo]
     for k, v in sets.items():
-        args += ["--set", f"stages.grpo.config.{k}={v}"]
-    subprocess.run(args, cwd=ROOT, env=env, check=True)
+        cmd += ["--set", f"stages.grpo.config.{k}={v}"]
+    if not args.reuse_ours:
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True)
     rows = [json.loads(x) for x in (run / "grpo/metrics.jsonl").read_text().splitlines()]
     spent, ours_marks = 0.0, []
+    result = run / "grpo/rl_result.json"
+    start = json.loads(result.read_text()).get("eval_accuracy_start") if result.exists() else None
+    if start is not None:
+        ours_marks.append((0.0, 0, start))  # before training, as TRL's first mark
     # a scored step's step_s holds its held-out evaluation too (TRL's clock stops for its
     # marks): such a step counts as the mean of the others
     plain = [r["step_s"] for r in rows if r.get("eval_accuracy") is None]
@@ -281,7 +295,8 @@ def gemma3(steps: int, threads: int, python: str) -> None:
         str(run / "sft/checkpoint"),
     ]
     cmd += ["--train", str(data / "train.jsonl"), "--eval", str(data / "test.jsonl")]
-    cmd += ["--out", str(out), "--minutes", f"{spent / 60:.2f}", "--threads", str(threads)]
+    minutes = args.trl_minutes if args.trl_minutes is not None else spent / 60
+    cmd += ["--out", str(out), "--minutes", f"{minutes:.2f}", "--threads", str(threads)]
     cmd += ["--steps", str(steps), "--lr", str(GEMMA3_LR)]  # our schedule's length and lr
     subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": ""}, check=True)
     theirs = json.loads((out / "trl_result.json").read_text())["marks"]
