@@ -272,10 +272,9 @@ def gemma3(args: argparse.Namespace, python: str) -> None:
         subprocess.run(cmd, cwd=ROOT, env=env, check=True)
     rows = [json.loads(x) for x in (run / "grpo/metrics.jsonl").read_text().splitlines()]
     spent, ours_marks = 0.0, []
-    result = run / "grpo/rl_result.json"
-    start = json.loads(result.read_text()).get("eval_accuracy_start") if result.exists() else None
-    if start is not None:
-        ours_marks.append((0.0, 0, start))  # before training, as TRL's first mark
+    result = json.loads((run / "grpo/rl_result.json").read_text())
+    if result["resumed_from_step"] is None and result["eval_accuracy_start"] is not None:
+        ours_marks.append((0.0, 0, result["eval_accuracy_start"]))  # before training, as TRL's
     # a scored step's step_s holds its held-out evaluation too (TRL's clock stops for its
     # marks): such a step counts as the mean of the others
     plain = [r["step_s"] for r in rows if r.get("eval_accuracy") is None]
