@@ -400,7 +400,7 @@ def server_cpu_s() -> float:
     runs in a session of its own (`stages.lib.vllm.process`) with its API server, engine core
     and worker processes, where the load of the other jobs on a shared machine does not count.
     """
-    me, ticks, stats = os.getpid(), 0, []
+    me, stats = os.getpid(), []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:

@@ -58,11 +58,18 @@ def stage_keys(plan: Plan, hashes: HashCache) -> dict[str, str]:
 
 def up_to_date(stage_dir: str, key: str, outputs: dict[str, str]) -> bool:
     """True when the stage's stamp holds `key` and every output exists."""
+    return completed(stage_dir, outputs) == key
+
+
+def completed(stage_dir: str, outputs: dict[str, str]) -> str | None:
+    """The cache key the stage last completed under, while its stamp and every output
+    exist; else None (never completed here, or an output gone)."""
     stamp = f"{stage_dir.rstrip('/')}/{STAMP}"
     if not exists(stamp):
-        return False
+        return None
     try:
         record = json.loads(read_text(stamp))
     except (ValueError, OSError):
-        return False
-    return bool(record.get("key") == key and all(exists(p) for p in outputs.values()))
+        return None
+    key = record.get("key") if isinstance(record, dict) else None
+    return str(key) if key is not None and all(exists(p) for p in outputs.values()) else None

@@ -16,9 +16,8 @@ from engine.errors import PipeError
 from engine.fsio import exists, move
 from engine.plan.checksums import HashCache
 from engine.plan.dag import Plan
-from engine.run.cache import stage_keys, up_to_date
+from engine.run.cache import completed, stage_keys, up_to_date
 from engine.run.report import RunReport
-from engine.run.task import STAMP
 
 log = logging.getLogger("pipe.run")
 
@@ -97,8 +96,7 @@ def _check_needs(plan: Plan, report: RunReport, pending: list[str]) -> None:
         for need in plan.stages[name].resolved.needs:
             if report.stages[need].status != "not-selected":
                 continue
-            outputs = plan.stages[need].outputs.values()
-            if exists(f"{run_dir}/{need}/{STAMP}") and all(exists(p) for p in outputs):
+            if completed(report.stages[need].stage_dir, plan.stages[need].outputs) is not None:
                 log.warning(
                     "%s: needs %s, whose output in %s is out of date (other settings or code): "
                     "used as it is, as --only asks",

@@ -285,9 +285,7 @@ def _keeps_logits(model: Any) -> bool:
     the prefill projects the last position onto the vocabulary only, as `model.generate`
     does (at Gemma 3's 262k-token vocabulary, all positions' logits cost as much as the rest of
     the prefill together)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    model_class: Any = type(base)
-    return _takes_keep(model_class)
+    return _takes_keep(_base_class(model))
 
 
 @functools.cache
@@ -302,9 +300,14 @@ def _cache_arg(model: Any) -> str:
     takes it (transformers 5.24 on, where `past_key_values` warns and goes in 5.40),
     `past_key_values` before; a peft model's: its base's (its own forward passes **kwargs on);
     looked up once per model class."""
+    return _cache_name(_base_class(model))
+
+
+def _base_class(model: Any) -> Any:
+    """The class whose forward's parameters tell what the model takes: a peft model's base's
+    (peft's own forward passes **kwargs on to it), else the model's own."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    model_class: Any = type(base)
-    return _cache_name(model_class)
+    return type(base)
 
 
 @functools.cache

@@ -72,10 +72,10 @@ def plot(
     records: list[dict[str, Any]], path: str, title: str, start: float | None = None
 ) -> str | None:
     """Reward mean (and held-out accuracy where scored, `start` at step 0: before training)
-    against step; with a reward model
-    (`rm_score_mean` in the records) its mean score on a second axis instead, beside the
-    verifier's held-out and per-step accuracy: where the score climbs and accuracy does not,
-    the policy over-optimises the model. None without matplotlib or records."""
+    against step; with a reward model (`rm_score_mean` in the records) its mean score on a
+    second axis instead, beside the verifier's held-out and per-step accuracy: where the score
+    climbs and accuracy does not, the policy over-optimises the model. None without
+    matplotlib or records."""
     try:
         import matplotlib
 
