@@ -19,14 +19,14 @@ times per shape with sampling seeds 0..N-1 (same warm-up) and prints their means
 run's held-out accuracy moves by a few points with the seed alone. With --packing: the
 actor's update on packed micro batches beside padded ones (bench/rl_packing.py).
 
-With --gemma3 (`make gemma3` first; hours on a CPU): pipelines/gemma3_grpo.yaml's data and
-SFT (made once in bench/out/rl/gemma3), then its grpo stage (LoRA, bf16) for --steps steps,
-held-out accuracy on 200 test prompts every 10 steps, then TRL's GRPOTrainer on the same SFT
-checkpoint, data, LoRA, batch, schedule (over --steps) and threads for as much training wall
-time, or --steps steps if fewer (bench/rl_trl.py --gemma3), scored every 10 minutes and where
-it stops; printed: accuracy against training wall time, both sides. `--run-dir`: another
-run folder; `--reuse-ours`: our side as that folder's completed grpo stage has it (TRL's side
-only is run); `--trl-minutes`: TRL's budget instead of ours.
+With --gemma3 (`make gemma3` first; hours on a CPU): pipelines/gemma3_grpo.yaml's data and SFT
+(made once in bench/out/rl/gemma3), then its grpo stage (LoRA, bf16) for --steps steps,
+held-out accuracy on 200 test prompts every 25 steps (about 7 minutes on 2 cores), then TRL's
+GRPOTrainer on the same SFT checkpoint, data, LoRA, batch, schedule (over --steps) and threads
+for as much training wall time, or --steps steps if fewer (bench/rl_trl.py --gemma3), scored
+every 10 minutes and where it stops; printed: accuracy against training wall time, both sides.
+`--run-dir`: another run folder; `--reuse-ours`: our side as that folder's completed grpo stage
+has it (TRL's side only is run); `--trl-minutes`: TRL's budget instead of ours.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def gemma3(args: argparse.Namespace, python: str) -> None:
     if not (run / "sft" / "checkpoint" / "config.json").exists():
         only = ["--only", "data", "--only", "sft", "--run-dir", str(run)]
         subprocess.run([*PIPE, "run", pipeline, *only], cwd=ROOT, env=env, check=True)
-    sets = {"max_steps": steps, "eval_every": 10, "num_threads": threads, "save_steps": steps}
+    sets = {"max_steps": steps, "eval_every": 25, "num_threads": threads, "save_steps": steps}
     sets["learning_rate"] = GEMMA3_LR  # and TRL's
     cmd = [*PIPE, "run", pipeline, *grpo]
     for k, v in sets.items():
