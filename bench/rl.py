@@ -21,7 +21,7 @@ actor's update on packed micro batches beside padded ones (bench/rl_packing.py).
 
 With --gemma3 (`make gemma3` first; hours on a CPU): pipelines/gemma3_grpo.yaml's data and SFT
 (made once in bench/out/rl/gemma3), then its grpo stage (LoRA, bf16) for --steps steps,
-held-out accuracy on 200 test prompts every 25 steps (about 7 minutes on 2 cores), then TRL's
+held-out accuracy on 200 test prompts every `eval_every` steps of the file, then TRL's
 GRPOTrainer on the same SFT checkpoint, data, LoRA, batch, schedule (over --steps) and threads
 for as much training wall time, or --steps steps if fewer (bench/rl_trl.py --gemma3), scored
 every 10 minutes and where it stops; printed: accuracy against training wall time, both sides.
@@ -263,7 +263,8 @@ def gemma3(args: argparse.Namespace, python: str) -> None:
     if not (run / "sft" / "checkpoint" / "config.json").exists():
         only = ["--only", "data", "--only", "sft", "--run-dir", str(run)]
         subprocess.run([*PIPE, "run", pipeline, *only], cwd=ROOT, env=env, check=True)
-    sets = {"max_steps": steps, "eval_every": 25, "num_threads": threads, "save_steps": steps}
+    # eval_every and the rest as the pipeline has them
+    sets = {"max_steps": steps, "num_threads": threads, "save_steps": steps}
     sets["learning_rate"] = GEMMA3_LR  # and TRL's
     cmd = [*PIPE, "run", pipeline, *grpo]
     for k, v in sets.items():
