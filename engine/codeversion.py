@@ -2,8 +2,11 @@
 
 Input: the module that defines a kind. Output: a hash of every file of its package (or the
 module alone) and of every module of the same top-level package it imports, directly or
-not (`stages/lib` for the built-ins), each file named by its path. Imports are read from
-the source text, so the hash needs no import of what it covers.
+not (`stages/lib` for the built-ins), each file named by its path, and the data those
+modules read from beside them: every file of a folder next to one of them that is not a
+package (`stages/lib/builders/templates/*.jinja`, the family chat templates), so editing a
+vendored template re-runs what rendered with it. Imports are read from the source text, so
+the hash needs no import of what it covers.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def code_version(module_name: str) -> str:
     root = path.parents[len(module_name.split(".")) - (0 if path.name == "__init__.py" else 1)]
     own = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
     files = _with_imports(own, top, root)
+    files |= _data_files(files)
     for f in sorted(files):
         digest.update(str(f.relative_to(root)).encode())
         digest.update(f.read_bytes())
@@ -60,6 +64,19 @@ def _with_imports(files: list[Path], top: str, root: Path) -> set[Path]:
                 if target and target.split(".")[0] == top:
                     todo.extend(_module_files(target, root))
     return seen
+
+
+def _data_files(modules: set[Path]) -> set[Path]:
+    """Every file under the folders beside `modules` that are not packages (no __init__.py):
+    the templates and other data the code reads by path."""
+    out: set[Path] = set()
+    for folder in {m.parent for m in modules}:
+        for sub in folder.iterdir():
+            if sub.is_dir() and sub.name != "__pycache__" and not (sub / "__init__.py").exists():
+                out.update(
+                    f for f in sub.rglob("*") if f.is_file() and "__pycache__" not in f.parts
+                )
+    return out
 
 
 def _names(text: str) -> list[str]:

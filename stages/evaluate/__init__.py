@@ -33,8 +33,8 @@ from stages.lib.model.path import check_checkpoint
 class EvaluateConfig(BackendStageConfig):
     """Accuracy, pass@k and mean reward of each checkpoint, against a baseline."""
 
-    INPUTS = ("input", "checkpoints", "reward_model", "chat_template")
-    MODEL_INPUTS = ("checkpoints", "reward_model", "chat_template")
+    INPUTS = ("input", "checkpoints", "baseline", "reward_model", "chat_template")
+    MODEL_INPUTS = ("checkpoints", "baseline", "reward_model", "chat_template")
     INPUT_TYPES: ClassVar[dict[str, str]] = {"checkpoints": "checkpoint"}
     OUTPUTS = ("output",)
 
@@ -85,12 +85,6 @@ class EvaluateConfig(BackendStageConfig):
     def top_p(self) -> float:
         """Evaluation samples from the whole distribution (or greedily at temperature 0)."""
         return 1.0
-
-    def hub_inputs(self) -> dict[str, str]:
-        """The checkpoints, and a baseline written as one of them (pinned to the same commit,
-        read from the same folder)."""
-        out = super().hub_inputs()
-        return {**out, "baseline": "model"} if out else out
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         return derive_backend(self.backend, ctx, self.num_samples)

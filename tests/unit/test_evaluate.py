@@ -284,3 +284,24 @@ def test_greedy_requests_to_an_openai_server_say_temperature_0_in_openais_fields
     bodies = [{k: v for k, v in b.items() if k in keys} for b in handle.server.counters.bodies]
     assert bodies == [greedy] * len(ROWS)
     assert json.loads(Path(cfg.output).read_text())["sampling"] == greedy
+
+
+def test_a_relative_baseline_resolves_against_the_pipeline_folder_like_its_checkpoints(
+    tmp_path: Path,
+):
+    """`baseline: ckpt` names the same folder as `checkpoints: [ckpt]` from any working directory."""
+    from tests.conftest import run_cli, stub_checkpoint
+
+    folder = tmp_path / "pipes"
+    for name in ("sft", "ckpt"):
+        stub_checkpoint(folder / name)
+    (folder / "prompts.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    (folder / "p.yaml").write_text(
+        "name: p\nstages:\n  evaluate:\n    kind: evaluate\n"
+        "    config: {input: prompts.jsonl, checkpoints: [sft, ckpt], baseline: ckpt}\n"
+    )
+    result = run_cli("plan", "pipes/p.yaml", "--format", "json", cwd=tmp_path)
+    assert result.exit_code == 0, result.stderr
+    config = json.loads(result.stdout)["stages"]["evaluate"]["config"]
+    assert config["checkpoints"] == ["pipes/sft", "pipes/ckpt"]
+    assert config["baseline"] == "pipes/ckpt"

@@ -126,6 +126,16 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
         f.write("\n# edited\n")
     again = _versions(copy)
     assert sorted(k for k in KINDS if again[k] != after[k]) == ["collect", "evaluate", "rl"]
+    # data read beside the code: a vendored chat template re-runs every kind that renders
+    with open(copy / "stages/lib/builders/templates/gemma.jinja", "a") as f:
+        f.write("\n")
+    last = _versions(copy)
+    assert sorted(k for k in KINDS if last[k] != again[k]) == [
+        "collect",
+        "evaluate",
+        "rl",
+        "train",
+    ]
 
 
 LIB_PACKAGES = ("api", "builders", "chat", "distributed", "env", "io", "model", "vllm")
