@@ -24,7 +24,8 @@ With --gemma3 (`make gemma3` first; hours on a CPU): pipelines/gemma3_grpo.yaml'
 held-out accuracy on 200 test prompts every `eval_every` steps of the file, then TRL's
 GRPOTrainer on the same SFT checkpoint, data, LoRA, batch, schedule (over --steps) and threads
 for as much training wall time, or --steps steps if fewer (bench/rl_trl.py --gemma3), scored
-every 10 minutes and where it stops; printed: accuracy against training wall time, both sides.
+every 10 minutes and where it stops; printed: accuracy against training wall time, both sides,
+and at each 10-minute mark both ran to, each side's latest score at or before it.
 `--run-dir`: another run folder; `--reuse-ours`: our side as that folder's completed grpo stage
 has it (TRL's side only is run); `--trl-minutes`: TRL's budget instead of ours.
 """
@@ -305,6 +306,27 @@ def gemma3(args: argparse.Namespace, python: str) -> None:
         print(f"ours  {minutes:>10.1f}{step:>7}{acc:>19.3f}")
     for m in theirs:
         print(f"TRL   {m['minutes']:>10.1f}{m['step']:>7}{m['accuracy']:>19.3f}")
+    trl_marks = [(m["minutes"], m["step"], m["accuracy"]) for m in theirs]
+    print("at each 10-minute mark, each side's latest held-out accuracy (at or before it)")
+    print("minute      ours    TRL")
+    for mark, a, b in ten_minute_marks(ours_marks, trl_marks):
+        lead = "ours ahead" if a > b else "even" if a == b else "TRL ahead"
+        print(f"{mark:>6}{a:>10.3f}{b:>7.3f}  {lead}")
+
+
+def ten_minute_marks(
+    ours: Sequence[tuple[float, int, float]], theirs: Sequence[tuple[float, int, float]]
+) -> list[tuple[int, float, float]]:
+    """(minute, ours, theirs) at 10, 20, ... minutes while both sides ran that long: each
+    side's latest score at or before the minute (marks are (minutes, step, accuracy))."""
+    end = min(ours[-1][0], theirs[-1][0]) if ours and theirs else 0.0
+    out = []
+    for mark in range(10, int(end) + 1, 10):
+        a = [acc for minutes, _, acc in ours if minutes <= mark]
+        b = [acc for minutes, _, acc in theirs if minutes <= mark]
+        if a and b:
+            out.append((mark, a[-1], b[-1]))
+    return out
 
 
 def _row(shape: str, seed: str, vals: Sequence[float], asynchronous: bool) -> str:
