@@ -83,3 +83,25 @@ def test_the_bf16_probe_judges_the_mean_and_fp32_every_token():
         verify("local-0", [a - 0.2 for a in actor], actor, "bf16", 11)
     with pytest.raises(SyncFailed, match=r"differ by up to 0\.098 \(tolerance 0\.0001\)"):
         verify("local-0", arrived, actor, "fp32", 11)
+
+
+def test_a_bf16_engine_that_moved_passes_over_the_mean_and_one_that_did_not_fails():
+    """Gemma 3 270M with LoRA at step 61: the engine's probe moved with the sync and its mean
+    difference to the actor was 0.17, bf16 rounding on -3-nat tokens: a pass. An engine whose
+    probe is exactly as before the sync did not get the weights; a moved engine 1 nat off
+    got wrong ones."""
+    from stages.rl.sync.transports import SyncFailed, verify
+
+    actor = [-3.0, -2.5, -3.3]
+    arrived = [-3.3, -2.45, -3.16]  # mean 0.163, worst 0.3
+    before = [-3.4, -2.6, -3.1]  # the engine's probe after the previous sync
+    assert verify("local-0", arrived, actor, "bf16", 61, before) == pytest.approx(0.3)
+    with pytest.raises(SyncFailed, match=r"mean 0\.163 .*did not move since the last sync"):
+        verify("local-0", arrived, actor, "bf16", 61, list(arrived))
+    with pytest.raises(SyncFailed, match=r"the weights did not arrive"):
+        verify("local-0", arrived, actor, "bf16", 61)  # the first sync: nothing to compare
+    wrong = [a - 1.5 for a in actor]
+    with pytest.raises(SyncFailed, match=r"mean 1\.5 "):
+        verify("local-0", wrong, actor, "bf16", 61, before)
+    with pytest.raises(SyncFailed, match=r"up to 0\.3 \(tolerance 0\.0001\)"):
+        verify("local-0", arrived, actor, "fp32", 61, before)  # fp32 is exact or fails

@@ -78,6 +78,7 @@ class Controller:
         self.host = ""
         self.receiver: Any = None  # the engines' side of the weight sync
         self.probe: tuple[tuple[int, ...], int] = ((), 0)
+        self.probe_scores: dict[str, list[float]] = {}  # each engine's, after the last sync
         self.sleeps = False  # the actor's optimizer states leave the GPU while engines generate
 
     def with_reference(self, samples: list[Any]) -> list[Any]:
@@ -133,7 +134,9 @@ class Controller:
         precision = "bf16" if self.cfg.bf16 else "fp32"
         diff, mine = 0.0, []
         for name, mine in self.engine.scores(Sample(*self.probe)).items():  # every engine
-            diff = max(diff, verify(name, mine, reply["probe"], precision, version))
+            before = self.probe_scores.get(name)
+            diff = max(diff, verify(name, mine, reply["probe"], precision, version, before))
+            self.probe_scores[name] = list(mine)
         self.version = version
         got = getattr(self.receiver, "stats", {})
         return {
