@@ -112,30 +112,19 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
         changed = sorted(k for k in KINDS if after[k] != before[k])
         assert changed == [kind], rel
         before = after
-    # shared code: every kind that imports it changes, the others do not
-    with open(copy / "stages/lib/verify.py", "a") as f:
-        f.write("\n# edited\n")
-    after = _versions(copy)
-    assert sorted(k for k in KINDS if after[k] != before[k]) == [
-        "collect",
-        "evaluate",
-        "rl",
-        "train",
-    ]
-    with open(copy / "stages/lib/api/client.py", "a") as f:  # HTTP backends (rl: its vLLM requests)
-        f.write("\n# edited\n")
-    again = _versions(copy)
-    assert sorted(k for k in KINDS if again[k] != after[k]) == ["collect", "evaluate", "rl"]
-    # data read beside the code: a vendored chat template re-runs every kind that renders
-    with open(copy / "stages/lib/builders/templates/gemma.jinja", "a") as f:
-        f.write("\n")
-    last = _versions(copy)
-    assert sorted(k for k in KINDS if last[k] != again[k]) == [
-        "collect",
-        "evaluate",
-        "rl",
-        "train",
-    ]
+    # shared code: every kind that imports it changes, the others do not; and the data read
+    # beside the code: a vendored chat template re-runs every kind that renders prompts
+    rendering = ["collect", "evaluate", "rl", "train"]
+    for rel, kinds_changed in (
+        ("stages/lib/verify.py", rendering),
+        ("stages/lib/api/client.py", ["collect", "evaluate", "rl"]),  # HTTP backends
+        ("stages/lib/builders/templates/gemma.jinja", rendering),
+    ):
+        with open(copy / rel, "a") as f:
+            f.write("\n")
+        after = _versions(copy)
+        assert sorted(k for k in KINDS if after[k] != before[k]) == kinds_changed, rel
+        before = after
 
 
 LIB_PACKAGES = ("api", "builders", "chat", "distributed", "env", "io", "model", "vllm")
