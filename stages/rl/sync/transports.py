@@ -318,7 +318,7 @@ def verify(
     if precision == "bf16" and moved and mean <= BF16_MOVED_LIMIT:
         return worst
     why = (
-        "the engine's probe did not move since the last sync"
+        "the engine's probe did not move since the last sync: the weights did not arrive"
         if before is not None and before == engine_lp
         else "the weights did not arrive"
     )
