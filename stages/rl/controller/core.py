@@ -136,7 +136,7 @@ class Controller:
         for name, mine in self.engine.scores(Sample(*self.probe)).items():  # every engine
             before = self.probe_scores.get(name)
             diff = max(diff, verify(name, mine, reply["probe"], precision, version, before))
-            self.probe_scores[name] = list(mine)
+            self.probe_scores[name] = mine
         self.version = version
         got = getattr(self.receiver, "stats", {})
         return {

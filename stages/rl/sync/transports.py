@@ -314,17 +314,14 @@ def verify(
     tolerance = PROBE_TOLERANCE[precision]
     if value <= tolerance:
         return worst
-    moved = before is not None and len(before) == len(engine_lp) and before != engine_lp
-    if precision == "bf16" and moved and mean <= BF16_MOVED_LIMIT:
+    still = before == engine_lp
+    if precision == "bf16" and before is not None and not still and mean <= BF16_MOVED_LIMIT:
         return worst
-    why = (
-        "the engine's probe did not move since the last sync: the weights did not arrive"
-        if before is not None and before == engine_lp
-        else "the weights did not arrive"
-    )
+    why = "the engine's probe did not move since the last sync: " if still else ""
     raise SyncFailed(
         f"step {step}: engine '{engine}' does not match the actor after the weight sync: "
-        f"probe log-probabilities differ by {what} {value:.3g} (tolerance {tolerance:g}); {why}"
+        f"probe log-probabilities differ by {what} {value:.3g} (tolerance {tolerance:g}); "
+        f"{why}the weights did not arrive"
     )
 
 
