@@ -23,18 +23,17 @@ each timed side by side on the same cores, with the same threads, in one process
   engine drops finished rows, `generate` pads them to the longest: both count the same
   answer tokens.
 - vllm: vLLM's CPU build (`.venv-vllm/`, `make install-vllm`; without it the bench says so
-  and skips this part) serving the same folder, started and stopped as a stage's
-  `backend: vllm` starts it (`stages.lib.vllm.server`: 127.0.0.1, a secret, `--enforce-eager`,
-  1 GiB of KV cache), in the bench's dtype, its threads unpinned (`VLLM_CPU_OMP_THREADS_BIND`
-  nobind) and `--threads` of them, against the local engine in the same process as above.
-  Reported: the server's start-up (launch to healthy), then the generate part's batch (the
-  same prompts through the same chat template, greedy, the same max_new_tokens) sent as
-  concurrent chat requests (`stages.lib.api.client.complete_all`, what evaluate's vllm
-  backend sends) and through the local engine, one untimed round, then `--steps` rounds
-  taking turns: wall seconds a batch, CPU seconds a batch (vLLM's: its API server, engine
-  core and worker processes together; the engine's: this process), and how many of the
-  greedy answers are identical. A server that fails to start or to answer gives the key
-  line of its log (the root exception) instead of the figures.
+  and skips this part) serving the same folder, started and stopped as a stage's `backend: vllm`
+  starts it (`stages.lib.backends.vllm.server`: 127.0.0.1, a secret, `--enforce-eager`, 1 GiB of KV
+  cache), in the bench's dtype, its threads unpinned (`VLLM_CPU_OMP_THREADS_BIND` nobind) and
+  `--threads` of them, against the local engine in the same process as above. Reported: the server's
+  start-up (launch to healthy), then the generate part's batch (the same prompts through the same
+  chat template, greedy, the same max_new_tokens) sent as concurrent chat requests
+  (`stages.lib.api.client.complete_all`, what evaluate's vllm backend sends) and through the local
+  engine, one untimed round, then `--steps` rounds taking turns: wall seconds a batch, CPU seconds a
+  batch (vLLM's: its API server, engine core and worker processes together; the engine's: this
+  process), and how many of the greedy answers are identical. A server that fails to start or to
+  answer gives the key line of its log (the root exception) instead of the figures.
 
 Ratios above 1 mean pipe is faster (the vllm part's too: vLLM's seconds over the local
 engine's, below 1 where vLLM is faster). BENCHMARKS.md records the figures ("A real model").
@@ -369,7 +368,7 @@ def generate_part(model_dir: str, args: Any) -> dict:
 
 @dataclass(frozen=True)
 class Greedy:
-    """The request settings `stages.lib.endpoints.make_client` reads: greedy, the bench's
+    """The request settings `stages.lib.backends.endpoint.make_client` reads: greedy, the bench's
     max_new_tokens."""
 
     max_output_tokens: int
@@ -397,8 +396,8 @@ def key_error(log_text: str) -> str | None:
 
 def server_cpu_s() -> float:
     """CPU seconds used so far by the sessions this process's children lead: a vLLM server
-    runs in a session of its own (`stages.lib.vllm.process`) with its API server, engine core
-    and worker processes, where the load of the other jobs on a shared machine does not count.
+    runs in a session of its own (`stages.lib.backends.vllm.process`) with its API server, engine
+    core and worker processes, where the load of the other jobs on a shared machine does not count.
     """
     me, stats = os.getpid(), []
     for entry in os.listdir("/proc"):
@@ -417,9 +416,9 @@ def server_cpu_s() -> float:
 def vllm_part(model_dir: str, args: Any, tmp: str) -> dict[str, Any] | str:
     """vLLM's CPU build (`.venv-vllm/`) serving `model_dir` against the local engine: the
     server's start-up, then the generate part's batch (the same prompts through the same chat
-    template, greedy, the same max_new_tokens) as concurrent chat requests, a round of both
-    sides untimed, then `--steps` rounds taking turns. The server is started and stopped as a
-    stage's `backend: vllm` is (`stages.lib.vllm.server`), with the bench's dtype and threads.
+    template, greedy, the same max_new_tokens) as concurrent chat requests, a round of both sides
+    untimed, then `--steps` rounds taking turns. The server is started and stopped as a stage's
+    `backend: vllm` is (`stages.lib.backends.vllm.server`), with the bench's dtype and threads.
     """
     if not (ROOT / ".venv-vllm" / "bin" / "python").exists():
         return (
@@ -430,10 +429,10 @@ def vllm_part(model_dir: str, args: Any, tmp: str) -> dict[str, Any] | str:
     import logging
 
     from stages.lib.api.client import RequestError, complete_all
-    from stages.lib.config import VLLMBackend
-    from stages.lib.endpoints import Endpoint, make_client
-    from stages.lib.vllm.auth import new_secret
-    from stages.lib.vllm.server import vllm_server
+    from stages.lib.backends.endpoint import Endpoint, make_client
+    from stages.lib.backends.vllm.auth import new_secret
+    from stages.lib.backends.vllm.config import VLLMBackend
+    from stages.lib.backends.vllm.server import vllm_server
 
     model, tok = load_local(model_dir, args)
     prompts = batch_prompts(args)

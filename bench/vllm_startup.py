@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stages.lib.config import VLLMBackend
-from stages.lib.vllm.auth import bearer, new_secret
-from stages.lib.vllm.server import vllm_server
+from stages.lib.backends.vllm.auth import bearer, new_secret
+from stages.lib.backends.vllm.config import VLLMBackend
+from stages.lib.backends.vllm.server import vllm_server
 from tests.integration.test_vllm_backend import build_tiny_model
 
 log = logging.getLogger("bench.vllm_startup")

@@ -132,6 +132,8 @@ def allowed_fields(model: Any, loc: tuple[Any, ...]) -> set[str]:
                 field = ann.model_fields.get(str(part))
                 if field is not None:
                     nxt.append(field.annotation)
+                    for meta in field.metadata:  # a field type naming its variants (a registry's)
+                        nxt.extend(getattr(meta, "variants", list)())
                 else:
                     nxt.append(ann)  # a union tag: stay on this model
             elif get_origin(ann) in (dict, Mapping):

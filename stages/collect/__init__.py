@@ -13,19 +13,10 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, ResolveContext, stage
+from stages.lib.backends.local import LocalBackend
+from stages.lib.backends.registry import Backend, BackendStageConfig
 from stages.lib.block import CountOrAuto
-from stages.lib.config import (
-    Backend,
-    BackendStageConfig,
-    LocalBackend,
-    OpenAIBackend,
-    Verifier,
-    check_backend,
-    check_model,
-    check_verifier,
-    derive_backend,
-    served_elsewhere,
-)
+from stages.lib.config import Verifier, check_verifier
 from stages.lib.env.field import EnvironmentConfig, check_environment
 from stages.lib.model.chat_template import (
     CHAT_TEMPLATE_HELP,
@@ -117,34 +108,26 @@ class CollectConfig(BackendStageConfig):
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """Engines from the stage's GPUs; prefix caching when num_repeats > 1; half of each GPU
         for training when vLLM shares it."""
-        return derive_backend(self.backend, ctx, self.num_repeats)
+        return self.backend.derive(ctx, self.num_repeats)
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
-        out = check_model(self.backend, ctx, wanted=True) + check_backend(self.backend, ctx)
+        out = self.backend.check_model(ctx, wanted=True) + self.backend.check(ctx)
         out += check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
         out += check_chat_template(
             ctx,
             self.chat_template,
             self.prompt_template,
             [("backend.model", self.backend.model)],
-            served_elsewhere(self.backend),
+            self.backend.served_elsewhere(),
         )
         return out + self._check_episodes_backend(ctx)
 
     def _check_episodes_backend(self, ctx: ResolveContext) -> list[Diagnostic]:
-        """Episodes send the conversation as messages: an openai backend's chat endpoint
-        (vllm serves it; `local` renders each conversation with the chat template)."""
-        if self.environment is None:
+        """Episodes send the conversation as messages: a backend that takes them."""
+        problem = self.backend.conversation_problem()
+        if self.environment is None or problem is None:
             return []
-        if isinstance(self.backend, OpenAIBackend) and self.backend.endpoint == "completions":
-            return [
-                ctx.error(
-                    "backend.endpoint",
-                    "an environment's episodes send the conversation as messages, so they "
-                    "need 'chat', found 'completions'",
-                )
-            ]
-        return []
+        return [ctx.error(*problem)]
 
     @classmethod
     def headline(cls, result: Mapping[str, Any]) -> list[str]:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from stages.collect.inputs import Prompt
 from stages.collect.stats import Progress
 from stages.lib.api.client import Completion
-from stages.lib.config import LocalBackend
+from stages.lib.backends.base import InProcess
 from stages.lib.env.contract import Episode
 
 if TYPE_CHECKING:
@@ -48,16 +48,30 @@ def collect_local(
     device: str = "cpu",
 ) -> None:
     """Generate every pending sample in batches (on `device`) and record the rollouts."""
-    assert isinstance(cfg.backend, LocalBackend)
-    dtype = precision(cfg)[0]  # read once: the checkpoint's config.json
+    engine, model, dtype = _engine(cfg)  # the dtype read once: the checkpoint's config.json
     _in_batches(
         work,
         recorder,
-        cfg.backend.batch_size,
+        engine.batch_size,
         usable=lambda prompt: prompt.error is None,
         items=lambda prompt, samples: [(prompt, samples)],  # a prompt's samples together
-        run=lambda batch: _generate_batch(cfg, batch, recorder, device, dtype),
+        run=lambda batch: _generate_batch(cfg, engine, model, batch, recorder, device, dtype),
     )
+
+
+def precision(cfg: CollectConfig) -> tuple[str, str] | None:
+    """The dtype the backend loads its checkpoint in (`backend.precision`; auto: its own,
+    `stages.lib.model.dtypes.resolve_precision`), and why; None: it loads none here."""
+    model = cfg.backend.model
+    return None if model is None else cfg.backend.load_dtype([model])
+
+
+def _engine(cfg: CollectConfig) -> tuple[InProcess, str, str | None]:
+    """The backend's in-process generator, its checkpoint and the dtype it loads it in."""
+    engine, model = cfg.backend.in_process(), cfg.backend.model
+    assert engine is not None and model is not None  # the caller's and the kind's checks
+    loaded = precision(cfg)
+    return engine, model, loaded[0] if loaded else None
 
 
 def _in_batches(
@@ -91,38 +105,26 @@ def _in_batches(
     progress.close(recorder.stats)
 
 
-def precision(cfg: CollectConfig) -> tuple[str, str]:
-    """The dtype the backend's checkpoint is loaded in (`backend.precision`; auto: its own,
-    `stages.lib.model.dtypes.resolve_precision`), and why."""
-    from stages.lib.model.dtypes import resolve_precision
-
-    assert isinstance(cfg.backend, LocalBackend) and cfg.backend.model is not None
-    return resolve_precision(cfg.backend.precision, [cfg.backend.model])
-
-
 def _generate_batch(
     cfg: CollectConfig,
+    engine: InProcess,
+    model: str,
     batch: list[tuple[Prompt, list[int]]],
     recorder: Recorder,
     device: str,
-    dtype: str,
+    dtype: str | None,
 ) -> None:
-    from stages.lib.model.generate import generate
-
-    assert isinstance(cfg.backend, LocalBackend)
     prompts = [p.messages if p.messages is not None else (p.text or "") for p, _ in batch]
     start = time.perf_counter()
     recorder.stats.in_flight = len(batch) * cfg.num_repeats
-    assert cfg.backend.model is not None  # the kind's check requires it
-    outputs = generate(
-        cfg.backend.model,
+    outputs = engine.generate(
+        model,
         prompts,
         num_samples=cfg.num_repeats,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         max_new_tokens=cfg.max_output_tokens,
         seed=cfg.seed + batch[0][0].idx,
-        batch_size=cfg.backend.batch_size,
         device=device,
         dtype=dtype,
     )
@@ -143,23 +145,22 @@ def collect_local_episodes(
 ) -> None:
     """Play every pending pair's episode in batches (on `device`) and record the lines."""
     from stages.lib.env.contract import environment_factory
-    from stages.lib.model.generate import load
 
-    assert isinstance(cfg.backend, LocalBackend) and cfg.environment is not None
-    assert cfg.backend.model is not None  # the kind's check requires it
+    assert cfg.environment is not None
     # an environment that cannot be loaded fails the stage before the model loads
     make_env = environment_factory(cfg.environment, cfg.verifier)
-    loaded = load(cfg.backend.model, device, precision(cfg)[0])
+    engine, model, dtype = _engine(cfg)
+    loaded = engine.load(model, device, dtype)
     failed = 0
 
     def play(batch: list[tuple[Prompt, int]]) -> None:
         nonlocal failed
-        failed += _play_batch(cfg, batch, recorder, make_env, loaded, failed)
+        failed += _play_batch(cfg, engine.batch_size, batch, recorder, make_env, loaded, failed)
 
     _in_batches(
         work,
         recorder,
-        cfg.backend.batch_size,
+        engine.batch_size,
         usable=lambda prompt: prompt.parsed,  # not a JSON object: no row to reset with
         items=lambda prompt, samples: [(prompt, s) for s in samples],  # an episode each
         run=play,
@@ -168,6 +169,7 @@ def collect_local_episodes(
 
 def _play_batch(
     cfg: CollectConfig,
+    batch_size: int,
     batch: list[tuple[Prompt, int]],
     recorder: Recorder,
     make_env: Any,
@@ -179,7 +181,7 @@ def _play_batch(
     from stages.lib.env.contract import max_turns
     from stages.lib.env.message_play import local_answer, play_batched
 
-    assert isinstance(cfg.backend, LocalBackend) and cfg.environment is not None
+    assert cfg.environment is not None
     turns = max_turns(cfg.environment)
     answer = local_answer(
         *loaded,
@@ -187,7 +189,7 @@ def _play_batch(
         top_p=cfg.top_p,
         max_new_tokens=cfg.max_output_tokens,
         seed=cfg.seed + batch[0][0].idx * turns,  # batches' seeds never overlap
-        batch_size=cfg.backend.batch_size,
+        batch_size=batch_size,
     )
     start = time.perf_counter()
     recorder.stats.in_flight = len(batch)

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from stages.collect.inputs import Prompt, prompt_from_row
 from stages.lib.api.client import RequestError, classify, sample_seed
-from stages.lib.config import LocalBackend, VLLMBackend
 from stages.lib.verify import Score, make_verifier
 
 if TYPE_CHECKING:
@@ -57,14 +56,11 @@ def measure_level(
     if bad:
         raise ValueError(f"row {bad[0].idx}: {bad[0].error}")
     score = make_verifier(cfg.verifier)
-    if isinstance(cfg.backend, LocalBackend):
+    if cfg.backend.in_process() is not None:
         return _measure_local(cfg, prompts, score, parallelism, num_requests)
-    from stages.lib.endpoints import http_endpoint, make_client
+    from stages.lib.backends.endpoint import make_client
 
-    gpus = 0
-    if isinstance(cfg.backend, VLLMBackend):
-        gpus = cfg.backend.vllm_num_engines * cfg.backend.vllm_tensor_parallel_size
-    with http_endpoint(cfg.backend, gpus=gpus, log=log) as endpoint:
+    with cfg.backend.open_endpoint(gpus=cfg.backend.engine_gpus(), log=log) as endpoint:
         client = make_client(cfg, endpoint, connections=parallelism)
         return asyncio.run(_measure_http(client, cfg, prompts, score, parallelism, num_requests))
 
@@ -129,18 +125,17 @@ def _measure_local(
     cfg: CollectConfig, prompts: list[Prompt], score: Score, parallelism: int, num_requests: int
 ) -> LevelResult:
     from stages.collect.local import precision
-    from stages.lib.model.generate import generate
 
-    assert isinstance(cfg.backend, LocalBackend)
+    engine, model, loaded = cfg.backend.in_process(), cfg.backend.model, precision(cfg)
+    assert engine is not None and model is not None  # the caller's and the kind's checks
     tally = _Tally([])
     start = time.perf_counter()
     while tally.sent < num_requests:
         batch = [prompts[(tally.sent + i) % len(prompts)] for i in range(parallelism)]
         batch = batch[: num_requests - tally.sent]
         t0 = time.perf_counter()
-        assert cfg.backend.model is not None  # the kind's check requires it
-        outs = generate(
-            cfg.backend.model,
+        outs = engine.generate(
+            model,
             [p.messages if p.messages is not None else (p.text or "") for p in batch],
             num_samples=1,
             temperature=cfg.temperature,
@@ -148,7 +143,7 @@ def _measure_local(
             max_new_tokens=cfg.max_output_tokens,
             seed=cfg.seed + tally.sent,
             batch_size=parallelism,
-            dtype=precision(cfg)[0],
+            dtype=loaded[0] if loaded else None,
         )
         took = time.perf_counter() - t0
         tally.sent += len(batch)

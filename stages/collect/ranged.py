@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from stages.collect import io, publish
 from stages.collect.inputs import Prompt, iter_lines, parse_row, row_range
 from stages.collect.stats import Stats
-from stages.lib.config import LocalBackend
 from stages.lib.io.jsonl import count_lines
 from stages.lib.verify import make_verifier
 
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.collect import CollectConfig
     from stages.collect.collector import Recorder
-    from stages.lib.endpoints import Endpoint
+    from stages.lib.backends.endpoint import Endpoint
     from stages.lib.env.message_play import MakeEnv
 
 T = TypeVar("T")
@@ -71,7 +70,7 @@ def collect_range(
     recorder = Recorder(score, sink, stats, failed_runs, ctx.log, Metrics(ctx.stage_dir))
     try:
         work = pending(cfg.input, start, end, cfg.num_repeats, done)
-        if isinstance(cfg.backend, LocalBackend):
+        if cfg.backend.in_process() is not None:
             from stages.collect.local import collect_local, collect_local_episodes
             from stages.lib.devices import torch_device
 
@@ -148,15 +147,13 @@ def _collect_http(
     work: Iterator[tuple[Prompt, list[int]]],
     recorder: Recorder,
 ) -> None:
-    from stages.lib.endpoints import http_endpoint
     from stages.lib.env.contract import environment_factory
 
     # an environment that cannot be loaded fails the stage before any engine starts
     make_env = environment_factory(cfg.environment, cfg.verifier) if cfg.environment else None
-    log_file = ctx.path(f"{os.path.basename(cfg.output)}.vllm.log")
+    log_file = ctx.path(f"{os.path.basename(cfg.output)}.{cfg.backend.kind}.log")  # its servers'
     devices = ctx.device_env().get("CUDA_VISIBLE_DEVICES")
-    with http_endpoint(
-        cfg.backend,
+    with cfg.backend.open_endpoint(
         gpus=ctx.gpus,
         log=ctx.log,
         log_file=log_file,
@@ -185,7 +182,7 @@ async def _collect_async(
     from stages.collect.collector import Collector
     from stages.collect.multiturn import EpisodeCollector
     from stages.lib.api.adaptive import AdaptiveLimit
-    from stages.lib.endpoints import make_client
+    from stages.lib.backends.endpoint import make_client
 
     parallel = cfg.num_samples_in_parallel
     concurrency: int | AdaptiveLimit = AdaptiveLimit() if parallel == "auto" else parallel

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from stages.collect.ranged import collect_range, up_to_date
 from stages.lib.api.sampling import request_sampling
-from stages.lib.config import LocalBackend, OpenAIBackend
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -42,17 +41,19 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     if not os.path.exists(cfg.output):
         cfg = prepared(cfg, ctx.run_dir, ctx.log)
     metrics = _collect(cfg, ctx)
-    if isinstance(cfg.backend, LocalBackend):  # the precision its checkpoint was loaded in
-        from stages.collect.local import precision
+    from stages.collect.local import precision
+
+    loaded = precision(cfg)
+    if loaded is not None:  # the precision its checkpoint was loaded in
         from stages.lib.chat.clock import dated
         from stages.lib.io.jsonl import write_json
 
-        dtype, why = precision(cfg)
+        dtype, why = loaded
         metrics["precision"] = {"dtype": dtype, "why": why}
         settings = {"backend.precision": metrics["precision"]}
         write_json(f"{ctx.stage_dir}/settings.json", {**settings, **dated(ctx)})
     if not metrics.get("up_to_date"):  # what every request carried; the local engine the same
-        vllm = not isinstance(cfg.backend, OpenAIBackend)  # local: the same neutral rest
+        vllm = cfg.backend.VLLM_SAMPLING  # local: the same neutral rest
         metrics["sampling"] = request_sampling(cfg.temperature, cfg.top_p, vllm)
     if cfg.environment is not None and (ctx.link is None or ctx.node_rank == 0):
         from stages.collect.multiturn import check_episodes
@@ -64,17 +65,17 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
 def prepared(cfg: CollectConfig, run_dir: str, log: logging.Logger) -> CollectConfig:
     """`cfg` with its backend's model as the folder the stage loads or serves: a GGUF
     converted, the stage's `chat_template:` applied (`stages.lib.model.prepared`)."""
-    from stages.lib.model.prepared import backend_dtype, prepare_model, stage_template
+    from stages.lib.model.prepared import prepare_model, stage_template
 
-    model = getattr(cfg.backend, "model", None)
-    if isinstance(cfg.backend, OpenAIBackend) or model is None:
+    model = cfg.backend.model
+    if cfg.backend.SERVES_OWN_MODEL or model is None:
         return cfg
-    dtype, template = backend_dtype(cfg.backend), stage_template(cfg)
+    dtype, template = cfg.backend.gguf_dtype(), stage_template(cfg)
     folder = prepare_model(model, run_dir=run_dir, dtype=dtype, template=template, log=log)
     if folder == model:
         return cfg
     log.info("collect: %s is served from %s", model, folder)
-    return cfg.model_copy(update={"backend": cfg.backend.model_copy(update={"model": folder})})
+    return cfg.model_copy(update={"backend": cfg.backend.serving(folder)})
 
 
 def _collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:

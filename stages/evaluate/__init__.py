@@ -9,18 +9,9 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, ResolveContext, stage
-from stages.lib.config import (
-    Backend,
-    BackendStageConfig,
-    LocalBackend,
-    OpenAIBackend,
-    Verifier,
-    check_backend,
-    check_model,
-    check_verifier,
-    derive_backend,
-    served_elsewhere,
-)
+from stages.lib.backends.local import LocalBackend
+from stages.lib.backends.registry import Backend, BackendStageConfig
+from stages.lib.config import Verifier, check_verifier
 from stages.lib.env.field import EnvironmentConfig, check_environment
 from stages.lib.model.chat_template import (
     CHAT_TEMPLATE_HELP,
@@ -87,22 +78,23 @@ class EvaluateConfig(BackendStageConfig):
         return 1.0
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
-        return derive_backend(self.backend, ctx, self.num_samples)
+        return self.backend.derive(ctx, self.num_samples)
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
-        out = check_model(self.backend, ctx, wanted=False) + check_backend(self.backend, ctx)
+        backend = self.backend
+        out = backend.check_model(ctx, wanted=False) + backend.check(ctx)
         for checkpoint in self.checkpoints:
             out += check_checkpoint(ctx, "checkpoints", checkpoint)
-        if isinstance(self.backend, OpenAIBackend) and self.checkpoints:
+        if backend.SERVES_OWN_MODEL and self.checkpoints:
             out.append(
                 ctx.error(
                     "checkpoints",
-                    f"an openai backend evaluates the model it serves ('{self.backend.model}'); "
-                    "checkpoints cannot be sent to it: leave checkpoints empty, "
-                    "or use a local or vllm backend",
+                    f"an {backend.kind} backend evaluates the model it serves "
+                    f"('{backend.model}'); checkpoints cannot be sent to it: leave checkpoints "
+                    "empty, or use a backend that loads checkpoints",
                 )
             )
-        if not self.checkpoints and not isinstance(self.backend, OpenAIBackend):
+        if not self.checkpoints and not backend.SERVES_OWN_MODEL:
             out.append(
                 ctx.error(
                     "checkpoints",
@@ -110,25 +102,16 @@ class EvaluateConfig(BackendStageConfig):
                     "that trains one to 'needs'",
                 )
             )
-        if (
-            self.environment is not None
-            and isinstance(self.backend, OpenAIBackend)
-            and self.backend.endpoint != "chat"
-        ):
-            out.append(
-                ctx.error(
-                    "backend.endpoint",
-                    "an environment's episodes are conversations, sent to the chat endpoint: "
-                    "set it to 'chat'",
-                )
-            )
+        problem = backend.conversation_problem()
+        if self.environment is not None and problem is not None:
+            out.append(ctx.error(*problem))
         out += self._check_reward_model(ctx)
         out += check_chat_template(
             ctx,
             self.chat_template,
             self.prompt_template,
             [("checkpoints", c) for c in self.checkpoints],
-            served_elsewhere(self.backend),
+            backend.served_elsewhere(),
         )
         return out + check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
 

@@ -32,7 +32,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from stages.lib.config import LocalBackend, OpenAIBackend
 from stages.lib.env.contract import (
     Episode,
     Messages,
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.evaluate import EvaluateConfig
     from stages.lib.api.client import OpenAIClient
-    from stages.lib.endpoints import Endpoint
+    from stages.lib.backends.endpoint import Endpoint
 
 log = logging.getLogger("pipe.stages.evaluate")
 
@@ -68,12 +67,9 @@ class Play:
     ) -> None:
         """`dtype`: the local backend's one precision for every checkpoint."""
         assert cfg.environment is not None
-        backend = cfg.backend
-        if isinstance(backend, OpenAIBackend) and backend.endpoint != "chat":
-            raise ValueError(
-                "evaluate: an environment's episodes are conversations, sent to the chat "
-                f"endpoint: set 'backend.endpoint' to 'chat', found '{backend.endpoint}'"
-            )
+        problem = cfg.backend.conversation_problem()
+        if problem is not None:
+            raise ValueError(f"evaluate: {problem[0]}: {problem[1]}")
         self.cfg, self.env, self.ctx, self.endpoint = cfg, cfg.environment, ctx, endpoint
         self.dtype = dtype
         self.make_env = environment_factory(cfg.environment, cfg.verifier)
@@ -85,7 +81,7 @@ class Play:
     def __call__(self, path: str, name: str, rows: list[dict[str, Any]]) -> Scored:
         """Solved per row and sample, the report's episode fields and the generations rows;
         raises above the failed share."""
-        local = isinstance(self.cfg.backend, LocalBackend)
+        local = self.cfg.backend.in_process() is not None
         episodes = self._local(path, rows) if local else self._http(path, rows)
         stats = summary(episodes)
         for reason in stats["failure_reasons"]:
@@ -122,11 +118,10 @@ class Play:
     def _local_answer(self, path: str) -> Callable[[list[Messages]], list[Any]]:
         """The checkpoint, loaded once, answering a turn's conversations in one call."""
         from stages.lib.devices import torch_device
-        from stages.lib.model.generate import load
 
-        cfg, backend = self.cfg, self.cfg.backend
-        assert isinstance(backend, LocalBackend)
-        model, tokenizer = load(path, torch_device(self.ctx), self.dtype)
+        cfg, engine = self.cfg, self.cfg.backend.in_process()
+        assert engine is not None  # the caller's choice
+        model, tokenizer = engine.load(path, torch_device(self.ctx), self.dtype)
         return local_answer(
             model,
             tokenizer,
@@ -134,11 +129,11 @@ class Play:
             top_p=1.0,
             max_new_tokens=cfg.max_output_tokens,
             seed=cfg.seed,
-            batch_size=backend.batch_size,
+            batch_size=engine.batch_size,
         )
 
     def _http(self, path: str, rows: list[dict[str, Any]]) -> list[Episode]:
-        from stages.lib.endpoints import make_client
+        from stages.lib.backends.endpoint import make_client
 
         with self.endpoint(path) as endpoint:
             client = make_client(self.cfg, endpoint, connections=self.env.concurrency)

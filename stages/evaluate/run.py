@@ -42,14 +42,13 @@ from stages.evaluate.multiturn import Play
 from stages.evaluate.report_files import write_report
 from stages.evaluate.scores import summarize
 from stages.lib.api.sampling import request_sampling
-from stages.lib.config import LocalBackend, OpenAIBackend, VLLMBackend
 from stages.lib.io.jsonl import read_jsonl, write_json
 from stages.lib.io.metrics import Metrics
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.evaluate import EvaluateConfig
-    from stages.lib.endpoints import Endpoint
+    from stages.lib.backends.endpoint import Endpoint
 
 log = logging.getLogger("pipe.stages.evaluate")
 
@@ -62,11 +61,11 @@ def run_evaluate(cfg: EvaluateConfig, ctx: StageContext) -> dict[str, Any]:
 
     if not cfg.input:
         raise ValueError("evaluate needs an 'input' prompt file (e.g. '@data.test_output')")
-    served = isinstance(cfg.backend, OpenAIBackend)
+    served = cfg.backend.SERVES_OWN_MODEL
     if not cfg.checkpoints and not served:
         raise ValueError("evaluate needs at least one checkpoint in 'checkpoints'")
     rows = list(read_jsonl(cfg.input))[: cfg.limit]
-    checkpoints = [cfg.backend.model] if isinstance(cfg.backend, OpenAIBackend) else cfg.checkpoints
+    checkpoints = [str(cfg.backend.model)] if served else cfg.checkpoints
     generate = Generator(cfg, ctx)
     report = evaluate_checkpoints(
         cfg,
@@ -109,12 +108,12 @@ class Generator:
         """A local backend loads every checkpoint in one dtype (`backend.precision`,
         `stages.lib.model.dtypes.resolve_precision`), recorded in the stage's `settings.json`; the
         dtype and why (None: another backend, which loads nothing here)."""
-        if not isinstance(self.cfg.backend, LocalBackend):
+        loaded = self.cfg.backend.load_dtype(paths)
+        if loaded is None:
             return None
         from stages.lib.chat.clock import dated
-        from stages.lib.model.dtypes import resolve_precision
 
-        self.dtype, why = resolve_precision(self.cfg.backend.precision, paths)
+        self.dtype, why = loaded
         log.info("every checkpoint loaded in %s (%s)", self.dtype, why)
         record = {"dtype": self.dtype, "why": why}
         if self.ctx is not None:
@@ -123,14 +122,13 @@ class Generator:
         return record
 
     def __call__(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:
-        cfg, backend = self.cfg, self.cfg.backend
-        if isinstance(backend, LocalBackend):
+        cfg, engine = self.cfg, self.cfg.backend.in_process()
+        if engine is not None:
             from stages.lib.devices import torch_device
-            from stages.lib.model.generate import generate
 
             return [
                 [Answer(g.text, g.finish_reason, g.completion_tokens) for g in sample]
-                for sample in generate(
+                for sample in engine.generate(
                     path,
                     prompts,
                     num_samples=num_samples,
@@ -138,7 +136,6 @@ class Generator:
                     top_p=1.0,
                     max_new_tokens=cfg.max_output_tokens,
                     seed=cfg.seed,
-                    batch_size=backend.batch_size,
                     device=torch_device(self.ctx),
                     dtype=self.dtype,
                 )
@@ -147,23 +144,20 @@ class Generator:
 
     @contextmanager
     def endpoint(self, path: str) -> Iterator[Endpoint]:
-        """The HTTP endpoint answering as `path` (vllm: a server for the block's duration)."""
-        from stages.lib.endpoints import http_endpoint
-
-        backend = self.cfg.backend
-        if isinstance(backend, VLLMBackend):
-            backend = backend.model_copy(update={"model": path})
+        """The HTTP endpoint answering as `path` (a server the backend starts: for the block's
+        duration)."""
+        backend = self.cfg.backend.serving(path)
         gpus = len(self.ctx.devices()) if self.ctx is not None else 0
         visible = self.ctx.device_env().get("CUDA_VISIBLE_DEVICES") if self.ctx else None
         devices = visible.split(",") if visible else None
-        with http_endpoint(backend, gpus=gpus, log=log, devices=devices) as endpoint:
+        with backend.open_endpoint(gpus=gpus, log=log, devices=devices) as endpoint:
             yield endpoint
 
     def _http(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:
         import asyncio
 
         from stages.lib.api.client import complete_all
-        from stages.lib.endpoints import make_client
+        from stages.lib.backends.endpoint import make_client
 
         with self.endpoint(path) as endpoint:
             client = make_client(self.cfg, endpoint, connections=64)
@@ -226,8 +220,7 @@ def evaluate_checkpoints(
         for result in results:
             result[SCORE] = means.get(result["checkpoint"], 0.0)
     # every backend samples with these: HTTP requests carry them all (`stages.lib.api.sampling`)
-    vllm = not isinstance(cfg.backend, OpenAIBackend)  # an openai server: OpenAI's fields
-    sampling = request_sampling(cfg.temperature, cfg.top_p, vllm)
+    sampling = request_sampling(cfg.temperature, cfg.top_p, cfg.backend.VLLM_SAMPLING)
     report = {
         "baseline": names[0],
         "checkpoints": dict(zip(names, paths, strict=True)),
@@ -246,11 +239,11 @@ def evaluate_checkpoints(
 def _prepared(cfg: EvaluateConfig, paths: list[str], run_dir: str) -> list[str]:
     """The folder each checkpoint is loaded or served from: a GGUF converted, the stage's
     `chat_template:` applied (`stages.lib.model.prepared`); an openai backend's model as named."""
-    if isinstance(cfg.backend, OpenAIBackend):
+    if cfg.backend.SERVES_OWN_MODEL:
         return paths
-    from stages.lib.model.prepared import backend_dtype, prepare_model, stage_template
+    from stages.lib.model.prepared import prepare_model, stage_template
 
-    dtype, template = backend_dtype(cfg.backend), stage_template(cfg)
+    dtype, template = cfg.backend.gguf_dtype(), stage_template(cfg)
     return [
         prepare_model(p, run_dir=run_dir, dtype=dtype, template=template, log=log) for p in paths
     ]

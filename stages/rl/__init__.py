@@ -14,16 +14,10 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, MemoryNeed, ResolveContext, stage
+from stages.lib.backends.registry import backend_preset_path, rl_engine_kinds
 from stages.lib.builders.recipe import TinyModel
 from stages.lib.config import (
-    LocalBackend,
-    VLLMBackend,
-    backend_gpu_unit,
-    backend_memory,
-    backend_preset_path,
-    check_backend,
     check_verifier,
-    derive_backend,
 )
 from stages.lib.distributed.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
 from stages.lib.env.field import check_environment
@@ -127,7 +121,7 @@ class RLConfig(
 
     def gpu_unit(self, role: str | None = None) -> int:
         """A vLLM engine's tensor-parallel group stays on one node; trained roles place by GPU."""
-        return backend_gpu_unit(self.backend) if role == "vllm" else 1
+        return self.backend.gpu_unit() if role == "vllm" else 1
 
     @classmethod
     def headline(cls, result: Mapping[str, Any]) -> list[str]:
@@ -150,7 +144,7 @@ class RLConfig(
         """The vLLM engines from the `vllm` role's GPUs (engines x tensor-parallel size = the
         role's GPUs), prefix caching for groups, half a shared GPU left to training; GSPO's
         loss and clip with ratio_level sequence (`derive_algorithm`)."""
-        out = derive_backend(self.backend, engine_context(ctx), self.num_repeats)
+        out = self.backend.derive(engine_context(ctx), self.num_repeats)
         return out | derive_algorithm(self)
 
     def memory_needs(self) -> list[MemoryNeed]:
@@ -161,7 +155,7 @@ class RLConfig(
         share devices and are summed there); the reward model, frozen in the compute dtype,
         whole on each of the reward role's devices (`stages.rl.roles.reward`)."""
         model = memory_model(self.model if isinstance(self.model, str) else self.model.model_dump())
-        engines = [replace(n, role="vllm") for n in backend_memory(self.backend)]
+        engines = [replace(n, role="vllm") for n in self.backend.memory_needs()]
         if not engines:
             engines = [MemoryNeed(role="vllm", profile="frozen", model=model, bf16=self.bf16)]
         needs = [*engines, trainer_memory(self, model, self.max_length, role="actor")]
@@ -182,37 +176,25 @@ class RLConfig(
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         out = check_deepspeed(self, ctx, self.num_processes)
-        out += check_backend(self.backend, engine_context(ctx))
+        out += self.backend.check(engine_context(ctx))
         out += check_model_ref(ctx, "model", self.model)
         out += check_chat_template(
             ctx, self.chat_template, self.prompt_template, [("model", self.model)]
         )
         out += check_algorithm(self, ctx, self.environment is not None)
         out += check_scoring(self, ctx)
-        if not isinstance(self.backend, LocalBackend | VLLMBackend):
+        if self.backend.RL_ENGINE is None:
+            kinds = " or ".join(map(repr, rl_engine_kinds()))
             out.append(
                 ctx.error(
                     "backend.kind",
                     f"an rl engine takes the actor's weights after every update, which "
-                    f"'{self.backend.kind}' cannot; use 'local' or 'vllm'",
+                    f"'{self.backend.kind}' cannot; use {kinds}",
                 )
             )
-        elif self.backend.model is not None:
-            out.append(
-                ctx.error(
-                    "backend.model",
-                    "the engine generates with the actor's weights; leave backend.model empty",
-                )
-            )
-        if isinstance(self.backend, LocalBackend) and self.backend.precision != "auto":
-            out.append(
-                ctx.error(
-                    "backend.precision",
-                    f"the rl engine computes in the actor's dtype (bf16: {self.bf16}), which the "
-                    f"probe compares it with; found '{self.backend.precision}': leave it auto",
-                )
-            )
-        sleeping = isinstance(self.backend, VLLMBackend) and self.backend.vllm_enable_sleep
+        else:
+            out += self.backend.check_rl(ctx, self.bf16)
+        sleeping = self.backend.sleeps
         if self.async_train and sleeping:
             out.append(
                 ctx.error(

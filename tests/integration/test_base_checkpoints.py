@@ -49,7 +49,7 @@ def test_a_family_template_a_stage_trained_with_is_written_into_its_checkpoint(t
 def test_plain_trains_and_evaluates_the_gguf_and_its_fine_tune_alike(tmp_path: Path):
     from stages.evaluate import EvaluateConfig
     from stages.evaluate.run import evaluate_checkpoints
-    from stages.lib.config import LocalBackend
+    from stages.lib.backends.local import LocalBackend
 
     write_tiny_gguf(tmp_path / "base.gguf")
     plain = {"chat_template": "plain", "prompt_template": "Q: {prompt}\nA:"}

@@ -33,7 +33,7 @@ def test_gemma3_sft_grpo_evaluate_on_one_gpu(tmp_path: Path, engine: str):
         pytest.skip(f"no {GGUF.relative_to(ROOT)}: make gemma3 fetches it")
     sets = dict(SHRUNK)
     if engine == "vllm":
-        from stages.lib.vllm import server as vllm_server
+        from stages.lib.backends.vllm import server as vllm_server
 
         try:
             vllm_server.find_vllm_python(gpus=1)

@@ -65,7 +65,7 @@ PIPELINE = """\
 
 def test_quickstart_on_three_gpus(tmp_path: Path):
     pytest.importorskip("torch")
-    from stages.lib.vllm.server import find_vllm_python
+    from stages.lib.backends.vllm.server import find_vllm_python
 
     try:
         find_vllm_python()

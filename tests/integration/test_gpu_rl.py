@@ -82,7 +82,7 @@ VLLM_PIPELINE = PIPELINE.replace(
 def test_grpo_with_vllm_engines_on_gpus_hybrid_and_not(tmp_path: Path, colocate: str, sleep: str):
     """vLLM servers on the engine's GPU (shared with the actor and asleep while it trains in
     the hybrid case); weights reloaded from disk and checked by the probe on every sync."""
-    from stages.lib.vllm import server as vllm_server
+    from stages.lib.backends.vllm import server as vllm_server
 
     try:
         vllm_server.find_vllm_python()

@@ -2,7 +2,7 @@
 
 The model is built here (a 2-layer, hidden-64 Llama from a config, random
 weights, and a byte-level BPE tokenizer trained on a few lines with a chat
-template), served by `stages.lib.vllm.server.vllm_server` on the CPU, and
+template), served by `stages.lib.backends.vllm.server.vllm_server` on the CPU, and
 sent real chat completions. The tests marked `vllm` skip where no vLLM
 interpreter is found (`make install-vllm` creates `.venv-vllm/`); the checks
 of the command line and of the "not installed" error run everywhere.
@@ -28,10 +28,10 @@ from typing import Any
 import psutil
 import pytest
 
-from stages.lib.config import VLLMBackend
+from stages.lib.backends.vllm import server as vs
+from stages.lib.backends.vllm.auth import bearer, new_secret
+from stages.lib.backends.vllm.config import VLLMBackend
 from stages.lib.net import free_port
-from stages.lib.vllm import server as vs
-from stages.lib.vllm.auth import bearer, new_secret
 from tests.cluster import alive
 
 LOG = logging.getLogger("test.vllm")
@@ -297,7 +297,7 @@ def test_cpu_command_leaves_out_gpu_flags() -> None:
         "py", "-m", "vllm.entrypoints.openai.api_server",
         "--model", "m", "--served-model-name", "m",
         "--host", "127.0.0.1", "--port", "8001",
-        "--middleware", "stages.lib.vllm.auth.RequireSecret",
+        "--middleware", "stages.lib.backends.vllm.auth.RequireSecret",
         "--generation-config", "vllm",  # no sampling defaults from generation_config.json
         "--tensor-parallel-size", "1", "--enable-prefix-caching",
         "--max-model-len", "auto", "--enforce-eager", "--no-enable-chunked-prefill",
@@ -426,9 +426,9 @@ class TestServed:
 
 HOLDER = """
 import logging, sys, time
-from stages.lib.vllm.server import vllm_server
-from stages.lib.config import VLLMBackend
-from stages.lib.vllm.auth import new_secret
+from stages.lib.backends.vllm.server import vllm_server
+from stages.lib.backends.vllm.config import VLLMBackend
+from stages.lib.backends.vllm.auth import new_secret
 backend = VLLMBackend(kind="vllm", model=sys.argv[1], startup_timeout_s=float(sys.argv[2]))
 log = logging.getLogger("holder")
 with vllm_server(backend, gpus=0, log=log, log_file=sys.argv[3], secret=new_secret()) as url:

@@ -157,7 +157,7 @@ def test_a_vllm_server_the_stage_started_samples_what_was_asked_whatever_its_def
     import asyncio
 
     from stages.lib.api.client import complete_all
-    from stages.lib.endpoints import Endpoint, make_client
+    from stages.lib.backends.endpoint import Endpoint, make_client
 
     fake = server.server
     fake.record_bodies = True

@@ -13,7 +13,8 @@ from stages.evaluate import EvaluateConfig
 from stages.evaluate.report_files import render_markdown
 from stages.evaluate.run import checkpoint_names, evaluate_checkpoints
 from stages.evaluate.scores import k_values, pass_at_k, summarize
-from stages.lib.config import LocalBackend, Verifier
+from stages.lib.backends.local import LocalBackend
+from stages.lib.config import Verifier
 
 
 @pytest.mark.parametrize(
@@ -256,7 +257,7 @@ def test_greedy_requests_to_an_openai_server_say_temperature_0_in_openais_fields
     import sys
 
     from stages.evaluate.run import run_evaluate
-    from stages.lib.config import OpenAIBackend
+    from stages.lib.backends.openai import OpenAIBackend
     from tests.conftest import ROOT
 
     sys.path.insert(0, str(ROOT / "bench" / "collect"))

@@ -16,7 +16,8 @@ import pytest
 from engine.stage import StageContext
 from stages.evaluate import EvaluateConfig
 from stages.evaluate.run import evaluate_checkpoints, run_evaluate
-from stages.lib.config import OpenAIBackend, Verifier
+from stages.lib.backends.openai import OpenAIBackend
+from stages.lib.config import Verifier
 from stages.lib.env.field import EnvironmentConfig
 from tests.unit.test_evaluate import ROWS, _config, _exact, run_dir  # noqa: F401  (a fixture)
 
@@ -251,6 +252,6 @@ def test_episodes_refuse_the_completions_endpoint(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as err:
         evaluate_checkpoints(cfg, ["m"], None, ROWS, _exact, str(tmp_path))
     assert str(err.value) == (
-        "evaluate: an environment's episodes are conversations, sent to the chat endpoint: "
-        "set 'backend.endpoint' to 'chat', found 'completions'"
+        "evaluate: backend.endpoint: an environment's episodes are conversations, sent to the "
+        "chat endpoint: set it to 'chat', found 'completions'"
     )

@@ -259,10 +259,10 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ),
     ("stages/filter/run.py", "filter: no input"): plan(no_input("filter", "{}")),
     # --- shared by kinds -------------------------------------------------------------------
-    ("stages/lib/endpoints.py", "backend.api_key_env names"): environment(
+    ("stages/lib/backends/endpoint.py", "backend.api_key_env names"): environment(
         "the variable must be set where the stage runs; plan never reads secrets"
     ),
-    ("stages/lib/endpoints.py", "backend kind '{}' has no HTTP endpoint"): internal(
+    ("stages/lib/backends/endpoint.py", "backend kind '{}' has no HTTP endpoint"): internal(
         "callers send only openai and vllm backends here"
     ),
     ("stages/lib/api/client.py", "unreachable"): internal("the retry loop returns or raises first"),
@@ -542,8 +542,10 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "a module that is found but fails while importing (or whose source cannot settle the "
         "function: a star import, a module __getattr__) is known only by importing user code",
     ),
-    ("stages/lib/vllm/server.py", "vLLM is not installed"): environment("vLLM on the worker"),
-    ("stages/lib/vllm/server.py", "a vllm backend needs a 'model'"): plan(
+    ("stages/lib/backends/vllm/server.py", "vLLM is not installed"): environment(
+        "vLLM on the worker"
+    ),
+    ("stages/lib/backends/vllm/server.py", "a vllm backend needs a 'model'"): plan(
         Case(
             "name: p\nstages:\n  c: {kind: collect, config: {input: x.jsonl, backend: {kind: "
             "vllm}}}\n",
@@ -554,23 +556,23 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         ),
         "evaluate and rl fill the model in themselves",
     ),
-    ("stages/lib/vllm/server.py", "vllm_num_engines ({}) x"): plan(VLLM_ENGINES),
-    ("stages/lib/vllm/server.py", "{}='{}' is not an executable"): environment(
+    ("stages/lib/backends/vllm/server.py", "vllm_num_engines ({}) x"): plan(VLLM_ENGINES),
+    ("stages/lib/backends/vllm/server.py", "{}='{}' is not an executable"): environment(
         "$PIPE_VLLM_PYTHON on the worker"
     ),
-    ("stages/lib/vllm/server.py", "{} GPUs do not split"): plan(
+    ("stages/lib/backends/vllm/server.py", "{} GPUs do not split"): plan(
         VLLM_SLICES, "the placement gives the vllm role whole tensor-parallel groups per node"
     ),
-    ("stages/lib/vllm/process.py", "vLLM server on port {} exited"): environment(
+    ("stages/lib/backends/vllm/process.py", "vLLM server on port {} exited"): environment(
         "the server failed to start; its log says why"
     ),
-    ("stages/lib/vllm/process.py", "vLLM server on port {} not healthy"): environment(
+    ("stages/lib/backends/vllm/process.py", "vLLM server on port {} not healthy"): environment(
         "the server was not up within startup_timeout_s on this machine"
     ),
-    ("stages/lib/vllm/server.py", "a vLLM server needs a secret"): internal(
+    ("stages/lib/backends/vllm/server.py", "a vLLM server needs a secret"): internal(
         "every caller makes the run's secret (new_secret) before starting a server"
     ),
-    ("stages/lib/vllm/auth.py", "{} is not set: refusing to serve"): internal(
+    ("stages/lib/backends/vllm/auth.py", "{} is not set: refusing to serve"): internal(
         "the server's environment always carries the secret its starter made"
     ),
     # --- rl --------------------------------------------------------------------------------
@@ -616,7 +618,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/rl/sync/vllm.py", "could not join the weight-sync group of "): environment(
         "an engine cannot reach the rendezvous or actor rank 0 (network between nodes)"
     ),
-    ("stages/lib/vllm/worker_ext.py", "pipe_sync_receive before pipe_sync_join"): internal(
+    ("stages/lib/backends/vllm/worker_ext.py", "pipe_sync_receive before pipe_sync_join"): internal(
         "the controller joins every server before the first receive"
     ),
     (
@@ -791,8 +793,8 @@ def test_plan_time_twin_refuses_the_same_condition(
 def test_the_guides_70b_placement_starts_its_engines_as_planned() -> None:
     """pipelines/rl_70b_cluster.yaml on 6x8x80GB plans, and the vllm role's devices on each
     node split into the planned engines the run starts (no run-time refusal left)."""
-    from stages.lib.config import VLLMBackend
-    from stages.lib.vllm.server import device_slices
+    from stages.lib.backends.vllm.config import VLLMBackend
+    from stages.lib.backends.vllm.server import device_slices
 
     args = ("pipelines/rl_70b_cluster.yaml", "--cluster", "6x8x80GB", "--format", "json")
     result = run_cli("plan", *args, cwd=ROOT)

@@ -7,8 +7,8 @@ sampling defaults (`--generation-config vllm`)."""
 
 from __future__ import annotations
 
-from stages.lib.config import VLLMBackend
-from stages.lib.vllm.server import server_command
+from stages.lib.backends.vllm.config import VLLMBackend
+from stages.lib.backends.vllm.server import server_command
 from stages.rl import RLConfig
 from stages.rl.rollout.vllm_servers import context_len, server_args
 
@@ -42,7 +42,7 @@ def test_every_vllm_server_starts_without_the_checkpoints_sampling_defaults():
 def test_gpu_servers_prefer_this_interpreters_vllm_over_the_cpu_build(monkeypatch, tmp_path):
     import sys
 
-    from stages.lib.vllm import server as vllm_server
+    from stages.lib.backends.vllm import server as vllm_server
 
     monkeypatch.delenv(vllm_server.PYTHON_ENV, raising=False)
     venv = tmp_path / ".venv-vllm" / "bin"
@@ -86,7 +86,7 @@ def test_fp32_gpu_engines_compute_in_fp32_not_tf32(monkeypatch, tmp_path):
 
     import torch
 
-    from stages.lib.vllm import server as vllm_server
+    from stages.lib.backends.vllm import server as vllm_server
     from stages.rl.rollout.vllm_servers import start_servers
 
     started: list[dict[str, str]] = []
@@ -121,7 +121,7 @@ def test_cpu_engines_of_one_machine_get_their_own_cores(monkeypatch):
     """vLLM's automatic binding puts every engine of a machine on the same cores (each one's
     local rank is 0: seen in two engines' logs, 'core ids=[0]' both); several CPU engines
     get disjoint shares instead, unless the environment says otherwise."""
-    from stages.lib.vllm.server import cpu_binds
+    from stages.lib.backends.vllm.server import cpu_binds
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     assert cpu_binds(2, [0, 1]) == ["0", "1"]

@@ -195,7 +195,7 @@ def test_a_vllm_server_is_given_the_template_fixed_to_the_run_date(
 ):
     from contextlib import ExitStack
 
-    from stages.lib.vllm.server import dated_template_args
+    from stages.lib.backends.vllm.server import dated_template_args
 
     with ExitStack() as stack:
         monkeypatch.delenv("PIPE_DATE", raising=False)

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from stages.lib.config import VLLMBackend
-from stages.lib.vllm import auth as vllm_auth
-from stages.lib.vllm import process as vllm_process
-from stages.lib.vllm import server as vllm_server
+from stages.lib.backends.vllm import auth as vllm_auth
+from stages.lib.backends.vllm import process as vllm_process
+from stages.lib.backends.vllm import server as vllm_server
+from stages.lib.backends.vllm.config import VLLMBackend
 from tests.conftest import ROOT
 
 SECRET = "s3cret-" + "x" * 36
@@ -126,18 +126,18 @@ def test_importable_by_vllms_interpreter_with_the_standard_library_only() -> Non
     """`-S`: no site-packages, as in vLLM's venv, which has none of ours; the server's
     PYTHONPATH is what `server_env` sets."""
     env = vllm_server.server_env(VLLMBackend(kind="vllm"), devices=[], secret=SECRET, base={})
-    code = "import stages.lib.vllm.auth as a, sys; print(a.MIDDLEWARE, sorted(set(sys.modules) & {'pydantic', 'stages.lib.config'}))"
+    code = "import stages.lib.backends.vllm.auth as a, sys; print(a.MIDDLEWARE, sorted(set(sys.modules) & {'pydantic', 'stages.lib.config'}))"
     out = subprocess.run(
         [sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, check=True
     )
-    assert out.stdout.strip() == "stages.lib.vllm.auth.RequireSecret []"
+    assert out.stdout.strip() == "stages.lib.backends.vllm.auth.RequireSecret []"
 
 
 def test_the_server_gets_the_middleware_on_its_command_line_and_the_secret_in_its_env() -> None:
     backend = VLLMBackend(kind="vllm", model="m")
     cmd = vllm_server.server_command(backend, python="py", port=8001, gpus=0, host="10.0.0.7")
     assert cmd[cmd.index("--host") : cmd.index("--host") + 6] == [
-        "--host", "10.0.0.7", "--port", "8001", "--middleware", "stages.lib.vllm.auth.RequireSecret",
+        "--host", "10.0.0.7", "--port", "8001", "--middleware", "stages.lib.backends.vllm.auth.RequireSecret",
     ]  # fmt: skip
     assert not any(SECRET in part for part in cmd)
     env = vllm_server.server_env(
@@ -147,7 +147,9 @@ def test_the_server_gets_the_middleware_on_its_command_line_and_the_secret_in_it
     assert env["PYTHONPATH"] == f"{ROOT}:/elsewhere"
     with pytest.raises(ValueError) as err:
         vllm_server.server_env(backend, devices=[], secret="", base={})
-    assert str(err.value) == "a vLLM server needs a secret (stages.lib.vllm.auth.new_secret)"
+    assert (
+        str(err.value) == "a vLLM server needs a secret (stages.lib.backends.vllm.auth.new_secret)"
+    )
 
 
 @pytest.mark.parametrize(

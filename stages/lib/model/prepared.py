@@ -34,15 +34,6 @@ def stage_template(cfg: Any) -> str | None:
     return template_text(setting, getattr(cfg, "prompt_template", None)) if setting else None
 
 
-def backend_dtype(backend: Any) -> str:
-    """The dtype a GGUF is converted in for a backend: a local backend's `precision` (auto:
-    float32, what transformers loads a quantized GGUF in), bfloat16 for vLLM's servers."""
-    precision = getattr(backend, "precision", None)
-    if precision is not None:
-        return "float32" if precision == "auto" else str(precision)
-    return "bfloat16"
-
-
 def compute_dtype(bf16: bool) -> str:
     """The dtype a GGUF is converted in for a trainer: the one it computes in."""
     return "bfloat16" if bf16 else "float32"

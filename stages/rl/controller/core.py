@@ -23,7 +23,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from stages.lib.config import VLLMBackend
 from stages.lib.io.jsonl import write_json
 from stages.rl.algo.shaping import RunningMoments
 from stages.rl.controller.loop import Batch, run_steps
@@ -221,7 +220,7 @@ class Controller:
         self.request("save", {"tag": tag, "state": state})
 
     def close(self) -> None:
-        if self.ctx.link is not None and isinstance(self.cfg.backend, VLLMBackend):
+        if self.ctx.link is not None and self.cfg.backend.RL_ENGINE == "servers":
             self.ctx.link.publish("vllm-stop", "1")  # the other workers' servers stop too
         if hasattr(self.engine, "close"):
             self.engine.close()  # vLLM servers stop with the stage, also when it fails

@@ -22,7 +22,6 @@ TRAINED = ("actor", "critic", "ref", "reward")
 
 def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     """Start every role placed on this worker; return when all of them have exited."""
-    from stages.lib.config import VLLMBackend
     from stages.rl.roles.frozen import in_actor
     from stages.rl.roles.launch import start_ranks
     from stages.rl.roles.layout import local_ranks
@@ -42,7 +41,7 @@ def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
         threads.append(start_ranks(cfg, ctx, role, path, ranks, errors, link.aborted))
         roles.append(role)
     if ctx.node_slots("vllm"):
-        if isinstance(cfg.backend, VLLMBackend):
+        if cfg.backend.RL_ENGINE == "servers":
             from stages.rl.rollout.vllm_servers import host_servers
 
             threads.append(spawn(lambda: host_servers(cfg, ctx), "rl-vllm", errors))

@@ -38,7 +38,7 @@ def account(
     each engine started; `saved`: the final checkpoint's dtype and why,
     `stages.lib.model.dtypes.resolve_save_dtype`)."""
     ds = trainer == "deepspeed"
-    lora_vllm = cfg.lora is not None and cfg.backend.kind == "vllm"
+    lora_vllm = cfg.lora is not None and cfg.backend.RL_ENGINE == "servers"
     adapter_files = (S, f"lora on vLLM: {LORA_SYNC}") if lora_vllm else None
     no_ds = (S, "plain torch trains the actor (deepspeed is not installed or trainer: torch)")
     how: dict[str, tuple[str, str]] = {
@@ -69,7 +69,7 @@ def account(
                 else "at most"
             ),
         )
-        if cfg.backend.kind == "vllm"
+        if cfg.backend.RL_ENGINE == "servers"
         else (S, "the local engine generates a step's groups in one batched call"),
         "train_batch_size": (A, "samples per optimizer step"),
         "micro_train_batch_size": (
@@ -215,33 +215,9 @@ def _started(engines: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _backend(cfg: RLConfig, device: str, engines: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-    b = cfg.backend
-    if b.kind != "vllm":
-        if len(engines) > 1:
-            return A, (
-                f"{len(engines)} local engines{_started(engines)}, one per worker of the vllm "
-                "role (the controller's own and one in each other worker's task), weights from "
-                "the actor"
-            )
-        return A, "local engine in the stage's process, weights from the actor"
-    gpu = device != "cpu"
-    started = len(engines) or getattr(b, "vllm_num_engines", 1)
-    parts = [
-        f"{started} vLLM server(s) started{_started(engines)}, tensor-parallel "
-        f"{getattr(b, 'vllm_tensor_parallel_size', 1)}",
-        "prefix caching on" if getattr(b, "enable_prefix_caching", False) else "no prefix cache",
-        f"gpu_memory_utilization {getattr(b, 'vllm_gpu_memory_utilization', 0)}"
-        if gpu
-        else "gpu_memory_utilization not used on the CPU (VLLM_CPU_KVCACHE_SPACE sizes the cache)",
-    ]
-    if getattr(b, "vllm_enable_sleep", False):
-        parts.append(
-            "sleep while the actor trains"
-            if gpu and not cfg.async_train
-            else "sleep not used: "
-            + ("async_train" if gpu else "vLLM's CPU build has no sleep mode")
-        )
-    return A, "; ".join(parts)
+    return A, cfg.backend.rl_engines_record(
+        len(engines), _started(engines), gpu=device != "cpu", async_train=cfg.async_train
+    )
 
 
 def _bf16(cfg: RLConfig, ds: bool) -> tuple[str, str]:
@@ -250,7 +226,7 @@ def _bf16(cfg: RLConfig, ds: bool) -> tuple[str, str]:
         how = "fp32"
     else:
         how = "the actor trains in bfloat16" if ds else "torch autocast to bfloat16"
-    if cfg.backend.kind == "local":
+    if cfg.backend.RL_ENGINE == "in_process":
         how += f"; the local engine loads the policy in {'bfloat16' if cfg.bf16 else 'float32'}"
     return A, how
 
@@ -271,7 +247,7 @@ def _sync(choice: SyncChoice, bf16: bool) -> tuple[str, str]:
 def _temperature(cfg: RLConfig) -> tuple[str, str]:
     """The policy sampled and scored, and for vLLM the sampling fields each request sent."""
     policy = "sampling temperature, and the policy the ratio is taken under: softmax(logits / T)"
-    if cfg.backend.kind != "vllm":
+    if cfg.backend.RL_ENGINE != "servers":
         return A, f"{policy} over the whole vocabulary, sampled by the local engine itself"
     sent = json.dumps(request_sampling(cfg.temperature))
     return A, (

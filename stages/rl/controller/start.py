@@ -14,7 +14,6 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
-from stages.lib.config import VLLMBackend
 from stages.lib.distributed import resume
 from stages.rl.algo.shaping import RunningMoments
 from stages.rl.controller.records import resume_point
@@ -107,7 +106,7 @@ def start(c: Controller) -> int:
     from stages.rl.sync.choice import choose_sync, shared_gpu
 
     engine_device = torch_device(c.ctx, "vllm")
-    vllm = isinstance(cfg.backend, VLLMBackend)
+    vllm = cfg.backend.RL_ENGINE == "servers"  # its servers take the weights
     rank0 = next(((r["worker"], r["device"]) for r in rank_table(c.ctx, "actor")), None)
     c.sync_choice = choose_sync(
         cfg.vllm_sync_backend,

@@ -4,19 +4,18 @@ Input: the model directory (the actor's starting weights and its tokenizer), the
 block, the devices the plan gives the `vllm` role. Output: what `LocalEngine` gives
 (samples with token ids and the sampling distribution's log-probabilities, greedy
 answers, the probe's log-probabilities), from `vllm_num_engines` OpenAI-compatible
-servers (`stages.lib.vllm.server`, one per tensor-parallel slice of the devices), each
+servers (`stages.lib.backends.vllm.server`, one per tensor-parallel slice of the devices), each
 prompt's group sent to one server, prompts spread over the servers in turn, one request
 per sample with `num_samples_in_parallel` in flight (`stages.rl.rollout.vllm_requests`).
 Where the servers run and how each starts, on this worker and on the role's other workers
 (which publish their URLs through the link): `stages.rl.rollout.vllm_servers`; the
 controller reaches, syncs and probes every server alike.
 
-Weights (`stages.rl.sync.vllm`): a gloo or NCCL group from actor rank 0 into every
-server's workers, through our worker extension (`--worker-extension-cls`,
-`stages.lib.vllm.worker_ext`) and vLLM's `/collective_rpc`; or, with `disk`, a safetensors file
-every server reloads. Either way each server then drops its prefix cache and scores the
-probe. Those are development endpoints (`VLLM_SERVER_DEV_MODE=1`); every request bears
-the run's secret.
+Weights (`stages.rl.sync.vllm`): a gloo or NCCL group from actor rank 0 into every server's workers,
+through our worker extension (`--worker-extension-cls`, `stages.lib.backends.vllm.worker_ext`) and
+vLLM's `/collective_rpc`; or, with `disk`, a safetensors file every server reloads. Either way each
+server then drops its prefix cache and scores the probe. Those are development endpoints
+(`VLLM_SERVER_DEV_MODE=1`); every request bears the run's secret.
 
 Log-probabilities: the servers run with `--logprobs-mode processed_logprobs`, so a
 sampled token's log-probability is taken under the temperature-scaled distribution, as
@@ -45,9 +44,9 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.api.sampling import request_sampling
+from stages.lib.backends.vllm.config import VLLMBackend, vllm_block
 from stages.lib.chat.prompt import Prompt
 from stages.lib.chat.tokens import checkpoint_eos_ids, pad_id
-from stages.lib.config import VLLMBackend
 from stages.lib.model.generate import Generation
 from stages.rl.algo.logprobs import Sample
 from stages.rl.rollout.vllm_requests import HTTPRollouts
@@ -70,10 +69,10 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
     the servers of the `vllm` role's other workers (told the model through the link)."""
     import json
 
-    from stages.lib.vllm.auth import new_secret
+    from stages.lib.backends.vllm.auth import new_secret
     from stages.rl.roles.layout import role_workers
 
-    assert isinstance(cfg.backend, VLLMBackend)
+    backend = vllm_block(cfg.backend)
     here = ctx.tasks[0] if ctx.tasks else (None, None)
     others = [w for w in role_workers(ctx, "vllm") if w != here[1]]
     nodes = {s.worker: s.node for s in ctx.slots}
@@ -93,7 +92,7 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
     devices = engine_devices(ctx)
     return VLLMEngine(
         model_dir,
-        cfg.backend,
+        backend,
         devices,
         bf16=cfg.bf16,
         log_file=log_file,
@@ -137,7 +136,7 @@ class VLLMEngine:
         server requires `secret` on every request, and every request here bears it."""
         from transformers import AutoTokenizer
 
-        from stages.lib.vllm.auth import bearer
+        from stages.lib.backends.vllm.auth import bearer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.served = model_dir

@@ -3,7 +3,7 @@
 
 Input: the model directory, the vllm block, the `vllm` role's devices on this worker (from
 the plan) and the run's secret. Output: this worker's OpenAI-compatible servers
-(`stages.lib.vllm.server`, one per tensor-parallel slice of the devices) and their URLs:
+(`stages.lib.backends.vllm.server`, one per tensor-parallel slice of the devices) and their URLs:
 the controller's worker starts its own under its engine (`start_servers`, from
 `stages.rl.rollout.vllm.VLLMEngine`); the role's other workers start the servers on their
 own devices (`host_servers`, in the stage's task there), bound to the worker's reachable
@@ -12,7 +12,7 @@ address, and publish their URLs through the link.
 Each server's command line (`server_args`): the training precision, `--logprobs-mode
 processed_logprobs` (a sampled token's log-probability under the temperature-scaled
 distribution, as the actor's ratio needs), the weight-sync worker extension
-(`--worker-extension-cls`, `stages.lib.vllm.worker_ext`), and on GPUs the context length
+(`--worker-extension-cls`, `stages.lib.backends.vllm.worker_ext`), and on GPUs the context length
 (`context_len`).
 """
 
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from engine.stage import visible_names
-from stages.lib.config import VLLMBackend
+from stages.lib.backends.vllm.config import VLLMBackend, vllm_block
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -63,7 +63,7 @@ def server_args(bf16: bool, gpu: bool, max_model_len: int | None, lora_rank: int
     sampled log-probabilities under the temperature, the weight-sync worker extension, on
     GPUs the context length, and with the actor's LoRA vLLM's LoRA support (one adapter
     serving at a time, the previous one kept in host memory until it is unloaded)."""
-    from stages.lib.vllm.worker_ext import EXTENSION
+    from stages.lib.backends.vllm.worker_ext import EXTENSION
 
     args = ["--dtype", "bfloat16" if bf16 else "float32"]
     args += ["--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION]
@@ -98,7 +98,7 @@ def start_servers(
     engine on GPUs computes in fp32, not TF32 (`FP32_EXACT_ENV`): the probe's 1e-4 holds."""
     import torch
 
-    from stages.lib.vllm.server import FP32_EXACT_ENV, vllm_servers
+    from stages.lib.backends.vllm.server import FP32_EXACT_ENV, vllm_servers
 
     tp = backend.vllm_tensor_parallel_size
     update: dict[str, Any] = {"model": model_dir}
@@ -131,12 +131,12 @@ def host_servers(cfg: RLConfig, ctx: StageContext) -> None:
     controller says stop (or the stage aborts)."""
     from stages.rl.roles.layout import worker_host
 
-    assert ctx.link is not None and isinstance(cfg.backend, VLLMBackend)
+    assert ctx.link is not None
     node, worker = ctx.tasks[ctx.node_rank]
     spec = json.loads(ctx.link.lookup("vllm-spec", timeout_s=SPEC_TIMEOUT_S))
     devices = engine_devices(ctx)
     with start_servers(
-        cfg.backend,
+        vllm_block(cfg.backend),
         spec["model_dir"],
         devices,
         bf16=cfg.bf16,

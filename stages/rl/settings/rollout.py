@@ -9,8 +9,10 @@ from __future__ import annotations
 from pydantic import Field
 
 from engine.stage import StageConfig
+from stages.lib.backends.local import LocalBackend
+from stages.lib.backends.registry import Backend
 from stages.lib.block import CountOrAuto
-from stages.lib.config import Backend, LocalBackend, Verifier
+from stages.lib.config import Verifier
 from stages.lib.env.field import EnvironmentConfig
 
 

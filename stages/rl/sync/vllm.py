@@ -5,12 +5,12 @@ holding the actor's weights, and what the sync cost (`stats`).
 
 - `VLLMGroupReceiver` (`gloo`, `nccl`): the controller hosts the rendezvous store on its
   reachable address; actor rank 0 is group rank 0, and every worker of every engine (each
-  tensor-parallel worker, on every node of the role) a rank after it, reached through
-  vLLM's `/collective_rpc` and our worker extension (`stages.lib.vllm.worker_ext`). The first sync
-  joins them (an engine that cannot reach the store or the actor fails it, naming both
-  ends: that sync is the stage's start); each sync then broadcasts the weights once, in
-  buckets, to all engines at the same time (`stages.lib.distributed.weight_group`), each
-  worker loading them in place, and the prefix caches are dropped. No file is written.
+  tensor-parallel worker, on every node of the role) a rank after it, reached through vLLM's
+  `/collective_rpc` and our worker extension (`stages.lib.backends.vllm.worker_ext`). The first sync
+  joins them (an engine that cannot reach the store or the actor fails it, naming both ends: that
+  sync is the stage's start); each sync then broadcasts the weights once, in buckets, to all engines
+  at the same time (`stages.lib.distributed.weight_group`), each worker loading them in place, and
+  the prefix caches are dropped. No file is written.
 - `VLLMLoraReceiver` (LoRA): the actor's adapters alone, as peft files each server loads
   as a new LoRA adapter; the base weights never move.
 - `VLLMDiskReceiver` (`disk`, the explicit choice): actor rank 0 writes

@@ -1,11 +1,11 @@
 """The rl stage's weight sync inside vLLM's workers: a worker extension.
 
-vLLM starts with `--worker-extension-cls stages.lib.vllm.worker_ext.WeightSync` mixes this class
-into every worker of the server (each tensor-parallel worker, in the engine core's process
-on a CPU build) and lets `POST /collective_rpc {"method": NAME, "kwargs": {...}}` call its
-methods on all of them, each worker's return value in the reply's `results`. Only torch is
-needed here (`stages.lib.distributed.weight_group`): the actor's interpreter never imports vLLM, and
-this module never imports anything of ours beyond torch-only code.
+vLLM starts with `--worker-extension-cls stages.lib.backends.vllm.worker_ext.WeightSync` mixes this
+class into every worker of the server (each tensor-parallel worker, in the engine core's process on
+a CPU build) and lets `POST /collective_rpc {"method": NAME, "kwargs": {...}}` call its methods on
+all of them, each worker's return value in the reply's `results`. Only torch is needed here
+(`stages.lib.distributed.weight_group`): the actor's interpreter never imports vLLM, and this module
+never imports anything of ours beyond torch-only code.
 
 - `pipe_sync_info()`: the worker's rank in its engine and its device (how many group ranks
   the engine needs).
@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-EXTENSION = "stages.lib.vllm.worker_ext.WeightSync"  # what `--worker-extension-cls` names
+EXTENSION = "stages.lib.backends.vllm.worker_ext.WeightSync"  # what `--worker-extension-cls` names
 
 
 class WeightSync:

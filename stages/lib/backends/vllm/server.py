@@ -15,7 +15,7 @@ the stage's logger at DEBUG. The context waits for `GET /health`, yields, and
 always stops the whole group on exit: SIGTERM, then SIGKILL after a grace
 period, also when the body raises. Should the stage's process itself be killed,
 the kernel sends the server SIGTERM (Linux's parent-death signal). The process's life
-(start, log, health, stop) is `stages.lib.vllm.process`; this module decides what runs.
+(start, log, health, stop) is `stages.lib.backends.vllm.process`; this module decides what runs.
 
 Several engines on one CPU machine each get their own share of its cores
 (`VLLM_CPU_OMP_THREADS_BIND`, `cpu_binds`): vLLM's automatic binding would put them all on
@@ -36,7 +36,7 @@ base URLs as a list; `vllm_server` yields them joined by commas (one URL for the
 default single engine). Spreading requests over the engines is the collector's job.
 
 Every server requires the caller's `secret` on every request, `/health` and vLLM's
-development endpoints included (`stages.lib.vllm.auth`: its middleware is loaded with
+development endpoints included (`stages.lib.backends.vllm.auth`: its middleware is loaded with
 `--middleware`, our tree put first on the server's PYTHONPATH so vLLM's interpreter can
 import it). The secret travels in the server's environment, never on its command line (which
 is logged at DEBUG); callers make it with `vllm_auth.new_secret()` per stage run and send
@@ -56,13 +56,15 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.lib.api.sampling import SERVER_ARGS
-from stages.lib.config import VLLMBackend
+from stages.lib.backends.vllm.auth import MIDDLEWARE, SECRET_ENV
+from stages.lib.backends.vllm.process import HOST, start_server, stop_server, wait_healthy
+
+if TYPE_CHECKING:
+    from stages.lib.backends.vllm.config import VLLMBackend
 from stages.lib.net import free_port
-from stages.lib.vllm.auth import MIDDLEWARE, SECRET_ENV
-from stages.lib.vllm.process import HOST, start_server, stop_server, wait_healthy
 
 REPO = Path(__file__).resolve().parents[3]
 PYTHON_ENV = "PIPE_VLLM_PYTHON"
@@ -152,7 +154,7 @@ def server_env(
     set last (the caller's precision settings: `FP32_EXACT_ENV`).
     """
     if not secret:
-        raise ValueError("a vLLM server needs a secret (stages.lib.vllm.auth.new_secret)")
+        raise ValueError("a vLLM server needs a secret (stages.lib.backends.vllm.auth.new_secret)")
     env = dict(os.environ if base is None else base)
     env[SECRET_ENV] = secret
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)

@@ -2,7 +2,7 @@
 
 Input: the secret, handed to the server in its environment (`PIPE_VLLM_SECRET`, never
 its command line, which `ps` and logs show). Output: `RequireSecret`, an ASGI middleware
-that vLLM's API server loads through `--middleware stages.lib.vllm.auth.RequireSecret`;
+that vLLM's API server loads through `--middleware stages.lib.backends.vllm.auth.RequireSecret`;
 it answers 401 to every HTTP request and closes every WebSocket (403) that does not
 carry `Authorization: Bearer <secret>`, on every path: the OpenAI routes and vLLM's
 development endpoints (`/collective_rpc`, which can load any file as weights, `/sleep`,
@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 SECRET_ENV = "PIPE_VLLM_SECRET"  # not VLLM_*: vLLM warns about, and lists, unknown VLLM_ names
-MIDDLEWARE = "stages.lib.vllm.auth.RequireSecret"
+MIDDLEWARE = "stages.lib.backends.vllm.auth.RequireSecret"
 SECRET_BYTES = 32
 
 Scope = MutableMapping[str, Any]

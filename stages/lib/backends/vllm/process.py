@@ -1,7 +1,7 @@
 """One vLLM server process: started in its own process group, its output pumped to a log
 file, waited on until healthy, stopped with its whole group.
 
-Input: a command line and an environment (`stages.lib.vllm.server` builds both), the
+Input: a command line and an environment (`stages.lib.backends.vllm.server` builds both), the
 address it binds, the secret its health check presents. Output: a `ServerProcess` (its
 `url`, its log's last lines), healthy or a RuntimeError naming the log and quoting it.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from stages.lib.vllm.auth import bearer
+from stages.lib.backends.vllm.auth import bearer
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 15.0
