@@ -326,3 +326,48 @@ def test_the_layout_map_check_sees_what_is_missing(tmp_path: Path):
         "stages/lib/net.py (not named in stages/lib/'s entry)",
         "engine/plan/ is in the map but is not a package",
     ]
+
+
+# a measured figure: a number with its unit (98.2%, +41.8 points, 2,470 s, 5 min 49 s, 0.68x)
+FIGURE = re.compile(
+    r"(?<![\w.,+-])[+-]?\d{1,3}(?:,\d{3})*(?:\.\d+)?"
+    r"(?: min \d+ s\b|%| points\b| s\b| min\b| minutes\b|x\b| tokens/s\b)"
+)
+
+
+def figures(path: Path) -> list[tuple[int, str]]:
+    """(line, figure) of every measured figure in a page's prose: code blocks, code spans and
+    link targets hold commands and addresses, not measurements."""
+    found = []
+    for number, line, fenced in prose(path):
+        if not fenced:
+            text = re.sub(r"(`+).*?\1", "", line)
+            text = re.sub(r"\]\([^)]*\)", "]", text)
+            found += [(number, m.group(0)) for m in FIGURE.finditer(text)]
+    return found
+
+
+def test_every_figure_the_readme_quotes_is_in_benchmarks():
+    """README.md quotes its results from BENCHMARKS.md, where each has its command: a figure
+    that is not there (to the digit and unit) was typed by hand or has drifted."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    missing = [f"README.md:{n}: {f}" for n, f in figures(ROOT / "README.md") if f not in benchmarks]
+    assert missing == [], "figures in README.md that BENCHMARKS.md does not have:\n" + "\n".join(
+        missing
+    )
+
+
+def test_the_figure_reader_sees_figures_and_skips_code(tmp_path: Path):
+    (tmp_path / "a.md").write_text(
+        "# A\n\n56.4% -> **98.2%** (+41.8 points) in 5 min 49 s; 2,470 s, 0.68x, 2 cores\n"
+        "`torch==2.13.0` [5 s](b.md#x-1.5-s) Python 3.10+\n\n```\n12.5% in a block\n```\n"
+    )
+    assert [f for _, f in figures(tmp_path / "a.md")] == [
+        "56.4%",
+        "98.2%",
+        "+41.8 points",
+        "5 min 49 s",
+        "2,470 s",
+        "0.68x",
+        "5 s",
+    ]
