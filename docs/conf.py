@@ -25,6 +25,25 @@ exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
 myst_heading_anchors = 6
 myst_enable_extensions = ["colon_fence", "deflist"]
 
-html_theme = "alabaster"
+# pydata-sphinx-theme, which NeMo Gym's docs are built on (nvidia-sphinx-theme extends it):
+# a fluid page, so the settings tables and the two-line commands get the window's width
+# (Alabaster's fixed 940px column made both overflow); _static/pipe.css widens the article
+# and lets a table wider still scroll inside its own box
+html_theme = "pydata_sphinx_theme"
 html_title = "pipe"
-html_theme_options = {"description": "a declarative YAML pipeline engine for LLM post-training"}
+html_static_path = ["_static"]
+html_css_files = ["pipe.css"]
+templates_path = ["_templates"]
+# every page sits in the root toctree, so the left column lists the whole site by caption
+# (_templates/sidebar-global.html) and the top bar carries no page links of its own
+html_sidebars = {"**": ["sidebar-global", "page-toc"]}
+html_theme_options = {
+    "navbar_center": [],
+    "navbar_align": "left",
+    "show_toc_level": 1,
+    # the page's own contents sit under the site's in the left column: no right column, so
+    # the article has the rest of the window
+    "secondary_sidebar_items": [],
+    "footer_start": ["copyright"],
+    "footer_end": ["sphinx-version"],
+}

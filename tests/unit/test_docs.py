@@ -211,3 +211,163 @@ def test_slugs_agree_with_myst():
             if not fenced and (m := HEADING.match(line))
         ]
         assert ours == [slugs.github_slugify(t) for t in titles], path
+
+
+# docs/development.md's layout map: a fenced block under "## Layout" of entries such as
+#   engine/          the engine, by phase; ...
+#     spec/          load: ... source, overrides, schema, ...
+#                    (continuation lines, indented deeper than any entry's name)
+# An entry starts with `name/` at an indent of at most 12 spaces; every other line belongs to
+# the entry of the nearest line above it indented less. A package (a folder with
+# __init__.py) is named by an entry of its own, or as `name/` in its parent's entry (or the
+# parent's parent's ...: e.g. `tune/ (cli, target, sweep, write)` inside collect's); a module
+# is named when its name (with or without `.py`) is a word of its package's entry, or of the
+# entry of the nearest package above it that has one.
+ENTRY = re.compile(r"^( {0,12})([A-Za-z_]\w*)/(?=\s|$)")
+MAPPED = ("engine", "stages")
+
+
+def layout_map(path: Path) -> dict[str, str]:
+    """{'engine/plan': the text of its entry, ...} from the page's `## Layout` block."""
+    lines = path.read_text().split("\n## Layout\n", 1)[1].split("\n```\n", 2)[1].splitlines()
+    entries: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []  # (indent, owning entry) of the lines above
+    for line in lines:
+        indent = len(line) - len(line.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        if match := ENTRY.match(line):
+            parents = [owner for _, owner in stack]
+            owner = f"{parents[-1]}/{match.group(2)}" if parents else match.group(2)
+        elif stack:
+            owner = stack[-1][1]
+        else:
+            continue
+        entries[owner] = entries.get(owner, "") + " " + line.strip()
+        stack.append((indent, owner))
+    return entries
+
+
+def named(name: str, text: str) -> bool:
+    return re.search(rf"(?<![\w./-]){re.escape(name)}(?:\.py)?(?![\w/-])", text) is not None
+
+
+def unmapped(root: Path, entries: dict[str, str]) -> list[str]:
+    """Every package and module under engine/ and stages/ that the map does not name, and
+    every entry of the map under them that is not a package of the tree."""
+    missing = []
+    for top in MAPPED:
+        for init in sorted((root / top).rglob("__init__.py")):
+            package = init.parent.relative_to(root).as_posix()
+            owner = package
+            while owner not in entries and "/" in owner:
+                owner = owner.rsplit("/", 1)[0]
+            if owner not in entries:
+                missing.append(f"{package}/ (no entry for it or a package above it)")
+                continue
+            text = entries[owner]
+            if owner != package:
+                inline = package[len(owner) + 1 :].split("/")
+                if not all(named(f"{part}/", text) for part in inline):
+                    missing.append(f"{package}/ (not named in {owner}/'s entry)")
+                    continue
+            for module in sorted(init.parent.glob("*.py")):
+                if module.name != "__init__.py" and not named(module.stem, text):
+                    missing.append(f"{package}/{module.name} (not named in {owner}/'s entry)")
+    for entry in entries:
+        if entry.split("/")[0] in MAPPED and not (root / entry / "__init__.py").is_file():
+            missing.append(f"{entry}/ is in the map but is not a package")
+    return missing
+
+
+def test_the_layout_map_names_every_package_and_module():
+    """docs/development.md's map is the tree as it is: each package and module under engine/
+    and stages/ is named in its package's entry (rule above `layout_map`)."""
+    problems = unmapped(ROOT, layout_map(DOCS / "development.md"))
+    assert problems == [], "docs/development.md's layout map is out of date:\n" + "\n".join(
+        problems
+    )
+
+
+def test_the_layout_map_check_sees_what_is_missing(tmp_path: Path):
+    for file in (
+        "engine/__init__.py",
+        "engine/errors.py",
+        "engine/spec/__init__.py",
+        "engine/spec/load.py",
+        "engine/spec/presets/__init__.py",
+        "engine/spec/presets/data.py",
+        "engine/run/__init__.py",
+        "engine/run/task.py",
+        "stages/__init__.py",
+        "stages/lib/__init__.py",
+        "stages/lib/net.py",
+        "stages/lib/model/__init__.py",
+        "stages/lib/model/gguf.py",
+    ):
+        (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / file).write_text("")
+    (tmp_path / "map.md").write_text(
+        "# Dev\n\n## Layout\n\n```\n"
+        "engine/          the engine\n"
+        "  spec/          load: load.py, presets/ (data),\n"
+        "                 and errors\n"
+        "  plan/          resolve\n"
+        "  errors.py\n"
+        "stages/\n"
+        "  lib/           shared: network (free_port)\n"
+        "    model/       gguf\n"
+        "```\n"
+    )
+    entries = layout_map(tmp_path / "map.md")
+    assert entries["engine/spec"] == " spec/          load: load.py, presets/ (data), and errors"
+    assert unmapped(tmp_path, entries) == [
+        "engine/run/ (not named in engine/'s entry)",
+        "stages/lib/net.py (not named in stages/lib/'s entry)",
+        "engine/plan/ is in the map but is not a package",
+    ]
+
+
+# a measured figure: a number with its unit (98.2%, +41.8 points, 2,470 s, 5 min 49 s, 0.68x)
+FIGURE = re.compile(
+    r"(?<![\w.,+-])[+-]?\d{1,3}(?:,\d{3})*(?:\.\d+)?"
+    r"(?: min \d+ s\b|%| points\b| s\b| min\b| minutes\b|x\b| tokens/s\b)"
+)
+
+
+def figures(path: Path) -> list[tuple[int, str]]:
+    """(line, figure) of every measured figure in a page's prose: code blocks, code spans and
+    link targets hold commands and addresses, not measurements."""
+    found = []
+    for number, line, fenced in prose(path):
+        if not fenced:
+            text = re.sub(r"(`+).*?\1", "", line)
+            text = re.sub(r"\]\([^)]*\)", "]", text)
+            found += [(number, m.group(0)) for m in FIGURE.finditer(text)]
+    return found
+
+
+def test_every_figure_the_readme_quotes_is_in_benchmarks():
+    """README.md quotes its results from BENCHMARKS.md, where each has its command: a figure
+    that is not there (to the digit and unit) was typed by hand or has drifted."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    missing = [f"README.md:{n}: {f}" for n, f in figures(ROOT / "README.md") if f not in benchmarks]
+    assert missing == [], "figures in README.md that BENCHMARKS.md does not have:\n" + "\n".join(
+        missing
+    )
+
+
+def test_the_figure_reader_sees_figures_and_skips_code(tmp_path: Path):
+    (tmp_path / "a.md").write_text(
+        "# A\n\n56.4% -> **98.2%** (+41.8 points) in 5 min 49 s; 2,470 s, 0.68x, 2 cores\n"
+        "`torch==2.13.0` [5 s](b.md#x-1.5-s) Python 3.10+\n\n```\n12.5% in a block\n```\n"
+    )
+    assert [f for _, f in figures(tmp_path / "a.md")] == [
+        "56.4%",
+        "98.2%",
+        "+41.8 points",
+        "5 min 49 s",
+        "2,470 s",
+        "0.68x",
+        "5 s",
+    ]

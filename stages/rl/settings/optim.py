@@ -33,7 +33,9 @@ class OptimSettings(StageConfig):
     max_length: int = Field(512, gt=0, description="Longest prompt + answer trained on, in tokens.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     packing_samples: bool = Field(
-        False, description="Pack samples into rows (no padding); rl records it as not applied yet."
+        False,
+        description="Pack each micro batch's samples into rows instead of padding (the actor's, "
+        "and the critic's with ppo).",
     )
     use_dynamic_batch: bool = Field(
         False, description="Form micro batches by a token budget instead of a sample count."
