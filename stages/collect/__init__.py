@@ -14,7 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from engine.errors import Diagnostic
 from engine.stage import Derived, ResolveContext, stage
 from stages.lib.backends.local import LocalBackend
-from stages.lib.backends.registry import Backend, BackendStageConfig
+from stages.lib.backends.registered import Backend, BackendStageConfig
 from stages.lib.block import CountOrAuto
 from stages.lib.config import Verifier, check_verifier
 from stages.lib.env.field import EnvironmentConfig, check_environment

@@ -124,7 +124,7 @@ def _timed_score(score: Score, row: dict[str, Any], text: str) -> float:
 def _measure_local(
     cfg: CollectConfig, prompts: list[Prompt], score: Score, parallelism: int, num_requests: int
 ) -> LevelResult:
-    from stages.collect.local import precision
+    from stages.collect.in_process import precision
 
     engine, model, loaded = cfg.backend.in_process(), cfg.backend.model, precision(cfg)
     assert engine is not None and model is not None  # the caller's and the kind's checks

@@ -71,7 +71,7 @@ def collect_range(
     try:
         work = pending(cfg.input, start, end, cfg.num_repeats, done)
         if cfg.backend.in_process() is not None:
-            from stages.collect.local import collect_local, collect_local_episodes
+            from stages.collect.in_process import collect_local, collect_local_episodes
             from stages.lib.devices import torch_device
 
             local = collect_local_episodes if cfg.environment else collect_local

@@ -41,7 +41,7 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     if not os.path.exists(cfg.output):
         cfg = prepared(cfg, ctx.run_dir, ctx.log)
     metrics = _collect(cfg, ctx)
-    from stages.collect.local import precision
+    from stages.collect.in_process import precision
 
     loaded = precision(cfg)
     if loaded is not None:  # the precision its checkpoint was loaded in

@@ -10,7 +10,7 @@ from pydantic import Field
 from engine.errors import Diagnostic
 from engine.stage import Derived, ResolveContext, stage
 from stages.lib.backends.local import LocalBackend
-from stages.lib.backends.registry import Backend, BackendStageConfig
+from stages.lib.backends.registered import Backend, BackendStageConfig
 from stages.lib.config import Verifier, check_verifier
 from stages.lib.env.field import EnvironmentConfig, check_environment
 from stages.lib.model.chat_template import (

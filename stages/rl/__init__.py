@@ -14,7 +14,7 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, MemoryNeed, ResolveContext, stage
-from stages.lib.backends.registry import backend_preset_path, rl_engine_kinds
+from stages.lib.backends.registered import backend_preset_path, rl_engine_kinds
 from stages.lib.builders.recipe import TinyModel
 from stages.lib.config import (
     check_verifier,

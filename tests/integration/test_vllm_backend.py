@@ -30,7 +30,7 @@ import pytest
 
 from stages.lib.backends.vllm import server as vs
 from stages.lib.backends.vllm.auth import bearer, new_secret
-from stages.lib.backends.vllm.config import VLLMBackend
+from stages.lib.backends.vllm.backend import VLLMBackend
 from stages.lib.net import free_port
 from tests.cluster import alive
 
@@ -427,7 +427,7 @@ class TestServed:
 HOLDER = """
 import logging, sys, time
 from stages.lib.backends.vllm.server import vllm_server
-from stages.lib.backends.vllm.config import VLLMBackend
+from stages.lib.backends.vllm.backend import VLLMBackend
 from stages.lib.backends.vllm.auth import new_secret
 backend = VLLMBackend(kind="vllm", model=sys.argv[1], startup_timeout_s=float(sys.argv[2]))
 log = logging.getLogger("holder")

@@ -23,9 +23,9 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, ResolveContext, StageContext
-from stages.lib.backends.base import BackendConfig
 from stages.lib.backends.endpoint import Endpoint
-from stages.lib.backends.registry import register_backend, unregister_backend
+from stages.lib.backends.protocol import BackendConfig
+from stages.lib.backends.registered import register_backend, unregister_backend
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench" / "collect"))

@@ -190,8 +190,8 @@ def test_the_completions_endpoint_cannot_run_episodes_and_local_can(tmp_path: Pa
     result = run_cli("validate", "p.yaml", cwd=tmp_path)
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines() == [
-        "p.yaml:4:104: stages.d.config.backend.endpoint: an environment's episodes send the "
-        "conversation as messages, so they need 'chat', found 'completions'",
+        "p.yaml:4:104: stages.d.config.backend.endpoint: an environment's episodes are "
+        "conversations, sent to the chat endpoint: set it to 'chat', found 'completions'",
     ]
 
 

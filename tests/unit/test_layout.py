@@ -30,7 +30,8 @@ def test_no_module_imports_a_module_that_imports_it_back():
     import grimp
     import networkx as nx
 
-    graph = grimp.build_graph("engine", "stages")
+    # an import for type annotations only is no run-time import (as `make lint` counts them)
+    graph = grimp.build_graph("engine", "stages", exclude_type_checking_imports=True)
     edges = nx.DiGraph()
     for module in graph.modules:
         edges.add_edges_from((module, m) for m in graph.find_modules_directly_imported_by(module))
@@ -127,7 +128,7 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
         before = after
 
 
-LIB_PACKAGES = ("api", "builders", "chat", "distributed", "env", "io", "model", "vllm")
+LIB_PACKAGES = ("api", "backends", "builders", "chat", "distributed", "env", "io", "model")
 # file names every kind (or every role) has by design: the same job in each package
 PER_PACKAGE = {"__init__.py", "run.py", "spec.py", "cli.py"}
 # file names two packages share because they are the two sides of one concept; each
@@ -135,7 +136,7 @@ PER_PACKAGE = {"__init__.py", "run.py", "spec.py", "cli.py"}
 TWO_SIDES = {
     "slurm.py": ("engine/spec/slurm.py", "engine/cluster/slurm.py"),
     "headline.py": ("engine/run/headline.py", "stages/evaluate/headline.py"),
-    "local.py": ("stages/collect/local.py", "stages/rl/rollout/local.py"),
+    "local.py": ("stages/lib/backends/local.py", "stages/rl/rollout/local.py"),
     "multiturn.py": ("stages/collect/multiturn.py", "stages/evaluate/multiturn.py"),
     "loss.py": ("stages/train/loss.py", "stages/rl/algo/loss.py"),
     "loop.py": ("stages/train/loop.py", "stages/rl/controller/loop.py"),

@@ -40,6 +40,7 @@ PLAN_SIDE = (
     "stages/lib/block.py",
     "stages/lib/builders/recipe.py",
     "stages/lib/config.py",
+    "stages/lib/backends/registered.py",
     "stages/lib/model/declared.py",
     "stages/lib/model/path.py",
     "stages/lib/distributed/ds_config.py",
@@ -259,11 +260,14 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ),
     ("stages/filter/run.py", "filter: no input"): plan(no_input("filter", "{}")),
     # --- shared by kinds -------------------------------------------------------------------
-    ("stages/lib/backends/endpoint.py", "backend.api_key_env names"): environment(
+    ("stages/lib/backends/openai.py", "backend.api_key_env names"): environment(
         "the variable must be set where the stage runs; plan never reads secrets"
     ),
-    ("stages/lib/backends/endpoint.py", "backend kind '{}' has no HTTP endpoint"): internal(
-        "callers send only openai and vllm backends here"
+    ("stages/lib/backends/protocol.py", "backend kind '{}' has no HTTP endpoint"): internal(
+        "callers open an endpoint only where the backend has no in-process generator"
+    ),
+    ("stages/lib/backends/vllm/backend.py", "expected a vllm backend, found '{}'"): internal(
+        "called only on the rl path of a backend whose RL_ENGINE is its vLLM servers"
     ),
     ("stages/lib/api/client.py", "unreachable"): internal("the retry loop returns or raises first"),
     ("stages/lib/api/client.py", "bad_response"): transient("the server answered garbage: retried"),
@@ -417,7 +421,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/distributed/trainer.py", "deepspeed could not load the checkpoint"): data(
         "a checkpoint on disk that DeepSpeed cannot read"
     ),
-    ("stages/evaluate/multiturn.py", "evaluate: an environment's episodes are "): plan(
+    ("stages/evaluate/multiturn.py", "evaluate: {}: {}"): plan(
         Case(
             """\
             name: p
@@ -426,7 +430,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             """,
             (
                 "p.yaml:3:145: stages.e.config.backend.endpoint: an environment's episodes are "
-                "conversations, sent to the chat endpoint: set it to 'chat'",
+                "conversations, sent to the chat endpoint: set it to 'chat', found 'completions'",
             ),
         )
     ),
@@ -793,7 +797,7 @@ def test_plan_time_twin_refuses_the_same_condition(
 def test_the_guides_70b_placement_starts_its_engines_as_planned() -> None:
     """pipelines/rl_70b_cluster.yaml on 6x8x80GB plans, and the vllm role's devices on each
     node split into the planned engines the run starts (no run-time refusal left)."""
-    from stages.lib.backends.vllm.config import VLLMBackend
+    from stages.lib.backends.vllm.backend import VLLMBackend
     from stages.lib.backends.vllm.server import device_slices
 
     args = ("pipelines/rl_70b_cluster.yaml", "--cluster", "6x8x80GB", "--format", "json")

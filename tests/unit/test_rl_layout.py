@@ -8,7 +8,7 @@ import json
 import logging
 
 from engine.stage import Slot, StageContext
-from stages.lib.backends.vllm.config import VLLMBackend
+from stages.lib.backends.vllm.backend import VLLMBackend
 from stages.lib.backends.vllm.server import device_slices
 from stages.rl.roles.layout import local_ranks, role_table, role_workers, worker_host
 from tests.conftest import ROOT, run_cli

@@ -7,7 +7,7 @@ sampling defaults (`--generation-config vllm`)."""
 
 from __future__ import annotations
 
-from stages.lib.backends.vllm.config import VLLMBackend
+from stages.lib.backends.vllm.backend import VLLMBackend
 from stages.lib.backends.vllm.server import server_command
 from stages.rl import RLConfig
 from stages.rl.rollout.vllm_servers import context_len, server_args

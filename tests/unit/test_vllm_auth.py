@@ -14,7 +14,7 @@ import pytest
 from stages.lib.backends.vllm import auth as vllm_auth
 from stages.lib.backends.vllm import process as vllm_process
 from stages.lib.backends.vllm import server as vllm_server
-from stages.lib.backends.vllm.config import VLLMBackend
+from stages.lib.backends.vllm.backend import VLLMBackend
 from tests.conftest import ROOT
 
 SECRET = "s3cret-" + "x" * 36

@@ -1,7 +1,7 @@
 """Where requests go: the HTTP endpoint a backend opens, and the client for it.
 
 Input: an `Endpoint` (base URL, model name, endpoint mode, API key), which a backend's
-`open_endpoint` yields while its block is open (`stages.lib.backends.base`: an `openai`
+`open_endpoint` yields while its block is open (`stages.lib.backends.protocol`: an `openai`
 backend's URL and the key its `api_key_env` names; a `vllm` backend's servers, started for
 the block, every row sent to their chat endpoint so a prompt string gets the model's chat
 template exactly as with the local backend and in training, with this stage run's secret as

@@ -5,6 +5,10 @@ checkpoint: a folder, a GGUF or a hub id; as the rl stage's engine it computes i
 dtype) and the in-process generator (`in_process`): answers from `stages.lib.model.generate`,
 a checkpoint loaded once per process in the one precision a stage gives all its checkpoints
 (`load_dtype`: `stages.lib.model.dtypes.resolve_precision`).
+
+One name, two sides of one concept (the `local` engine, generation in the stage's own process:
+the backend collect and evaluate generate with; `stages/rl/rollout/local.py`: rl's rollout
+engine).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import ResolveContext
-from stages.lib.backends.base import BackendConfig, InProcess
+from stages.lib.backends.protocol import BackendConfig, InProcess
 from stages.lib.model.dtypes import PRECISION_HELP, Dtype
 
 if TYPE_CHECKING:

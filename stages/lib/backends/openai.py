@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from stages.lib.backends.base import BackendConfig
+from stages.lib.backends.protocol import BackendConfig
 
 if TYPE_CHECKING:
     from stages.lib.backends.endpoint import Endpoint

@@ -12,7 +12,7 @@ by the next sync; the KV cache is allocated per generation call, so `wake_cache`
 reserve here.
 
 One name, two sides of one concept (the `local` engine, generation in the stage's own process:
-collect's backend; this file: rl's rollout engine; `stages/collect/local.py` the other side).
+collect's and evaluate's backend, `stages/lib/backends/local.py`; this file: rl's rollout engine).
 """
 
 from __future__ import annotations

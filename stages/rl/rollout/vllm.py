@@ -44,7 +44,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.api.sampling import request_sampling
-from stages.lib.backends.vllm.config import VLLMBackend, vllm_block
+from stages.lib.backends.vllm.backend import VLLMBackend, vllm_block
 from stages.lib.chat.prompt import Prompt
 from stages.lib.chat.tokens import checkpoint_eos_ids, pad_id
 from stages.lib.model.generate import Generation

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from engine.stage import visible_names
-from stages.lib.backends.vllm.config import VLLMBackend, vllm_block
+from stages.lib.backends.vllm.backend import VLLMBackend, vllm_block
 
 if TYPE_CHECKING:
     from engine.stage import StageContext

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from engine.stage import StageConfig
 from stages.lib.backends.local import LocalBackend
-from stages.lib.backends.registry import Backend
+from stages.lib.backends.registered import Backend
 from stages.lib.block import CountOrAuto
 from stages.lib.config import Verifier
 from stages.lib.env.field import EnvironmentConfig

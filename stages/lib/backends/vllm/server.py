@@ -63,10 +63,10 @@ from stages.lib.backends.vllm.auth import MIDDLEWARE, SECRET_ENV
 from stages.lib.backends.vllm.process import HOST, start_server, stop_server, wait_healthy
 
 if TYPE_CHECKING:
-    from stages.lib.backends.vllm.config import VLLMBackend
+    from stages.lib.backends.vllm.backend import VLLMBackend
 from stages.lib.net import free_port
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 PYTHON_ENV = "PIPE_VLLM_PYTHON"
 NOT_INSTALLED = "vLLM is not installed: run `make install-vllm`"
 CPU_KVCACHE_GIB = "1"

@@ -21,7 +21,7 @@ from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic_core import PydanticCustomError, core_schema
 
 from engine.stage import MemoryNeed, StageConfig
-from stages.lib.backends.base import BackendConfig
+from stages.lib.backends.protocol import BackendConfig
 
 ENTRY_POINT_GROUP = "pipe.backends"
 

@@ -2,7 +2,7 @@
 
 Input: a backend block of a stage's config (`backend: {kind: ...}`), validated into the
 backend's own model (a subclass of `BackendConfig`, found by its `kind` in
-`stages.lib.backends.registry`). Output: what stage kinds ask of it, so that no kind names a
+`stages.lib.backends.registered`). Output: what stage kinds ask of it, so that no kind names a
 backend:
 
 - what it is (class attributes): whether its `model` is a name a server knows rather than a
@@ -135,7 +135,7 @@ class BackendConfig(Block):
 
     def check_rl(self, ctx: ResolveContext, bf16: bool) -> list[Diagnostic]:
         """Its rules as the rl stage's rollout engine (one with an `RL_ENGINE`: the rl stage
-        refuses the others, `stages.lib.backends.registry.rl_engine_kinds`)."""
+        refuses the others, `stages.lib.backends.registered.rl_engine_kinds`)."""
         if self.model is not None:
             return [
                 ctx.error(

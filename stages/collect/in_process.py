@@ -1,24 +1,22 @@
-"""The `local` backend: batched generation with transformers in the stage's own process.
+"""Collect through a backend that generates in the stage's own process (its `in_process`
+generator: the `local` backend's batched transformers generation).
 
 Input: (prompt, samples still to do) pairs and a checkpoint directory.
-Output: rollouts through the Recorder, a batch of `backend.batch_size`
-prompts at a time, through `stages.lib.model.generate.generate`, which puts prompt
+Output: rollouts through the Recorder, a batch of the generator's `batch_size`
+prompts at a time, through its `generate` (`stages.lib.model.generate.generate`), which puts prompt
 strings and message lists alike through the model's chat template (the
 format the train stage trains on). A rollout's latency is its
 batch's wall time. An exception in generation fails the stage (a missing
 checkpoint is not a per-row failure); the rerun resumes.
 
 With an environment, `collect_local_episodes` plays one episode per pending (prompt,
-sample) pair, `backend.batch_size` pairs at a time, with evaluate's batched driver
+sample) pair, `batch_size` pairs at a time, with evaluate's batched driver
 (`stages.lib.env.message_play.play_batched` and `local_answer`: every turn's open conversations in
 one generation call, each rendered by the chat template with the generation prompt). Its
 lines are the HTTP path's (`stages.collect.multiturn.episode_line`: messages, per-turn
 rewards, total_reward, turns, solved, end, reward, usage summed over the turns, and
 latency_s, here the batch's wall time), each written once, when its batch has ended, so a
 killed run redoes at most the batch it was playing.
-
-One name, two sides of one concept (the `local` engine, generation in the stage's own process:
-collect's backend; `stages/rl/rollout/local.py`: rl's rollout engine).
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from stages.collect.inputs import Prompt
 from stages.collect.stats import Progress
 from stages.lib.api.client import Completion
-from stages.lib.backends.base import InProcess
+from stages.lib.backends.protocol import InProcess
 from stages.lib.env.contract import Episode
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, MemoryNeed, ResolveContext
-from stages.lib.backends.base import BackendConfig
+from stages.lib.backends.protocol import BackendConfig
 
 if TYPE_CHECKING:
     from stages.lib.backends.endpoint import Endpoint
