@@ -431,7 +431,7 @@ def vllm_part(model_dir: str, args: Any, tmp: str) -> dict[str, Any] | str:
     from stages.lib.api.client import RequestError, complete_all
     from stages.lib.backends.endpoint import Endpoint, make_client
     from stages.lib.backends.vllm.auth import new_secret
-    from stages.lib.backends.vllm.config import VLLMBackend
+    from stages.lib.backends.vllm.backend import VLLMBackend
     from stages.lib.backends.vllm.server import vllm_server
 
     model, tok = load_local(model_dir, args)

@@ -164,7 +164,7 @@ def model_dir(hidden: int, layers: int) -> str:
 def case(engines: int, path: str, act: Actor, repeats: int) -> dict[str, Any]:
     """`repeats` syncs each way into `engines` fresh servers; seconds and parts."""
     from stages.lib.backends.vllm.auth import new_secret
-    from stages.lib.backends.vllm.config import VLLMBackend
+    from stages.lib.backends.vllm.backend import VLLMBackend
     from stages.rl.algo.logprobs import Sample
     from stages.rl.rollout.vllm import VLLMEngine
     from stages.rl.sync.vllm import VLLMDiskReceiver, VLLMGroupReceiver

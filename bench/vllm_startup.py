@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stages.lib.backends.vllm.auth import bearer, new_secret
-from stages.lib.backends.vllm.config import VLLMBackend
+from stages.lib.backends.vllm.backend import VLLMBackend
 from stages.lib.backends.vllm.server import vllm_server
 from tests.integration.test_vllm_backend import build_tiny_model
 
