@@ -26,7 +26,7 @@ from typing import Any
 from engine.errors import Diagnostic, PipeError, found
 from engine.plan.memory import Estimate, colocated, estimate, fmt
 from engine.plan.placement import ClusterView, Placement
-from engine.plan.resolved import ResolvedPipeline, ResolvedStage
+from engine.resolve.types import ResolvedPipeline, ResolvedStage
 from engine.stage import MemoryNeed, StageConfig
 
 WARN_AT = 0.9
@@ -287,10 +287,10 @@ def _preset_fixes(
     """The pipeline's other memory presets after which the stage fits, as `_kind_fixes`."""
     import copy
 
-    from engine.plan.resolve import resolve
-    from engine.spec.load import validate_document
-    from engine.spec.presets import available
-    from engine.spec.source import Document
+    from engine.load.load import validate_document
+    from engine.load.presets import available
+    from engine.load.source import Document
+    from engine.resolve.resolve import resolve
 
     loaded = resolved.loaded
     out = []

@@ -22,11 +22,12 @@ from typing import Any
 
 from engine.errors import Diagnostic, PipeError
 from engine.fsio import exists
+from engine.load.graph import topological
+from engine.load.schema import ROLES
 from engine.plan.budget import Grow, Grown, check_memory
 from engine.plan.checksums import HashCache, model_files
 from engine.plan.dated import reads_date, run_date
 from engine.plan.memory import Estimate
-from engine.plan.paths import shown, shown_config
 from engine.plan.placement import (
     ClusterView,
     Placement,
@@ -36,9 +37,8 @@ from engine.plan.placement import (
     StageRequest,
     solve,
 )
-from engine.plan.resolved import ResolvedPipeline, ResolvedStage
-from engine.spec.graph import topological
-from engine.spec.schema import ROLES
+from engine.resolve.paths import shown, shown_config
+from engine.resolve.types import ResolvedPipeline, ResolvedStage
 from engine.stage import kinds
 
 
@@ -217,9 +217,9 @@ def _grower(resolved: ResolvedPipeline, cluster: ClusterView) -> Grow:
 def _grown(resolved: ResolvedPipeline, cluster: ClusterView, k: int) -> Grown | None:
     import copy
 
-    from engine.plan.resolve import resolve
-    from engine.spec.load import validate_document
-    from engine.spec.source import Document
+    from engine.load.load import validate_document
+    from engine.load.source import Document
+    from engine.resolve.resolve import resolve
 
     loaded = resolved.loaded
     bigger = cluster.grown(k)

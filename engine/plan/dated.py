@@ -1,4 +1,5 @@
-"""The run's date: the one day chat templates that read the clock render, fixed at plan.
+"""Plan, part of: the run's date, the one day chat templates that read the clock render,
+fixed at plan.
 
 Input: the pipeline's `date:` (None unset), the run folder, and a stage's resolved config.
 Output: `run_date` -> (the day, where it came from): the `date:` setting, else the day kept

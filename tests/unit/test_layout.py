@@ -62,7 +62,14 @@ def test_every_kind_is_a_package_and_no_source_file_is_over_400_lines():
     assert long == []
 
 
-PHASES = ("engine/spec", "engine/plan", "engine/cluster", "engine/run", "engine/run/tracking")
+PHASES = (
+    "engine/load",
+    "engine/resolve",
+    "engine/plan",
+    "engine/cluster",
+    "engine/run",
+    "engine/run/tracking",
+)
 RL_ROLES = ("algo", "roles", "rollout", "sync", "controller")
 
 
@@ -133,7 +140,7 @@ PER_PACKAGE = {"__init__.py", "run.py", "spec.py", "cli.py"}
 # file names two packages share because they are the two sides of one concept; each
 # docstring names the other file. Every other module name is unique across engine/ and stages/
 TWO_SIDES = {
-    "slurm.py": ("engine/spec/slurm.py", "engine/cluster/slurm.py"),
+    "slurm.py": ("engine/load/slurm.py", "engine/cluster/slurm.py"),
     "headline.py": ("engine/run/headline.py", "stages/evaluate/headline.py"),
     "local.py": ("stages/collect/local.py", "stages/rl/rollout/local.py"),
     "multiturn.py": ("stages/collect/multiturn.py", "stages/evaluate/multiturn.py"),

@@ -6,7 +6,6 @@ import logging
 
 import pytest
 
-from engine.plan.cluster import view_from_workers
 from engine.plan.placement import (
     ClusterView,
     Placement,
@@ -17,6 +16,7 @@ from engine.plan.placement import (
     Worker,
     solve,
 )
+from engine.plan.topology import view_from_workers
 from engine.stage import Slot
 from tests.conftest import stub_checkpoint
 
@@ -214,7 +214,7 @@ def test_validate_with_a_declared_cluster_gives_a_located_error(tmp_path, monkey
 
 def test_a_cluster_file_error_is_located(tmp_path):
     from engine.errors import PipeError
-    from engine.plan.cluster_file import load_cluster_spec
+    from engine.plan.topology_file import load_cluster_spec
 
     path = tmp_path / "c.yaml"
     path.write_text("nodes: 2\ngpus_per_nod: 8\n")

@@ -20,8 +20,8 @@ from typing import Any
 
 from engine.errors import Diagnostic
 from engine.hub import HubError, HubId, Pin, parse, pin
-from engine.plan.resolved import Draft, Source
-from engine.spec.source import Document, get_at, set_at
+from engine.load.source import Document, get_at, set_at
+from engine.resolve.types import Draft, Source
 
 
 @dataclass

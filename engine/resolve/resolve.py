@@ -12,7 +12,7 @@ Conflict rules, always reported:
 
 Then `@stage` references and relative paths are resolved (inputs against the pipeline's folder,
 outputs inside `<run-dir>/<stage>/`, both made absolute), hub ids are pinned to a commit, GPU
-roles are allocated (`engine.plan.resources`), the kind derives what it derives from the rest
+roles are allocated (`engine.resolve.resources`), the kind derives what it derives from the rest
 (its `derive` hook: values nobody set), and the stage is checked: stage GPUs within the cluster
 here, the kind's own rules (engines x tensor-parallel size, batch sizes that divide, ...)
 through its `check` hook.
@@ -20,7 +20,7 @@ through its `check` hook.
 This module runs those steps, stage after stage in the order of `needs`; each is a module:
 `layers` (the merge and its conflicts, with provenance), `roles` (the GPUs of roles and
 stages), `paths` (references and paths), `checks` (validation, derived values and checks);
-`pins` (hub ids pinned to a commit); the stage under way is a `Draft` (`resolved`).
+`pins` (hub ids pinned to a commit); the stage under way is a `Draft` (`types`).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import posixpath
 from dataclasses import dataclass, field
 
 from engine.errors import Diagnostic, PipeError
-from engine.plan.checks import check, context, derive, located, validated
-from engine.plan.layers import Layers
-from engine.plan.paths import resolve_paths
-from engine.plan.pins import Pinning, pin_hub_inputs
-from engine.plan.resolved import GpusAuto, ResolvedPipeline, ResolvedStage
-from engine.plan.roles import Roles
-from engine.spec.load import LoadedPipeline
-from engine.spec.source import Document
+from engine.load.load import LoadedPipeline
+from engine.load.source import Document
+from engine.resolve.checks import check, context, derive, located, validated
+from engine.resolve.layers import Layers
+from engine.resolve.paths import resolve_paths
+from engine.resolve.pins import Pinning, pin_hub_inputs
+from engine.resolve.roles import Roles
+from engine.resolve.types import GpusAuto, ResolvedPipeline, ResolvedStage
 from engine.stage import kinds
 
 
@@ -77,7 +77,7 @@ def resolve(
     roles = Roles(loaded, state.errors, state.notes)
     roles.cpu_only = spec.cluster.gpus == "auto" and total == 0 and bool(gpus_from)
     roles.allocate(total, colocate)
-    from engine.spec.graph import topological
+    from engine.load.graph import topological
 
     for name in topological(spec):
         resolved = _stage(state, layers, roles, name)

@@ -1,4 +1,5 @@
-"""Load, part of: a declared cluster, to plan against without one (`--cluster C.yaml`).
+"""Plan, part of: a declared cluster, read from a file to plan against without one
+(`--cluster C.yaml`).
 
 Input: a YAML file, or a shorthand `NODESxGPUS[xMEMGB]` (`6x8`, `6x8x80GB`).
 Output: a `ClusterView` of declared nodes (`node0`, `node1`, ... unless named),
@@ -20,9 +21,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import Diagnostic, Location, PipeError
-from engine.plan.cluster import ClusterView, Worker
-from engine.spec.source import load_document
-from engine.spec.validation import validation_diagnostics
+from engine.load.source import load_document
+from engine.load.validation import validation_diagnostics
+from engine.plan.topology import ClusterView, Worker
 
 GB = 10**9
 _SHORT = re.compile(r"^(\d+)x(\d+)(?:x(\d+(?:\.\d+)?)GB)?$", re.IGNORECASE)
