@@ -10,14 +10,12 @@ a commit and names what is wrong with it (`engine.plan.pins`).
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from engine.errors import Diagnostic
+from engine.hub import HUB_ID
 from engine.stage import ResolveContext
 from stages.lib.model.gguf import check_gguf, is_gguf
-
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
 def check_checkpoint(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:
