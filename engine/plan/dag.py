@@ -38,6 +38,7 @@ from engine.plan.placement import (
     solve,
 )
 from engine.resolve.paths import shown, shown_config
+from engine.resolve.resolve import resolve_changed
 from engine.resolve.types import ResolvedPipeline, ResolvedStage
 from engine.stage import kinds
 
@@ -215,26 +216,14 @@ def _grower(resolved: ResolvedPipeline, cluster: ClusterView) -> Grow:
 
 
 def _grown(resolved: ResolvedPipeline, cluster: ClusterView, k: int) -> Grown | None:
-    import copy
-
-    from engine.load.load import validate_document
-    from engine.load.source import Document
-    from engine.resolve.resolve import resolve
-
-    loaded = resolved.loaded
     bigger = cluster.grown(k)
-    data = copy.deepcopy(loaded.doc.data)
-    declared = loaded.spec.cluster.gpus
-    gpus = None
+    declared = resolved.loaded.spec.cluster.gpus
     if isinstance(declared, int):
-        data.setdefault("cluster", {})["gpus"] = declared * k
+        changes, gpus = {"cluster.gpus": declared * k}, None
     else:  # auto: the cluster's GPUs
-        gpus = len(bigger.devices())
-    doc = Document(loaded.doc.name, data, loaded.doc.values, loaded.doc.keys)
+        changes, gpus = {}, len(bigger.devices())
     try:
-        other = resolve(
-            validate_document(doc, loaded.path), resolved.run_dir, gpus, pinning=resolved.pinning
-        )
+        other = resolve_changed(resolved, changes, gpus)
         return other, place(other, tuple(topological(other.loaded.spec)), bigger), bigger
     except PipeError:
         return None

@@ -25,11 +25,14 @@ stages), `paths` (references and paths), `checks` (validation, derived values an
 
 from __future__ import annotations
 
+import copy
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import Diagnostic, PipeError
-from engine.load.load import LoadedPipeline
+from engine.load.load import LoadedPipeline, validate_document
 from engine.load.source import Document
 from engine.resolve.checks import check, context, derive, located, validated
 from engine.resolve.layers import Layers
@@ -102,6 +105,26 @@ def resolve(
         auto,
         state.pinning,
     )
+
+
+def resolve_changed(
+    resolved: ResolvedPipeline, changes: Mapping[str, Any], gpus: int | None
+) -> ResolvedPipeline:
+    """What if: the pipeline resolved again with `changes` (`{dotted path: value}`) made to a
+    copy of its document, validated again, in the same run folder with the pins read so far;
+    `PipeError` where it does not resolve. How a plan tries a bigger cluster and a refusal
+    another memory preset."""
+    loaded = resolved.loaded
+    data = copy.deepcopy(loaded.doc.data)
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    doc = Document(loaded.doc.name, data, loaded.doc.values, loaded.doc.keys)
+    again = validate_document(doc, loaded.path)
+    return resolve(again, resolved.run_dir, gpus, pinning=resolved.pinning)
 
 
 def _stage(state: _State, layers: Layers, roles: Roles, name: str) -> ResolvedStage | None:
