@@ -63,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     from engine.load.load import load_pipeline
     from engine.plan.dag import plan
-    from engine.plan.topology_file import load_cluster_spec
+    from engine.plan.topology_file import load_cluster_file
     from engine.resolve.resolve import resolve
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,7 +75,7 @@ def main() -> None:
         (Path(tmp) / "m" / "config.json").write_text(f'{{"model_type": "llama", {shape}, {heads}}}')
         cluster = f"{args.nodes}x8x80GB"
         resolved = resolve(load_pipeline(path))
-        view = load_cluster_spec(cluster)
+        view = load_cluster_file(cluster)
         solves = []
         for _ in range(5):
             t = time.perf_counter()

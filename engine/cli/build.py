@@ -75,9 +75,9 @@ def build_plan(
 
     view = None
     if cluster is not None:
-        from engine.plan.topology_file import load_cluster_spec
+        from engine.plan.topology_file import load_cluster_file
 
-        view = load_cluster_spec(cluster)
+        view = load_cluster_file(cluster)
     with _gc_paused():
         loaded = load_pipeline(path, overrides)
         gpus, source, view = auto_gpus(loaded, view, cluster)
