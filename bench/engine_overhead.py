@@ -42,12 +42,12 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from engine.cluster.connect import connect
+    from engine.load.load import load_pipeline
     from engine.plan.dag import plan
-    from engine.plan.resolve import resolve
+    from engine.resolve.resolve import resolve
     from engine.run.execute import execute
     from engine.run.report import RunReport, new_run_id
     from engine.run.select import RunOptions, prepare
-    from engine.spec.load import load_pipeline
     from tests.kinds import register
 
     register()

@@ -61,10 +61,10 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=1000)
     parser.add_argument("--nodes", type=int, default=64)
     args = parser.parse_args()
-    from engine.plan.cluster_file import load_cluster_spec
+    from engine.load.load import load_pipeline
     from engine.plan.dag import plan
-    from engine.plan.resolve import resolve
-    from engine.spec.load import load_pipeline
+    from engine.plan.topology_file import load_cluster_file
+    from engine.resolve.resolve import resolve
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "big.yaml"
@@ -75,7 +75,7 @@ def main() -> None:
         (Path(tmp) / "m" / "config.json").write_text(f'{{"model_type": "llama", {shape}, {heads}}}')
         cluster = f"{args.nodes}x8x80GB"
         resolved = resolve(load_pipeline(path))
-        view = load_cluster_spec(cluster)
+        view = load_cluster_file(cluster)
         solves = []
         for _ in range(5):
             t = time.perf_counter()

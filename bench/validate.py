@@ -39,7 +39,7 @@ def main() -> None:
         path = Path(tmp) / "big.yaml"
         path.write_text(text)
         t0 = time.perf_counter()
-        from engine.spec.load import load_pipeline
+        from engine.load.load import load_pipeline
 
         load_pipeline(path)  # first run pays the imports
         first = time.perf_counter() - t0

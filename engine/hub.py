@@ -21,14 +21,14 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 PIN_TIMEOUT_S = 10.0  # how long `pipe plan` waits for the hub to name a revision's commit
 SHA = re.compile(r"^[0-9a-f]{40}$")
-_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -72,10 +72,54 @@ def parse(value: str) -> HubId | None:
         return None
     if value.lower().endswith((".gguf", ".jinja", ".j2")):  # a file (`model:`, `chat_template:`)
         return None
-    m = _ID.match(value)
+    m = HUB_ID.match(value)
     if m is None:
         return None
     return HubId(m["repo"], m["revision"] or "main", value)
+
+
+@dataclass(frozen=True)
+class HubField:
+    """One of a config's `hub_inputs` as found: its value (one, or a list) and the hub ids in
+    it, each with its index in the list (0 for a single value)."""
+
+    dotted: str
+    repo_type: str  # the repository type, as huggingface_hub names it: model or dataset
+    value: Any
+    ids: tuple[tuple[int, str, HubId], ...]
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(self.dotted.split("."))
+
+    @property
+    def many(self) -> bool:
+        return isinstance(self.value, list)
+
+    @property
+    def values(self) -> list[Any]:
+        return list(self.value) if self.many else [self.value]
+
+    def rebuilt(self, values: list[Any]) -> Any:
+        """`values` in the field's shape: the list, or its one value."""
+        return values if self.many else values[0]
+
+
+def hub_fields(
+    hub_inputs: Mapping[str, str], get: Callable[[tuple[str, ...]], Any]
+) -> Iterator[HubField]:
+    """The walk over a config's hub ids: each `hub_inputs` field (`{dotted: repo type}`, the
+    kind's hook), its value read by `get(path)` when the walk reaches it (the plan reads
+    merged data, a run the frozen config), and the hub ids it holds."""
+    for dotted, repo_type in hub_inputs.items():
+        value = get(tuple(dotted.split(".")))
+        values = value if isinstance(value, list) else [value]
+        ids = tuple(
+            (i, v, hub)
+            for i, v in enumerate(values)
+            if isinstance(v, str) and (hub := parse(v)) is not None
+        )
+        yield HubField(dotted, repo_type, value, ids)
 
 
 def offline() -> bool:

@@ -68,16 +68,16 @@ def build_plan(
     """load -> resolve -> plan (placed on a declared `cluster` when given); warnings and notes
     go to stderr (unless `notes` is off). `network` off (`pipe validate`): hub ids are pinned
     from the local cache only, the hub is never asked."""
+    from engine.load.load import load_pipeline
     from engine.plan.dag import plan
-    from engine.plan.pins import Pinning
-    from engine.plan.resolve import resolve
-    from engine.spec.load import load_pipeline
+    from engine.resolve.pins import Pinning
+    from engine.resolve.resolve import resolve
 
     view = None
     if cluster is not None:
-        from engine.plan.cluster_file import load_cluster_spec
+        from engine.plan.topology_file import load_cluster_file
 
-        view = load_cluster_spec(cluster)
+        view = load_cluster_file(cluster)
     with _gc_paused():
         loaded = load_pipeline(path, overrides)
         gpus, source, view = auto_gpus(loaded, view, cluster)

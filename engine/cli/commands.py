@@ -166,7 +166,7 @@ def run(
 @guard
 def presets(base: str | None) -> None:
     """List the profiles and memory presets, each setting with its reason."""
-    from engine.spec.presets import all_presets
+    from engine.load.presets import all_presets
 
     for src in all_presets(Path(base) if base else None):
         p = src.preset
@@ -191,7 +191,7 @@ def presets(base: str | None) -> None:
 @guard
 def schema(out_dir: str, check: bool) -> None:
     """Write the pipeline file's JSON Schema to OUT/pipeline.schema.json."""
-    from engine.spec.jsonschema import SCHEMA_FILE, schema_text
+    from engine.load.jsonschema import SCHEMA_FILE, schema_text
 
     target = Path(out_dir) / SCHEMA_FILE
     text = schema_text()
@@ -225,7 +225,7 @@ def stages() -> None:
 @guard
 def graph(pipeline: str, fmt: str, overrides: tuple[str, ...]) -> None:
     """Print the stage graph of PIPELINE."""
-    from engine.spec.graph import render_graph
-    from engine.spec.load import load_pipeline
+    from engine.load.graph import render_graph
+    from engine.load.load import load_pipeline
 
     click.echo(render_graph(load_pipeline(pipeline, overrides).spec, fmt), nl=False)

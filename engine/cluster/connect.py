@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.cluster.worker_setup import PRELOAD
-from engine.plan.cluster import ClusterView, Worker
+from engine.plan.topology import ClusterView, Worker
 
 if TYPE_CHECKING:
     from engine.cluster.slurm import SlurmRequest

@@ -21,7 +21,7 @@ GPUs per job, the sbatch options), its job script (`pipe plan --format json`), a
 `dask_jobqueue` is imported only here and only for `scheduler: slurm`.
 
 One name, two sides of one concept (Slurm: the `cluster.slurm` block as the pipeline file
-declares it; this file: the jobs started from it; `engine/spec/slurm.py` the other side).
+declares it; this file: the jobs started from it; `engine/load/slurm.py` the other side).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from typing import Any
 
 from engine.cluster.worker_setup import PRELOAD
 from engine.errors import RunFailed
-from engine.plan.cluster import ClusterView, Worker
+from engine.load.slurm import SlurmSpec
 from engine.plan.dag import Plan, plan
-from engine.plan.resolve import resolve
-from engine.spec.slurm import SlurmSpec
+from engine.plan.topology import ClusterView, Worker
+from engine.resolve.resolve import resolve
 
 log = logging.getLogger("pipe.slurm")
 

@@ -26,7 +26,8 @@ from typing import Any
 from engine.errors import Diagnostic, PipeError, found
 from engine.plan.memory import Estimate, colocated, estimate, fmt
 from engine.plan.placement import ClusterView, Placement
-from engine.plan.resolved import ResolvedPipeline, ResolvedStage
+from engine.resolve.resolve import resolve_changed
+from engine.resolve.types import ResolvedPipeline, ResolvedStage
 from engine.stage import MemoryNeed, StageConfig
 
 WARN_AT = 0.9
@@ -285,29 +286,16 @@ def _preset_fixes(
     host: bool,
 ) -> list[tuple[str, int]]:
     """The pipeline's other memory presets after which the stage fits, as `_kind_fixes`."""
-    import copy
-
-    from engine.plan.resolve import resolve
-    from engine.spec.load import validate_document
-    from engine.spec.presets import available
-    from engine.spec.source import Document
+    from engine.load.presets import available
 
     loaded = resolved.loaded
     out = []
+    gpus = len(cluster.devices()) if loaded.spec.cluster.gpus == "auto" else None
     for preset in sorted(available("memory", loaded.base_dir, loaded.spec.presets)):
         if preset == loaded.spec.memory:
             continue
-        data = copy.deepcopy(loaded.doc.data)
-        data["memory"] = preset
-        doc = Document(loaded.doc.name, data, loaded.doc.values, loaded.doc.keys)
-        gpus = len(cluster.devices()) if loaded.spec.cluster.gpus == "auto" else None
         try:
-            other = resolve(
-                validate_document(doc, loaded.path),
-                resolved.run_dir,
-                gpus,
-                pinning=resolved.pinning,
-            )
+            other = resolve_changed(resolved, {"memory": preset}, gpus)
         except PipeError:
             continue
         if st.name not in other.stages:

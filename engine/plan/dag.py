@@ -22,11 +22,12 @@ from typing import Any
 
 from engine.errors import Diagnostic, PipeError
 from engine.fsio import exists
+from engine.load.graph import topological
+from engine.load.schema import ROLES
 from engine.plan.budget import Grow, Grown, check_memory
 from engine.plan.checksums import HashCache, model_files
 from engine.plan.dated import reads_date, run_date
 from engine.plan.memory import Estimate
-from engine.plan.paths import shown, shown_config
 from engine.plan.placement import (
     ClusterView,
     Placement,
@@ -36,9 +37,9 @@ from engine.plan.placement import (
     StageRequest,
     solve,
 )
-from engine.plan.resolved import ResolvedPipeline, ResolvedStage
-from engine.spec.graph import topological
-from engine.spec.schema import ROLES
+from engine.resolve.paths import shown, shown_config
+from engine.resolve.resolve import resolve_changed
+from engine.resolve.types import ResolvedPipeline, ResolvedStage
 from engine.stage import kinds
 
 
@@ -215,26 +216,14 @@ def _grower(resolved: ResolvedPipeline, cluster: ClusterView) -> Grow:
 
 
 def _grown(resolved: ResolvedPipeline, cluster: ClusterView, k: int) -> Grown | None:
-    import copy
-
-    from engine.plan.resolve import resolve
-    from engine.spec.load import validate_document
-    from engine.spec.source import Document
-
-    loaded = resolved.loaded
     bigger = cluster.grown(k)
-    data = copy.deepcopy(loaded.doc.data)
-    declared = loaded.spec.cluster.gpus
-    gpus = None
+    declared = resolved.loaded.spec.cluster.gpus
     if isinstance(declared, int):
-        data.setdefault("cluster", {})["gpus"] = declared * k
+        changes, gpus = {"cluster.gpus": declared * k}, None
     else:  # auto: the cluster's GPUs
-        gpus = len(bigger.devices())
-    doc = Document(loaded.doc.name, data, loaded.doc.values, loaded.doc.keys)
+        changes, gpus = {}, len(bigger.devices())
     try:
-        other = resolve(
-            validate_document(doc, loaded.path), resolved.run_dir, gpus, pinning=resolved.pinning
-        )
+        other = resolve_changed(resolved, changes, gpus)
         return other, place(other, tuple(topological(other.loaded.spec)), bigger), bigger
     except PipeError:
         return None

@@ -1,4 +1,5 @@
-"""The run's date: the one day chat templates that read the clock render, fixed at plan.
+"""Plan, part of: the run's date, the one day chat templates that read the clock render,
+fixed at plan.
 
 Input: the pipeline's `date:` (None unset), the run folder, and a stage's resolved config.
 Output: `run_date` -> (the day, where it came from): the `date:` setting, else the day kept
@@ -17,11 +18,11 @@ when the upstream model's template reads it (templates pass through unchanged).
 
 from __future__ import annotations
 
-import json
 import os
 from datetime import date
 from typing import Any
 
+from engine.checkpoint import chat_template
 from engine.fsio import atomic_write_text, exists, makedirs, read_text, remove
 
 KEPT = ".pipe-date"  # in the run folder while a run is unfinished
@@ -58,23 +59,9 @@ def release(run_dir: str) -> None:
 
 
 def template_reads_date(folder: str) -> bool:
-    """Whether a checkpoint folder's chat template calls `strftime_now`."""
-    texts: list[str] = []
-    jinja = os.path.join(folder, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as f:
-            texts.append(f.read())
-    cfg = os.path.join(folder, "tokenizer_config.json")
-    if os.path.isfile(cfg):
-        try:
-            with open(cfg, encoding="utf-8") as f:
-                template = json.load(f).get("chat_template")
-        except (OSError, ValueError, AttributeError):
-            template = None
-        if isinstance(template, str):
-            texts.append(template)
-        elif isinstance(template, list):  # named templates: [{name, template}]
-            texts += [str(t.get("template", "")) for t in template if isinstance(t, dict)]
+    """Whether a checkpoint folder's chat template (any of its named ones) calls `strftime_now`."""
+    template = chat_template(folder)
+    texts = [template] if isinstance(template, str) else list((template or {}).values())
     return any("strftime_now" in t for t in texts)
 
 

@@ -1,4 +1,4 @@
-"""`pipe plan --explain`: every resolved value beside the source it came from."""
+"""Plan, part of: `pipe plan --explain`, every resolved value beside the source it came from."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from engine.plan.memory import Estimate, fmt
-from engine.plan.paths import shown, shown_config
+from engine.resolve.paths import shown, shown_config
 from engine.stage import nested_blocks
 
 if TYPE_CHECKING:
-    from engine.plan.cluster import ClusterView
     from engine.plan.dag import Plan
-    from engine.plan.resolved import ResolvedStage
+    from engine.plan.topology import ClusterView
+    from engine.resolve.types import ResolvedStage
 
 
 def _flat(data: dict[str, Any], blocks: AbstractSet[str]) -> list[tuple[str, Any]]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from graphlib import TopologicalSorter
 from typing import Any
 
-from engine.plan.cluster import ClusterView, Device, Worker
+from engine.plan.topology import ClusterView, Device, Worker
 from engine.stage import Slot
 
 __all__ = ["ClusterView", "Device", "Worker"]  # the cluster placement works with

@@ -9,7 +9,7 @@ inputs are not read again. A folder (a checkpoint) is keyed by
 its files (`engine.fsio.folder_key`: names, sizes, mtimes, and the bytes of the
 small ones), never by the folder's own size and mtime, which a file rewritten in
 place leaves alone. A model or dataset named by hub id is keyed by the commit the
-plan pinned it to: the config holds `org/name@<sha>` (`engine.plan.pins`), so a
+plan pinned it to: the config holds `org/name@<sha>` (`engine.resolve.pins`), so a
 moved branch changes the config's hash. A stage is up to date when its
 stamp holds the same key and all its outputs exist.
 """
@@ -23,7 +23,7 @@ from typing import Any
 from engine.fsio import exists, read_text
 from engine.plan.checksums import HashCache
 from engine.plan.dag import Plan
-from engine.plan.paths import shown
+from engine.resolve.paths import shown
 from engine.run.task import STAMP
 
 

@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING
 from engine.cluster.connect import Cluster
 from engine.errors import Diagnostic, Location, PipeError, did_you_mean
 from engine.fsio import atomic_write_text, makedirs
-from engine.plan.cluster import view_from_workers
+from engine.load.load import LoadedPipeline, load_pipeline
 from engine.plan.dag import Plan, plan
 from engine.plan.dated import keep as keep_date
 from engine.plan.dated import release as release_date
-from engine.plan.pins import Pinning
-from engine.plan.resolve import resolve
+from engine.plan.topology import view_from_workers
+from engine.resolve.pins import Pinning
+from engine.resolve.resolve import resolve
 from engine.run.execute import execute
 from engine.run.report import RunReport, new_run_id
 from engine.run.select import RunOptions, prepare
 from engine.run.tracking.recorder import start_tracking, wants_dashboard
-from engine.spec.load import LoadedPipeline, load_pipeline
 
 if TYPE_CHECKING:
     from engine.cluster.slurm import SlurmRequest

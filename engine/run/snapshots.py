@@ -14,38 +14,33 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from engine.hub import fetch, parse
+from engine.hub import fetch, hub_fields
 
 
 def local_models(config: Any, log: logging.Logger) -> tuple[Any, dict[str, str]]:
     """`config` with its hub models as local snapshot folders, and their names."""
     names: dict[str, str] = {}
-    for dotted, repo_type in config.hub_inputs().items():
-        if repo_type != "model":
+    given = config  # each field read as given (the fields are distinct leaves)
+    for hf in hub_fields(config.hub_inputs(), lambda path: _get(given, path)):
+        if hf.repo_type != "model":
             continue
-        parts = dotted.split(".")
-        value = _get(config, parts)
-        values = value if isinstance(value, list) else [value]
-        local = list(values)
-        for i, v in enumerate(values):
-            hub = parse(v) if isinstance(v, str) else None
-            if hub is None:
-                continue
+        local = hf.values
+        for i, v, hub in hf.ids:
             local[i] = fetch(v, log)
             names[local[i]] = hub.repo
-            log.info("%s %s: %s", dotted, v, local[i])
-        if local != values:
-            config = _replace(config, parts, local if isinstance(value, list) else local[0])
+            log.info("%s %s: %s", hf.dotted, v, local[i])
+        if local != hf.values:
+            config = _replace(config, hf.path, hf.rebuilt(local))
     return config, names
 
 
-def _get(obj: Any, parts: list[str]) -> Any:
+def _get(obj: Any, parts: tuple[str, ...]) -> Any:
     for part in parts:
         obj = getattr(obj, part, None)
     return obj
 
 
-def _replace(obj: Any, parts: list[str], value: Any) -> Any:
+def _replace(obj: Any, parts: tuple[str, ...], value: Any) -> Any:
     """A copy of the frozen config `obj` with the field at `parts` set to `value`."""
     head = parts[0]
     new = value if len(parts) == 1 else _replace(getattr(obj, head), parts[1:], value)

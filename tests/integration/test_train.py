@@ -77,7 +77,7 @@ def memory_constrained_settings() -> dict[str, Any]:
     from ruamel.yaml import YAML
 
     preset = YAML(typ="safe").load(
-        (ROOT / "engine/spec/presets/memory_constrained.memory.yaml").read_text()
+        (ROOT / "engine/load/presets/memory_constrained.memory.yaml").read_text()
     )
     fields = TrainConfig.model_fields
     return {k: v["value"] for k, v in preset["settings"].items() if k in fields}

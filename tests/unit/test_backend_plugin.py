@@ -127,9 +127,9 @@ def _pipeline(tmp_path: Path, capacity: int) -> Path:
 
 def test_a_registered_backend_is_validated_checked_and_derived(tmp_path: Path) -> None:
     from engine.errors import PipeError
+    from engine.load.load import load_pipeline
     from engine.plan.dag import plan
-    from engine.plan.resolve import resolve
-    from engine.spec.load import load_pipeline
+    from engine.resolve.resolve import resolve
 
     with pytest.raises(PipeError) as err:
         plan(resolve(load_pipeline(_pipeline(tmp_path, capacity=65))))
@@ -201,7 +201,7 @@ def test_collect_and_evaluate_run_through_a_registered_backend(tmp_path: Path) -
 
 def test_an_unknown_backend_names_the_registered_ones(tmp_path: Path) -> None:
     from engine.errors import PipeError
-    from engine.spec.load import load_pipeline
+    from engine.load.load import load_pipeline
 
     path = _pipeline(tmp_path, 8)
     path.write_text(path.read_text().replace("{kind: toy}", "{kind: tyo}"))

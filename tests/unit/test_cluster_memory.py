@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from engine.errors import PipeError
-from engine.plan.cluster import view_from_workers
+from engine.load.load import load_pipeline
 from engine.plan.dag import plan
-from engine.plan.resolve import resolve
-from engine.spec.load import load_pipeline
+from engine.plan.topology import view_from_workers
+from engine.resolve.resolve import resolve
 from tests.conftest import run_cli
 from tests.unit.test_memory import LLAMA
 

@@ -80,10 +80,10 @@ def test_checkpoints_are_labelled_by_the_stage_that_made_them(
     in another stage's name): the engine hands each output's stage to the run
     (`StageContext.producers`); a folder no stage makes is named by its path from the
     pipeline's folder."""
+    from engine.load.load import load_pipeline
     from engine.plan.dag import plan
-    from engine.plan.resolve import resolve
+    from engine.resolve.resolve import resolve
     from engine.run.execute import producers
-    from engine.spec.load import load_pipeline
     from tests.conftest import stub_checkpoint
 
     monkeypatch.chdir(tmp_path)

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import PipeError
-from engine.spec.load import validate_document
-from engine.spec.source import parse_document
+from engine.load.load import validate_document
+from engine.load.source import parse_document
 from tests.conftest import ROOT
 
 VALID = (ROOT / "tests" / "data" / "valid.yaml").read_text()

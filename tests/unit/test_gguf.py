@@ -122,11 +122,11 @@ def _pipeline(tmp_path: Path, model: str, extra: str = "") -> Path:
 def test_the_plan_shows_the_files_sha256_and_the_cache_key_follows_its_content(
     tiny: tuple[Path, Any], tmp_path: Path
 ):
+    from engine.load.load import load_pipeline
     from engine.plan.checksums import HashCache
     from engine.plan.dag import plan
-    from engine.plan.resolve import resolve
+    from engine.resolve.resolve import resolve
     from engine.run.cache import stage_keys
-    from engine.spec.load import load_pipeline
 
     shutil.copy(tiny[0], tmp_path / "tiny.gguf")
     _pipeline(tmp_path, "tiny.gguf", ", chat_template: chatml")

@@ -68,10 +68,10 @@ def test_a_declared_cluster_overrides_this_machine(monkeypatch: pytest.MonkeyPat
 def test_the_live_workers_gpus_place_the_stages():
     """What `pipe run` does once connected: the workers' `GPU` resources (a worker started
     with `--resources GPU=1`) are the count, and the stages are placed on them."""
-    from engine.plan.cluster import view_from_workers
+    from engine.load.load import load_pipeline
     from engine.plan.dag import plan as place
-    from engine.plan.resolve import resolve
-    from engine.spec.load import load_pipeline
+    from engine.plan.topology import view_from_workers
+    from engine.resolve.resolve import resolve
 
     info = {"tcp://127.0.0.1:1": {"host": "127.0.0.1", "resources": {"GPU": 1}, "env": {}}}
     view = view_from_workers(info, 8)

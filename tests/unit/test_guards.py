@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.spec.jsonschema import schema_text
-from engine.spec.load import load_pipeline
-from engine.spec.source import load_document
+from engine.load.jsonschema import schema_text
+from engine.load.load import load_pipeline
+from engine.load.source import load_document
 from tests.conftest import ROOT, run_cli
 from tests.fetched import planned_from
 

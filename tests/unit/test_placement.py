@@ -6,7 +6,6 @@ import logging
 
 import pytest
 
-from engine.plan.cluster import view_from_workers
 from engine.plan.placement import (
     ClusterView,
     Placement,
@@ -17,6 +16,7 @@ from engine.plan.placement import (
     Worker,
     solve,
 )
+from engine.plan.topology import view_from_workers
 from engine.stage import Slot
 from tests.conftest import stub_checkpoint
 
@@ -214,16 +214,16 @@ def test_validate_with_a_declared_cluster_gives_a_located_error(tmp_path, monkey
 
 def test_a_cluster_file_error_is_located(tmp_path):
     from engine.errors import PipeError
-    from engine.plan.cluster_file import load_cluster_spec
+    from engine.plan.topology_file import load_cluster_file
 
     path = tmp_path / "c.yaml"
     path.write_text("nodes: 2\ngpus_per_nod: 8\n")
     with pytest.raises(PipeError) as info:
-        load_cluster_spec(str(path))
+        load_cluster_file(str(path))
     assert info.value.render() == (
         f"{path}:2:1: gpus_per_nod: unknown field 'gpus_per_nod'; did you mean 'gpus_per_node'?"
     )
-    view = load_cluster_spec("6x8x80GB")
+    view = load_cluster_file("6x8x80GB")
     assert (len(view.workers), view.gpus_per_node, view.gpu_memory_bytes) == (6, 8, 80 * 10**9)
 
 

@@ -89,9 +89,9 @@ def test_ds_config_passes_deepspeed_for_every_preset_pair(
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    from engine.load.load import load_pipeline
     from engine.plan.dag import plan
-    from engine.plan.resolve import resolve
-    from engine.spec.load import load_pipeline
+    from engine.resolve.resolve import resolve
     from stages.lib.distributed.ds_config import build_ds_config
 
     overrides = [f"profile={profile}", f"memory={memory}"]

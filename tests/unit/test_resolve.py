@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from engine.errors import PipeError
+from engine.load.load import load_pipeline
 from engine.plan.dag import Plan, plan
-from engine.plan.resolve import resolve
-from engine.spec.load import load_pipeline
+from engine.resolve.resolve import resolve
 from tests.conftest import stub_checkpoint
 
 

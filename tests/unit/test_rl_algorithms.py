@@ -145,9 +145,9 @@ def test_gspo_ratio_is_each_sequences_geometric_mean_clipped_as_one():
 
 def _planned_rl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: str) -> Any:
     """The rl stage's config as `pipe plan` resolves it from `config` (defaults, derived)."""
+    from engine.load.load import load_pipeline
     from engine.plan.dag import plan
-    from engine.plan.resolve import resolve
-    from engine.spec.load import load_pipeline
+    from engine.resolve.resolve import resolve
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
@@ -383,8 +383,8 @@ def test_dynamic_sampling_stops_at_its_bound_when_no_group_has_a_signal(engine: 
 
 def resolved_rl(tmp_path: Path, config: str) -> Any:
     """The rl stage of a one-stage pipeline with `config`, as `pipe plan` resolves it."""
-    from engine.plan.resolve import resolve
-    from engine.spec.load import load_pipeline
+    from engine.load.load import load_pipeline
+    from engine.resolve.resolve import resolve
 
     (tmp_path / "d.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
     (tmp_path / "p.yaml").write_text(

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from engine.errors import PipeError
+from engine.load.load import load_pipeline
 from engine.plan.dag import plan
-from engine.plan.resolve import resolve
-from engine.spec.load import load_pipeline
+from engine.resolve.resolve import resolve
 from stages.rl import RLConfig
 from tests.conftest import stub_checkpoint
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.load.load import load_pipeline
 from engine.plan.dag import Plan, plan
 from engine.plan.dated import keep, release, run_date
-from engine.plan.resolve import resolve
-from engine.spec.load import load_pipeline
+from engine.resolve.resolve import resolve
 from stages.lib.chat.clock import fixed_template
 from tests.conftest import run_cli, stub_checkpoint
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from engine.errors import Location, PipeError
-from engine.spec.source import parse_document
+from engine.load.source import parse_document
 
 
 def test_values_and_locations():

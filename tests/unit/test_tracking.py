@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from engine.errors import PipeError
+from engine.load.load import load_pipeline
 from engine.plan.dag import plan
-from engine.plan.resolve import resolve
+from engine.resolve.resolve import resolve
 from engine.run.headline import headlines
 from engine.run.report import RunReport
 from engine.run.tracking.recorder import start_tracking
-from engine.spec.load import load_pipeline
 from stages.lib.io.metrics import Metrics
 from tests.conftest import run_cli
 

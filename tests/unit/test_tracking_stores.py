@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.load.tracking_block import MlflowSpec, WandbSpec
 from engine.run.tracking.base import RunInfo, StageInfo
-from engine.spec.tracking import MlflowSpec, WandbSpec
 
 RUN = RunInfo("run-1", "p", "", {"stages.a.config.size": "10"}, {})
 STAGE = StageInfo("a", "dataset", "key-a", {"size": "10"}, {})

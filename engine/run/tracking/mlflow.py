@@ -31,8 +31,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
+from engine.load.tracking_block import MlflowSpec
 from engine.run.tracking.base import RunInfo, StageInfo, local_path, redact
-from engine.spec.tracking import MlflowSpec
 
 T = TypeVar("T")
 _KEY = re.compile(r"[^\w./\- :]")

@@ -31,9 +31,9 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from engine.load.tracking_block import TrackingSpec
 from engine.run.report import RunReport
 from engine.run.tracking.base import RunInfo, StageInfo, Tracker, redact
-from engine.spec.tracking import TrackingSpec
 
 if TYPE_CHECKING:
     from engine.plan.dag import Plan

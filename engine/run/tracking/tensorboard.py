@@ -13,8 +13,8 @@ import struct
 import time
 from typing import Any
 
+from engine.load.tracking_block import TensorBoardSpec
 from engine.run.tracking.base import RunInfo, StageInfo, local_path
-from engine.spec.tracking import TensorBoardSpec
 
 
 class TensorBoardTracker:

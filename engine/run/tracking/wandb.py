@@ -19,8 +19,8 @@ import os
 import shutil
 from typing import Any
 
+from engine.load.tracking_block import WandbSpec
 from engine.run.tracking.base import RunInfo, StageInfo, local_path
-from engine.spec.tracking import WandbSpec
 
 
 def _logged_in() -> bool:

@@ -23,7 +23,7 @@ from stages.collect.tune.sweep import Level, MeasureFn
 from stages.lib.io.jsonl import read_jsonl
 
 if TYPE_CHECKING:
-    from engine.spec.load import LoadedPipeline
+    from engine.load.load import LoadedPipeline
     from stages.collect import CollectConfig
 
 log = logging.getLogger("pipe.tune")
@@ -52,7 +52,7 @@ class Target:
 def _collect_config(loaded: LoadedPipeline, stage: str) -> CollectConfig:
     """The stage's config as `pipe run` would run it: resolved, presets and derived rules
     applied (`PipeError` when the stage is not a collect stage or the pipeline is invalid)."""
-    from engine.plan.resolve import resolve
+    from engine.resolve.resolve import resolve
     from stages.collect import CollectConfig
 
     spec = loaded.spec
@@ -76,7 +76,7 @@ def _collect_config(loaded: LoadedPipeline, stage: str) -> CollectConfig:
 
 def _sample_rows(loaded: LoadedPipeline, stage: str, cfg: CollectConfig) -> list[dict[str, Any]]:
     """The first `SAMPLE_ROWS` prompt rows from `start_idx` of the stage's input file."""
-    from engine.spec.load import stage_config_data
+    from engine.load.load import stage_config_data
     from engine.stage import get_kind
 
     path = ("stages", stage, "config", "input")
@@ -111,7 +111,7 @@ def _sample_rows(loaded: LoadedPipeline, stage: str, cfg: CollectConfig) -> list
 def load_target(pipeline: str, stage: str, overrides: tuple[str, ...] = ()) -> Target:
     """Load the pipeline and the collect stage's config and prompt sample; `PipeError` if
     unusable."""
-    from engine.spec.load import load_pipeline
+    from engine.load.load import load_pipeline
 
     loaded = load_pipeline(pipeline, overrides)
     cfg = _collect_config(loaded, stage)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import Location, PipeError
-from engine.spec.source import parse_document, render_path
+from engine.load.source import parse_document, render_path
 
 
 def _child(mapping: Any, key: str) -> tuple[Any, Any] | None:

@@ -36,6 +36,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from engine.checkpoint import chat_template
 from engine.errors import Diagnostic, did_you_mean
 from engine.stage import ResolveContext
 from stages.lib.builders.conventions import TEMPLATES
@@ -92,19 +93,8 @@ def checkpoint_template(path: str) -> str | None:
     """The chat template a checkpoint folder or GGUF file carries, None when it has none."""
     if is_gguf(path):
         return read_header(path).chat_template
-    jinja = os.path.join(path, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as f:
-            return f.read() or None
-    for name in ("tokenizer_config.json", "chat_template.json"):
-        try:
-            with open(os.path.join(path, name), encoding="utf-8") as f:
-                template = json.load(f).get("chat_template")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if template:
-            return template if isinstance(template, str) else json.dumps(template)
-    return None
+    template = chat_template(path)  # as transformers finds it
+    return template if template is None or isinstance(template, str) else json.dumps(template)
 
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")

@@ -4,20 +4,18 @@ Input: the resolved (absolute, or kept as written) path and the stage's `Resolve
 Output: located diagnostics: a folder that does not exist, or holds no `config.json`; a `.gguf`
 file that does not exist or is not one (`stages.lib.model.gguf.check_gguf`). An earlier
 stage's output (made when it runs), a remote URL and a hub id pass: the plan pins a hub id to
-a commit and names what is wrong with it (`engine.plan.pins`).
+a commit and names what is wrong with it (`engine.resolve.pins`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from engine.errors import Diagnostic
+from engine.hub import HUB_ID
 from engine.stage import ResolveContext
 from stages.lib.model.gguf import check_gguf, is_gguf
-
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
 def check_checkpoint(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:

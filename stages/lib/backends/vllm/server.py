@@ -46,7 +46,6 @@ is logged at DEBUG); callers make it with `vllm_auth.new_secret()` per stage run
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -296,14 +295,12 @@ def dated_template_args(model: str | None, stack: ExitStack) -> list[str]:
 
 
 def _folder_template(model: str) -> str | None:
-    jinja = Path(model) / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    config = Path(model) / "tokenizer_config.json"
-    if config.is_file():
-        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-        return template if isinstance(template, str) else None
-    return None
+    """The template vLLM's server renders with: the folder's own (`engine.checkpoint`), its
+    default one where it has named templates."""
+    from engine.checkpoint import chat_template
+
+    template = chat_template(model)
+    return template.get("default") if isinstance(template, dict) else template
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """Resolve, part of: the GPU roles the stages hold, the GPUs each role gets, and each stage's.
 
 Input: the loaded pipeline, the GPU count it is resolved for (`cluster.gpus`, or what `auto`
-came to) and its colocation. Output: `{role: RoleAlloc}` (split by `engine.plan.resources`)
+came to) and its colocation. Output: `{role: RoleAlloc}` (split by `engine.resolve.resources`)
 and, per stage, its GPU count: `resources.gpus`, or its role's GPUs, or the GPUs of the
 roles its kind holds (colocated roles counted once). Problems go to the resolution's errors
 and notes: a role of the ratio no stage uses, a role that got no GPUs, a refused role.
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import Diagnostic, did_you_mean
-from engine.plan.resources import allocate, ratio_text, refused_roles
-from engine.spec.load import LoadedPipeline, stage_config_data
-from engine.spec.source import render_path
+from engine.load.load import LoadedPipeline, stage_config_data
+from engine.load.source import render_path
+from engine.resolve.resources import allocate, ratio_text, refused_roles
 from engine.stage import RoleAlloc, kinds
 
 

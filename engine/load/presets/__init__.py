@@ -115,8 +115,8 @@ def load_preset(
     kind: str, name: str, base: Path | None = None, extra: Iterable[str] = ()
 ) -> PresetSource:
     """The preset `name` of `kind`; the pipeline's own files shadow built-ins of the same name."""
-    from engine.spec.source import load_document
-    from engine.spec.validation import validation_diagnostics
+    from engine.load.source import load_document
+    from engine.load.validation import validation_diagnostics
 
     found = [p for p in _files(base, extra) if _kind_of(p) == (name, kind)]
     if not found:

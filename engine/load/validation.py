@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from engine.errors import Diagnostic, did_you_mean, found, one_of
-from engine.spec.source import Document, PathT, render_path
+from engine.load.source import Document, PathT, render_path
 
 
 def validation_diagnostics(

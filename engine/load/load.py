@@ -18,11 +18,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine.errors import Diagnostic, PipeError, did_you_mean, found, one_of
-from engine.spec.overrides import apply_overrides
-from engine.spec.schema import PipelineSpec, StageSpec
-from engine.spec.source import Document, load_document, render_path
-from engine.spec.tracking import check_tracking
-from engine.spec.validation import validation_diagnostics
+from engine.load.overrides import apply_overrides
+from engine.load.schema import PipelineSpec, StageSpec
+from engine.load.source import Document, load_document, render_path
+from engine.load.tracking_block import check_tracking
+from engine.load.validation import validation_diagnostics
 from engine.stage import StageKind, kinds
 
 
@@ -300,7 +300,7 @@ def _check_outputs(doc: Document, spec: PipelineSpec | _Parts, registry: Any) ->
 
 
 def _check_presets(doc: Document, spec: PipelineSpec | _Parts, base: Path) -> list[Diagnostic]:
-    from engine.spec.presets import available
+    from engine.load.presets import available
 
     out = []
     for field, what in (("profile", "profile"), ("memory", "memory preset")):

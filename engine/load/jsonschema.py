@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.spec.schema import PipelineSpec
+from engine.load.schema import PipelineSpec
 from engine.stage import kinds
 
 SCHEMA_FILE = "pipeline.schema.json"

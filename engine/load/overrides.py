@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 
 from engine.errors import Diagnostic, Location, PipeError
-from engine.spec.source import Document, PathT, parse_document
+from engine.load.source import Document, PathT, parse_document
 
 _PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 
@@ -88,6 +88,6 @@ def _assign(doc: Document, path: PathT, value: object, where: Location) -> str:
 
 
 def _render(path: PathT) -> str:
-    from engine.spec.source import render_path
+    from engine.load.source import render_path
 
     return render_path(path)

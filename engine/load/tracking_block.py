@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.errors import Diagnostic
-from engine.spec.source import Document
+from engine.load.source import Document
 
 
 class _Model(BaseModel):

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import Diagnostic
-from engine.hub import HubError, HubId, Pin, parse, pin
-from engine.plan.resolved import Draft, Source
-from engine.spec.source import Document, get_at, set_at
+from engine.hub import HubError, HubId, Pin, hub_fields, pin
+from engine.load.source import Document, get_at, set_at
+from engine.resolve.types import Draft, Source
 
 
 @dataclass
@@ -60,32 +60,26 @@ def pin_hub_inputs(
 ) -> list[Pinned]:
     """Pin the hub ids among the config's `hub_inputs` in `draft.merged`; what was pinned."""
     out: list[Pinned] = []
-    for dotted, repo_type in config.hub_inputs().items():
-        path = tuple(dotted.split("."))
-        value = get_at(draft.merged, path)
-        values = value if isinstance(value, list) else [value]
-        pinned = list(values)
-        for i, v in enumerate(values):
-            hub = parse(v) if isinstance(v, str) else None
-            if hub is None:
-                continue
-            where = path + ((i,) if isinstance(value, list) else ())
+    for hf in hub_fields(config.hub_inputs(), lambda path: get_at(draft.merged, path)):
+        pinned = hf.values
+        for i, v, hub in hf.ids:
+            where = hf.path + ((i,) if hf.many else ())
             try:
-                got = pinning.pin(hub, repo_type)
+                got = pinning.pin(hub, hf.repo_type)
             except HubError as exc:
                 folder = (
                     f"; nor is there a folder '{v}' next to the pipeline" if exc.unknown else ""
                 )
-                loc, dotted_at = view.value_loc(where), f"stages.{draft.name}.config.{dotted}"
+                loc, dotted_at = view.value_loc(where), f"stages.{draft.name}.config.{hf.dotted}"
                 errors.append(Diagnostic(loc, dotted_at, f"{exc}{folder}"))
                 continue
             if got is None or hub.at(got.sha) == v:  # not cached at validate; or a sha written
                 continue
             pinned[i] = hub.at(got.sha)
-            out.append(Pinned(dotted, v, pinned[i], got.source))
-        if pinned != values:
-            set_at(draft.merged, path, pinned if isinstance(value, list) else pinned[0])
-            _record(draft, dotted, [p for p in out if p.field == dotted])
+            out.append(Pinned(hf.dotted, v, pinned[i], got.source))
+        if pinned != hf.values:
+            set_at(draft.merged, hf.path, hf.rebuilt(pinned))
+            _record(draft, hf.dotted, [p for p in out if p.field == hf.dotted])
     return out
 
 

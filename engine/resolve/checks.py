@@ -1,7 +1,7 @@
 """Resolve, part of: a stage's merged config validated, then its kind's rules applied.
 
 Input: a `Draft`, one stage's merged config data with the source of every value (merged by
-`engine.plan.layers`, references and paths resolved by `engine.plan.paths`). Output: the
+`engine.resolve.layers`, references and paths resolved by `engine.resolve.paths`). Output: the
 typed config of its kind, with the values it derives (its `derive` hook, applied where
 neither the user nor a preset set one, each with the rule's reason as its source), and the
 located diagnostics of the checks: what every stage shares (its GPUs within the cluster),
@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from engine.errors import Diagnostic, Location
-from engine.plan.paths import stage_outputs
-from engine.plan.resolved import DEFAULT, Draft, ResolvedStage, Source
-from engine.spec.load import LoadedPipeline
-from engine.spec.source import Document, PathT, set_at
-from engine.spec.validation import validation_diagnostics
+from engine.load.load import LoadedPipeline
+from engine.load.source import Document, PathT, set_at
+from engine.load.validation import validation_diagnostics
+from engine.resolve.paths import stage_outputs
+from engine.resolve.types import DEFAULT, Draft, ResolvedStage, Source
 from engine.stage import Derived, ResolveContext, RoleAlloc, StageConfig
 
 C = TypeVar("C", bound=StageConfig)

@@ -1,6 +1,6 @@
 """Plan, part of: the cluster placement works with, declared or live.
 
-Input: a declared cluster's nodes (`engine.plan.cluster_file`) or what the live Dask workers
+Input: a declared cluster's nodes (`engine.plan.topology_file`) or what the live Dask workers
 report (`view_from_workers`: resources, environment, memory figures). Output: a
 `ClusterView`: workers on nodes with their device ids and memory figures, and what a
 node or a worker offers.

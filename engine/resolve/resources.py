@@ -1,4 +1,5 @@
-"""GPU roles: split `cluster.gpus` among roles by `ratio`, apply colocation, check the arithmetic.
+"""Resolve, part of: GPU roles. Split `cluster.gpus` among roles by `ratio`, apply colocation,
+check the arithmetic.
 
 Input: the pipeline's cluster and resources sections (already preset-resolved
 colocation) and the roles its stages use. Output: `{role: RoleAlloc(gpus,
@@ -26,9 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import Diagnostic, Location
-from engine.spec.load import stage_config_data
-from engine.spec.schema import ROLES, PipelineSpec
-from engine.spec.source import Document, PathT, render_path
+from engine.load.load import stage_config_data
+from engine.load.schema import ROLES, PipelineSpec
+from engine.load.source import Document, PathT, render_path
 from engine.stage import RoleAlloc, kinds
 
 

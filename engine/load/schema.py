@@ -6,7 +6,7 @@ Schema carries editor hover text. A stage's `config:` is kept as the user wrote
 it (resolve merges it with presets), but is checked here against its kind's
 model merged with the pipeline `defaults:`, so `pipe validate` catches a typo
 in any stage at once. Every pydantic error is mapped back to `file:line:col`
-(`engine.spec.validation`).
+(`engine.load.validation`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pydantic import (
 )
 
 from engine.errors import found
-from engine.spec.slurm import SlurmSpec
-from engine.spec.tracking import TrackingSpec
+from engine.load.slurm import SlurmSpec
+from engine.load.tracking_block import TrackingSpec
 
 SCHEMES = ("tcp", "tls", "ucx", "inproc")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")

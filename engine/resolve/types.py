@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import Diagnostic, Location
-from engine.spec.load import LoadedPipeline
+from engine.load.load import LoadedPipeline
 from engine.stage import RoleAlloc, StageConfig, StageKind
 
 
@@ -51,7 +51,7 @@ class ResolvedStage:
     config: StageConfig
     sources: dict[str, Source]
     roles: tuple[str, ...] = ()  # roles held besides `role` (a kind's roles_used)
-    pins: tuple[Any, ...] = ()  # its hub ids pinned to a commit (`engine.plan.pins.Pinned`)
+    pins: tuple[Any, ...] = ()  # its hub ids pinned to a commit (`engine.resolve.pins.Pinned`)
 
     def source(self, dotted: str) -> Source:
         return self.sources.get(dotted, DEFAULT)
@@ -79,7 +79,7 @@ class ResolvedPipeline:
     stages: dict[str, ResolvedStage]
     notes: list[Diagnostic] = field(default_factory=list)
     gpus_auto: GpusAuto | None = None
-    pinning: Any = None  # the commits hub ids were pinned to (`engine.plan.pins.Pinning`)
+    pinning: Any = None  # the commits hub ids were pinned to (`engine.resolve.pins.Pinning`)
 
     @property
     def name(self) -> str:

@@ -1,6 +1,6 @@
 """Resolve, part of: `@stage` references, default inputs, and relative paths of one stage.
 
-Input: a `Draft` (its layers merged by `engine.plan.layers`) and the stages resolved before
+Input: a `Draft` (its layers merged by `engine.resolve.layers`) and the stages resolved before
 it. Output: the draft's config data rewritten in place, the source of each value set, and
 located errors (a reference that does not hold, an input that nothing gives).
 
@@ -25,12 +25,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.errors import Diagnostic, did_you_mean, one_of
-from engine.plan.resolved import Draft, ResolvedStage, Source
-from engine.spec.source import PathT, get_at, set_at
+from engine.load.source import PathT, get_at, set_at
+from engine.resolve.types import Draft, ResolvedStage, Source
 
 if TYPE_CHECKING:
-    from engine.spec.load import LoadedPipeline
-    from engine.spec.source import Document
+    from engine.load.load import LoadedPipeline
+    from engine.load.source import Document
 
 
 class _State(Protocol):

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import Diagnostic, found
-from engine.plan.resolved import DEFAULT, Draft, ResolvedStage, Source
-from engine.spec.load import LoadedPipeline, stage_config_data
-from engine.spec.presets import PresetSource, load_preset
-from engine.spec.source import PathT, get_at, render_path, set_at
+from engine.load.load import LoadedPipeline, stage_config_data
+from engine.load.presets import PresetSource, load_preset
+from engine.load.source import PathT, get_at, render_path, set_at
+from engine.resolve.types import DEFAULT, Draft, ResolvedStage, Source
 from engine.stage import StageKind, nested_blocks
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 
-from engine.spec.schema import PipelineSpec
+from engine.load.schema import PipelineSpec
 
 
 def topological(spec: PipelineSpec) -> list[str]:

@@ -12,7 +12,7 @@ Conflict rules, always reported:
 
 Then `@stage` references and relative paths are resolved (inputs against the pipeline's folder,
 outputs inside `<run-dir>/<stage>/`, both made absolute), hub ids are pinned to a commit, GPU
-roles are allocated (`engine.plan.resources`), the kind derives what it derives from the rest
+roles are allocated (`engine.resolve.resources`), the kind derives what it derives from the rest
 (its `derive` hook: values nobody set), and the stage is checked: stage GPUs within the cluster
 here, the kind's own rules (engines x tensor-parallel size, batch sizes that divide, ...)
 through its `check` hook.
@@ -20,23 +20,26 @@ through its `check` hook.
 This module runs those steps, stage after stage in the order of `needs`; each is a module:
 `layers` (the merge and its conflicts, with provenance), `roles` (the GPUs of roles and
 stages), `paths` (references and paths), `checks` (validation, derived values and checks);
-`pins` (hub ids pinned to a commit); the stage under way is a `Draft` (`resolved`).
+`pins` (hub ids pinned to a commit); the stage under way is a `Draft` (`types`).
 """
 
 from __future__ import annotations
 
+import copy
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import Diagnostic, PipeError
-from engine.plan.checks import check, context, derive, located, validated
-from engine.plan.layers import Layers
-from engine.plan.paths import resolve_paths
-from engine.plan.pins import Pinning, pin_hub_inputs
-from engine.plan.resolved import GpusAuto, ResolvedPipeline, ResolvedStage
-from engine.plan.roles import Roles
-from engine.spec.load import LoadedPipeline
-from engine.spec.source import Document
+from engine.load.load import LoadedPipeline, validate_document
+from engine.load.source import Document
+from engine.resolve.checks import check, context, derive, located, validated
+from engine.resolve.layers import Layers
+from engine.resolve.paths import resolve_paths
+from engine.resolve.pins import Pinning, pin_hub_inputs
+from engine.resolve.roles import Roles
+from engine.resolve.types import GpusAuto, ResolvedPipeline, ResolvedStage
 from engine.stage import kinds
 
 
@@ -77,7 +80,7 @@ def resolve(
     roles = Roles(loaded, state.errors, state.notes)
     roles.cpu_only = spec.cluster.gpus == "auto" and total == 0 and bool(gpus_from)
     roles.allocate(total, colocate)
-    from engine.spec.graph import topological
+    from engine.load.graph import topological
 
     for name in topological(spec):
         resolved = _stage(state, layers, roles, name)
@@ -102,6 +105,26 @@ def resolve(
         auto,
         state.pinning,
     )
+
+
+def resolve_changed(
+    resolved: ResolvedPipeline, changes: Mapping[str, Any], gpus: int | None
+) -> ResolvedPipeline:
+    """What if: the pipeline resolved again with `changes` (`{dotted path: value}`) made to a
+    copy of its document, validated again, in the same run folder with the pins read so far;
+    `PipeError` where it does not resolve. How a plan tries a bigger cluster and a refusal
+    another memory preset."""
+    loaded = resolved.loaded
+    data = copy.deepcopy(loaded.doc.data)
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    doc = Document(loaded.doc.name, data, loaded.doc.values, loaded.doc.keys)
+    again = validate_document(doc, loaded.path)
+    return resolve(again, resolved.run_dir, gpus, pinning=resolved.pinning)
 
 
 def _stage(state: _State, layers: Layers, roles: Roles, name: str) -> ResolvedStage | None:
