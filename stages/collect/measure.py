@@ -58,9 +58,9 @@ def measure_level(
     score = make_verifier(cfg.verifier)
     if cfg.backend.in_process() is not None:
         return _measure_local(cfg, prompts, score, parallelism, num_requests)
-    from stages.lib.backends.endpoint import make_client
+    from stages.lib.backends.endpoint import Serving, make_client
 
-    with cfg.backend.open_endpoint(gpus=cfg.backend.engine_gpus(), log=log) as endpoint:
+    with cfg.backend.open_endpoint(Serving(log, cfg.backend.engine_gpus())) as endpoint:
         client = make_client(cfg, endpoint, connections=parallelism)
         return asyncio.run(_measure_http(client, cfg, prompts, score, parallelism, num_requests))
 

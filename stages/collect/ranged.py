@@ -147,18 +147,15 @@ def _collect_http(
     work: Iterator[tuple[Prompt, list[int]]],
     recorder: Recorder,
 ) -> None:
+    from stages.lib.backends.endpoint import Serving
     from stages.lib.env.contract import environment_factory
 
     # an environment that cannot be loaded fails the stage before any engine starts
     make_env = environment_factory(cfg.environment, cfg.verifier) if cfg.environment else None
     log_file = ctx.path(f"{os.path.basename(cfg.output)}.{cfg.backend.kind}.log")  # its servers'
-    devices = ctx.device_env().get("CUDA_VISIBLE_DEVICES")
-    with cfg.backend.open_endpoint(
-        gpus=ctx.gpus,
-        log=ctx.log,
-        log_file=log_file,
-        devices=devices.split(",") if devices else None,
-    ) as endpoint:
+    visible = ctx.device_env().get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else None
+    with cfg.backend.open_endpoint(Serving(ctx.log, ctx.gpus, devices, log_file)) as endpoint:
         run_async(_collect_async(cfg, endpoint, pairs(work), recorder, make_env))
     if cfg.num_samples_in_parallel == "auto":
         conc = recorder.stats.metrics()["concurrency"]

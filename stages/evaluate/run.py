@@ -146,11 +146,13 @@ class Generator:
     def endpoint(self, path: str) -> Iterator[Endpoint]:
         """The HTTP endpoint answering as `path` (a server the backend starts: for the block's
         duration)."""
+        from stages.lib.backends.endpoint import Serving
+
         backend = self.cfg.backend.serving(path)
         gpus = len(self.ctx.devices()) if self.ctx is not None else 0
         visible = self.ctx.device_env().get("CUDA_VISIBLE_DEVICES") if self.ctx else None
         devices = visible.split(",") if visible else None
-        with backend.open_endpoint(gpus=gpus, log=log, devices=devices) as endpoint:
+        with backend.open_endpoint(Serving(log, gpus, devices)) as endpoint:
             yield endpoint
 
     def _http(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:

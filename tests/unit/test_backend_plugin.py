@@ -10,10 +10,9 @@ backend serves its servers.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import textwrap
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -23,7 +22,7 @@ from pydantic import Field
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, ResolveContext, StageContext
-from stages.lib.backends.endpoint import Endpoint
+from stages.lib.backends.endpoint import Endpoint, Serving
 from stages.lib.backends.protocol import BackendConfig
 from stages.lib.backends.registered import register_backend, unregister_backend
 from tests.conftest import ROOT
@@ -60,14 +59,7 @@ class ToyBackend(BackendConfig):
         return []
 
     @contextmanager
-    def open_endpoint(
-        self,
-        *,
-        gpus: int,
-        log: logging.Logger,
-        log_file: str | None = None,
-        devices: Sequence[str] | None = None,
-    ) -> Iterator[Endpoint]:
+    def open_endpoint(self, serving: Serving) -> Iterator[Endpoint]:
         handle = start_in_thread(capacity=self.capacity)
         STARTED.append(handle.url)
         try:

@@ -10,6 +10,8 @@ the key), and the sampling settings. Output: `make_client`, the OpenAIClient for
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +30,18 @@ class RequestSettings(Protocol):
     def max_output_tokens(self) -> int: ...
     @property
     def timeout_s(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Serving:
+    """Where a backend that starts servers runs them: the GPUs the stage holds (`devices`:
+    their ids, CUDA_VISIBLE_DEVICES), the log its progress goes to and the file its servers'
+    output goes to."""
+
+    log: logging.Logger
+    gpus: int = 0
+    devices: Sequence[str] | None = None
+    log_file: str | None = None
 
 
 @dataclass(frozen=True)

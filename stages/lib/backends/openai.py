@@ -8,9 +8,8 @@ with the key read from the environment variable the block names (never written a
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Literal
 
@@ -19,7 +18,7 @@ from pydantic import Field
 from stages.lib.backends.protocol import BackendConfig
 
 if TYPE_CHECKING:
-    from stages.lib.backends.endpoint import Endpoint
+    from stages.lib.backends.endpoint import Endpoint, Serving
 
 
 class OpenAIBackend(BackendConfig):
@@ -59,14 +58,7 @@ class OpenAIBackend(BackendConfig):
         )
 
     @contextmanager
-    def open_endpoint(
-        self,
-        *,
-        gpus: int,
-        log: logging.Logger,
-        log_file: str | None = None,
-        devices: Sequence[str] | None = None,
-    ) -> Iterator[Endpoint]:
+    def open_endpoint(self, serving: Serving) -> Iterator[Endpoint]:
         from stages.lib.backends.endpoint import Endpoint
 
         yield Endpoint(self.base_url, self.model, self.endpoint, api_key(self))

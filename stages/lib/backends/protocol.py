@@ -25,7 +25,6 @@ A backend module holds its config model (light: pydantic only) and imports what 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
@@ -35,10 +34,11 @@ from engine.stage import Derived, MemoryNeed, ResolveContext
 from stages.lib.block import Block
 
 if TYPE_CHECKING:
-    from stages.lib.backends.endpoint import Endpoint
+    from stages.lib.backends.endpoint import Endpoint, Serving
     from stages.lib.model.generate import Generation
 
 RLEngine = Literal["in_process", "servers"]
+Answers = list[list["Generation"]]  # per prompt, per sample
 
 
 class InProcess(Protocol):
@@ -48,18 +48,11 @@ class InProcess(Protocol):
     def batch_size(self) -> int: ...
 
     def generate(
-        self,
-        model: str,
-        prompts: Sequence[Any],
-        *,
-        device: str = "cpu",
-        dtype: str | None = None,
-        batch_size: int | None = None,
-        **sampling: Any,
+        self, model: str, prompts: Sequence[Any], **options: Any
     ) -> list[list[Generation]]:
-        """Answers to `prompts` (strings or message lists, rendered by the chat template),
-        `batch_size` (default: the block's) at a time: `sampling` holds num_samples,
-        temperature, top_p, max_new_tokens, seed."""
+        """Answers to `prompts` (strings or message lists, rendered by the chat template):
+        `options` are `device`, `dtype`, `batch_size` (default: the block's) and the sampling
+        (num_samples, temperature, top_p, max_new_tokens, seed)."""
         ...
 
     def load(self, model: str, device: str, dtype: str | None) -> tuple[Any, Any]:
@@ -166,14 +159,7 @@ class BackendConfig(Block):
 
     # -- run hooks -------------------------------------------------------------------------
 
-    def open_endpoint(
-        self,
-        *,
-        gpus: int,
-        log: logging.Logger,
-        log_file: str | None = None,
-        devices: Sequence[str] | None = None,
-    ) -> AbstractContextManager[Endpoint]:
+    def open_endpoint(self, serving: Serving) -> AbstractContextManager[Endpoint]:
         """Its OpenAI-compatible endpoint, open for the duration of the block (a server it
         starts is stopped on exit, also on failure)."""
         raise ValueError(f"backend kind '{self.kind}' has no HTTP endpoint")

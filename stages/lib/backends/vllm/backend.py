@@ -12,8 +12,7 @@ requiring this stage run's secret, `stages.lib.backends.vllm.auth`).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Literal
 
@@ -24,7 +23,7 @@ from engine.stage import Derived, MemoryNeed, ResolveContext
 from stages.lib.backends.protocol import BackendConfig
 
 if TYPE_CHECKING:
-    from stages.lib.backends.endpoint import Endpoint
+    from stages.lib.backends.endpoint import Endpoint, Serving
 
 
 class VLLMBackend(BackendConfig):
@@ -168,14 +167,7 @@ class VLLMBackend(BackendConfig):
         return "; ".join(parts)
 
     @contextmanager
-    def open_endpoint(
-        self,
-        *,
-        gpus: int,
-        log: logging.Logger,
-        log_file: str | None = None,
-        devices: Sequence[str] | None = None,
-    ) -> Iterator[Endpoint]:
+    def open_endpoint(self, serving: Serving) -> Iterator[Endpoint]:
         """The stage's vLLM servers (several engines: a comma-separated base URL, which the
         client spreads prompts over), each requiring this stage run's secret, which the
         endpoint carries as its API key (`Authorization: Bearer ...`)."""
@@ -184,10 +176,9 @@ class VLLMBackend(BackendConfig):
         from stages.lib.backends.vllm.server import vllm_server
 
         secret = new_secret()  # this stage run's: the server refuses requests without it
-        with vllm_server(
-            self, gpus=gpus, log=log, log_file=log_file, devices=devices, secret=secret
-        ) as base_url:
-            log.info("vLLM server ready at %s", base_url)
+        where = {"gpus": serving.gpus, "devices": serving.devices, "log_file": serving.log_file}
+        with vllm_server(self, log=serving.log, secret=secret, **where) as base_url:
+            serving.log.info("vLLM server ready at %s", base_url)
             yield Endpoint(base_url, str(self.model), "chat", api_key=secret, vllm=True)
 
 
