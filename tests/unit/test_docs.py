@@ -329,9 +329,11 @@ def test_the_layout_map_check_sees_what_is_missing(tmp_path: Path):
     ]
 
 
-# a measured figure: a number with its unit (98.2%, +41.8 points, 2,470 s, 5 min 49 s, 0.68x)
+# a measured figure: a number or a range with its unit (98.2%, +41.8 points, 2,470 s,
+# 5 min 49 s, 0.68x, 15-58 s)
+NUMBER = r"\d{1,3}(?:,\d{3})*(?:\.\d+)?"
 FIGURE = re.compile(
-    r"(?<![\w.,+-])[+-]?\d{1,3}(?:,\d{3})*(?:\.\d+)?"
+    rf"(?<![\w.,+-])[+-]?{NUMBER}(?:-{NUMBER})?"
     r"(?: min \d+ s\b|%| points\b| s\b| min\b| minutes\b|x\b| tokens/s\b)"
 )
 
@@ -358,6 +360,7 @@ NOT_MEASURED = {
     "(stages/collect/tune/sweep.py)",
     ("docs/stages/collect.md", "4x"): "--diagnose's reading: 20 in flight against 5 is 4x "
     "the throughput when parallelism is the limit",
+    ("docs/placement.md", "90-100%"): "the memory check's warning band, a rule",
 }
 
 
@@ -412,7 +415,8 @@ def test_a_figure_is_quoted_only_whole():
 def test_the_figure_reader_sees_figures_and_skips_code(tmp_path: Path):
     (tmp_path / "a.md").write_text(
         "# A\n\n56.4% -> **98.2%** (+41.8 points) in 5 min 49 s; 2,470 s, 0.68x, 2 cores\n"
-        "`torch==2.13.0` [5 s](b.md#x-1.5-s) Python 3.10+\n\n```\n12.5% in a block\n```\n"
+        "`torch==2.13.0` [5 s](b.md#x-1.5-s) Python 3.10+, 15-58 s, 5-7k tokens/s\n\n"
+        "```\n12.5% in a block\n```\n"
     )
     assert [f for _, f in figures(tmp_path / "a.md")] == [
         "56.4%",
@@ -422,4 +426,5 @@ def test_the_figure_reader_sees_figures_and_skips_code(tmp_path: Path):
         "2,470 s",
         "0.68x",
         "5 s",
+        "15-58 s",
     ]
