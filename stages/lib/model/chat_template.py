@@ -39,6 +39,7 @@ from typing import Any
 from engine.errors import Diagnostic, did_you_mean
 from engine.stage import ResolveContext
 from stages.lib.builders.conventions import TEMPLATES
+from stages.lib.chat.jinja import string_literal
 from stages.lib.model.gguf import NotGGUF, is_gguf, read_header, shown
 
 FAMILIES = ("chatml", "gemma", "llama3", "mistral")
@@ -58,20 +59,15 @@ EXAMPLE = '"Question: {prompt}\\nAnswer:"'
 CHOICES = f"a family ({', '.join(FAMILIES)}), {PLAIN} with a prompt_template such as {EXAMPLE}"
 
 
-def _literal(text: str) -> str:
-    """`text` as a Jinja string literal (Jinja reads Python's escapes)."""
-    return json.dumps(text, ensure_ascii=False)
-
-
 def plain_template(prompt_template: str) -> str:
     """The Jinja text of `plain` (module docstring) around `prompt_template`."""
-    before, _, after = prompt_template.partition(SLOT)
+    before, _, after = (string_literal(part) for part in prompt_template.partition(SLOT))
     return (
         "{% if bos_token %}{{ bos_token }}{% endif %}"
         "{% for message in messages %}"
         "{% if message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
         "{% elif message['role'] == 'system' %}{{ message['content'] + '\\n' }}"
-        f"{{% else %}}{{{{ {_literal(before)} + message['content'] + {_literal(after)} }}}}"
+        f"{{% else %}}{{{{ {before} + message['content'] + {after} }}}}"
         "{% endif %}{% endfor %}"
     )
 
