@@ -291,11 +291,12 @@ class RLConfig(
         resolved trainer and ZeRO stage (`stages.lib.distributed.sleep`: DeepSpeed's offload_states
         exists only for ZeRO-1/2, and asks for FusedAdam at ZeRO-3)."""
         from stages.lib.distributed.sleep import sleep_method
+        from stages.lib.distributed.trainer_choice import choose_trainer
 
         actor = ctx.roles.get("actor")
         if not (self.deepspeed_enable_sleep and actor and actor.gpus) or self.async_train:
             return []
-        trainer = "torch" if self.trainer == "torch" else "deepspeed"
+        trainer = choose_trainer(self, installed=True)  # as on a worker that has DeepSpeed
         how = sleep_method(trainer, self.zero_stage, self.adam_offload, "cuda").how
         zero = f"ZeRO-{self.zero_stage}" + (" with adam_offload" if self.adam_offload else "")
         where = f"{trainer} at {zero}" if trainer == "deepspeed" else "plain torch"

@@ -19,7 +19,6 @@ worker spec and launches `stages.train.worker` once per rank: on CPU
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from stages.lib.distributed import resume
 from stages.lib.distributed.ds_config import build_ds_config
 from stages.lib.distributed.spawn import Ranks, launch, rank_table
+from stages.lib.distributed.trainer_choice import choose_trainer
 from stages.lib.io.jsonl import write_json
 from stages.lib.model.dtypes import resolve_save_dtype
 from stages.train import ckpt as train_ckpt
@@ -43,17 +43,6 @@ if TYPE_CHECKING:
 
 UNHASHED = ("logging_steps", "save_steps", "num_threads")
 JOIN_TIMEOUT_S = 900.0  # how long a node waits for node 0 to prepare the job
-
-
-def trainer_kind(cfg: TrainConfig) -> Literal["deepspeed", "torch"]:
-    """deepspeed or torch: what `cfg.trainer` means on this machine."""
-    has_ds = importlib.util.find_spec("deepspeed") is not None
-    if cfg.trainer == "deepspeed" and not has_ds:
-        raise RuntimeError("trainer 'deepspeed' asked for, but deepspeed is not installed")
-    if cfg.trainer == "auto":  # a 4-bit base trains with torch (`stages.lib.model.lora`)
-        four_bit = cfg.lora is not None and cfg.lora.load_in_4bit
-        return "deepspeed" if has_ds and not four_bit else "torch"
-    return cfg.trainer
 
 
 def threads_per_rank(cfg: TrainConfig, world: int) -> int:
@@ -202,7 +191,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
     stage_dir = ctx.stage_dir.rstrip("/")
     rows = _check_data(cfg)
     world = ranks.world
-    trainer = trainer_kind(cfg)
+    trainer = choose_trainer(cfg)
     resume_key = _resume_key(cfg, world, trainer, device)
     resumed = _resume_point(stage_dir, resume_key, ctx)
     model_dir = _model_dir(cfg, rows, ctx)

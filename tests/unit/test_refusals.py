@@ -662,7 +662,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "an earlier stage's checkpoint that is no reward model (a folder that exists is "
         "refused at plan time)"
     ),
-    ("stages/train/run.py", "trainer 'deepspeed' asked for"): environment(
+    ("stages/lib/distributed/trainer_choice.py", "trainer 'deepspeed' asked for"): environment(
         "deepspeed on the worker; plan may run where it is not installed"
     ),
 }

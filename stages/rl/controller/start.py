@@ -9,7 +9,6 @@ checkpoint's on resume, else 0).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 from typing import TYPE_CHECKING, Any
@@ -86,6 +85,7 @@ def _resume(c: Controller, resume_key: str) -> tuple[str | None, int]:
 def start(c: Controller) -> int:
     """Build the engine, launch the actor, sync the first weights; the step to start at."""
     from stages.lib.distributed.ds_config import build_ds_config
+    from stages.lib.distributed.trainer_choice import choose_trainer
     from stages.lib.model.dtypes import resolve_save_dtype
     from stages.rl.roles.channel import StageEnd
     from stages.rl.roles.spec import ActorSpec
@@ -95,10 +95,7 @@ def start(c: Controller) -> int:
     cfg = c.cfg
     model_dir = init_model_dir(c)
     device, world, _ = c.roles.devices("actor")
-    has_ds = importlib.util.find_spec("deepspeed") is not None
-    trainer = (
-        "deepspeed" if cfg.trainer == "deepspeed" or (cfg.trainer == "auto" and has_ds) else "torch"
-    )
+    trainer = choose_trainer(cfg)
     resume_key = _resume_key(c, world, trainer)
     tag, start = _resume(c, resume_key)
     c.resume_key = resume_key
@@ -154,7 +151,7 @@ def start(c: Controller) -> int:
         model_dir=model_dir,
         stage_dir=c.dir,
         device=device,
-        trainer=trainer,  # type: ignore[arg-type]
+        trainer=trainer,
         ds_config=build_ds_config(cfg, world, pin_memory=device == "cuda", model_dir=model_dir)
         if trainer == "deepspeed"
         else None,
