@@ -13,7 +13,7 @@ The stage process itself never trains: it checks the data (so a bad row fails
 before any process starts), builds the tiny model when the config asks for
 one (`<stage_dir>/init_model`), decides whether an earlier interrupted run can
 be resumed (same config, inputs and world size: its resume key), writes the
-worker spec and launches `stages.train.worker` once per rank: on CPU
+worker brief and launches `stages.train.worker` once per rank: on CPU
 `num_processes` ranks over gloo, on GPU one per GPU of the stage over NCCL.
 """
 
@@ -34,8 +34,8 @@ from stages.lib.distributed.trainer_choice import choose_trainer
 from stages.lib.io.jsonl import write_json
 from stages.lib.model.dtypes import resolve_save_dtype
 from stages.train import ckpt as train_ckpt
+from stages.train.brief import WorkerBrief
 from stages.train.data import dpo_pairs, read_rows, samples_of
-from stages.train.spec import WorkerSpec
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -159,7 +159,7 @@ def _join(cfg: TrainConfig, ctx: StageContext, ranks: Ranks, device: str) -> dic
     )
     launch(
         "stages.train.worker",
-        f"{stage_dir}/train_spec.json",
+        f"{stage_dir}/train_brief.json",
         ranks,
         device,
         threads_per_rank(cfg, ranks.count),
@@ -201,7 +201,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         write_json(f"{stage_dir}/ds_config.json", ds_config, indent=2)
     threads = threads_per_rank(cfg, ranks.count)
     save_dtype, save_why = resolve_save_dtype(cfg.save_dtype, model_dir)
-    spec = WorkerSpec(
+    brief = WorkerBrief(
         config=cfg,
         model_dir=model_dir,
         stage_dir=stage_dir,
@@ -213,7 +213,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         resume_key=resume_key,
         save_dtype=save_dtype,
     )
-    spec.write(f"{stage_dir}/train_spec.json")
+    brief.write(f"{stage_dir}/train_brief.json")
     engine = f"deepspeed zero {cfg.zero_stage}" if ds_config else "plain torch"
     ctx.log.info(
         "train: %s on %d %s rank(s), %d thread(s) each, %s",
@@ -229,7 +229,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         ctx.link.publish("master", f"{host}:{port}")
     launch(
         "stages.train.worker",
-        f"{stage_dir}/train_spec.json",
+        f"{stage_dir}/train_brief.json",
         ranks,
         device,
         threads,

@@ -592,7 +592,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/rl/rollout/prompts.py", "{}: no prompt rows"): data("an empty prompt file"),
     ("stages/rl/rollout/prompts.py", "{}:{}: a row needs"): data("a prompt row without a prompt"),
     ("stages/rl/controller/records.py", "settings not accounted for"): internal(
-        "stages.rl.controller.settings.account names every field"
+        "stages.rl.controller.applied.account names every field"
     ),
     ("stages/rl/controller/core.py", "rl needs prompts"): plan(no_input("rl", "{}")),
     ("stages/rl/sync/transports.py", "step {}: engine '{}' scored"): environment(

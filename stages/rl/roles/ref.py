@@ -1,6 +1,6 @@
 """One rank of the `ref` role, run as its own process: `python -m stages.rl.roles.ref SPEC.json`.
 
-Input: the `ActorSpec` the actor reads (its ds_config says whether ZeRO-3 splits the
+Input: the `ActorBrief` the actor reads (its ds_config says whether ZeRO-3 splits the
 weights) and the rank in the environment; the ref role's ranks form their own
 torch.distributed job on the role's devices (`stages.rl.roles.frozen` says when it has them).
 Output: answers to the stage's requests: `ref_logprobs` (each sample's completion
@@ -25,11 +25,11 @@ log = logging.getLogger("pipe.rl.ref")
 class RefRank:
     """One rank of the `ref` role: the frozen reference, scoring its share of each batch."""
 
-    def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
-        self.spec, self.cfg = spec, spec.config
+    def __init__(self, brief: Any, rank: int, world: int, device: str) -> None:
+        self.brief, self.cfg = brief, brief.config
         self.rank, self.world, self.device = rank, world, device
         self.module, self.engine = load_reference(
-            spec.model_dir, self.cfg.bf16, spec.ds_config, device
+            brief.model_dir, self.cfg.bf16, brief.ds_config, device
         )
         self.pad_id = pad_id(None, self.module.config)
         self.kind = f"frozen reference, {next(self.module.parameters()).dtype}"

@@ -1,6 +1,6 @@
 """One rank of the `reward` role, run as its own process: `python -m stages.rl.roles.reward SPEC`.
 
-Input: the `ActorSpec` the actor reads, its `model_dir` the reward model's (a scalar-head
+Input: the `ActorBrief` the actor reads, its `model_dir` the reward model's (a scalar-head
 checkpoint, `stages.lib.model.reward_model`), and the rank in the environment; the role's
 ranks form their own torch.distributed job on the reward role's devices (its own GPUs in the
 ratio, or shared with the critic's under `colocate: [[critic, reward]]`, or on the CPU).
@@ -28,12 +28,12 @@ log = logging.getLogger("pipe.rl.reward")
 class RewardRank:
     """One rank of the `reward` role: the frozen reward model, scoring its share of a batch."""
 
-    def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
+    def __init__(self, brief: Any, rank: int, world: int, device: str) -> None:
         from stages.lib.chat.tokens import pad_id
         from stages.lib.model.reward_model import load_reward_model
 
-        self.cfg, self.rank, self.world = spec.config, rank, world
-        self.model = load_reward_model(spec.model_dir, self.cfg.bf16, device)
+        self.cfg, self.rank, self.world = brief.config, rank, world
+        self.model = load_reward_model(brief.model_dir, self.cfg.bf16, device)
         self.pad_id = pad_id(None, self.model.config)
         self.kind = f"reward model, {next(self.model.parameters()).dtype}"
         log.info(
@@ -68,8 +68,8 @@ class RewardRanks:
     """The controller's side of the reward role's ranks: started where the role's devices
     are (`Roles.start`), asked for each batch's scores, stopped with the stage."""
 
-    def __init__(self, roles: Any, host: str, spec: Any, model_dir: str) -> None:
-        """`spec`: the actor's; the ranks take their own channel and the reward model's
+    def __init__(self, roles: Any, host: str, brief: Any, model_dir: str) -> None:
+        """`brief`: the actor's; the ranks take their own channel and the reward model's
         folder, and no ds_config (the model is whole on every rank)."""
         from stages.rl.roles.channel import StageEnd
 
@@ -80,7 +80,7 @@ class RewardRanks:
             "model_dir": model_dir,
             "ds_config": None,
         }
-        self.thread = roles.start("reward", spec.model_copy(update=update), self.end)
+        self.thread = roles.start("reward", brief.model_copy(update=update), self.end)
 
     def alive(self) -> bool:
         return bool(

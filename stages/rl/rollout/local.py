@@ -31,7 +31,7 @@ from stages.rl.algo.logprobs import Sample, completion_logprobs
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from stages.rl.rollout.engine import Sampling
+    from stages.rl.rollout.generate_args import Sampling
 
 log = logging.getLogger("pipe.rl")
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.lib.api.sampling import request_sampling
 from stages.lib.distributed.sleep import sleep_method
-from stages.rl.algo.effects import algorithm_settings
+from stages.rl.algo.effects import account_algorithm
 from stages.rl.algo.options import per_token_returns
 from stages.rl.controller.records import SAMPLES_PER_STEP
 from stages.rl.sync.choice import LORA_SYNC, SyncChoice
@@ -89,7 +89,7 @@ def account(
         "max_length": (A, "prompt + answer cut to this for the update"),
         "kl_coef": _kl(cfg),
         "ppo_epochs": (A, "updates over each rollout batch"),
-        **algorithm_settings(cfg),
+        **account_algorithm(cfg),
         "gamma": (A, "GAE discount")
         if cfg.algorithm == "ppo"
         else (S, "GRPO has no value function: gamma acts with algorithm ppo"),

@@ -1,10 +1,10 @@
-"""What a stage hands its rank processes: one typed, validated spec file (train's and rl's).
+"""What a stage hands its rank processes: one typed, validated brief file (train's and rl's).
 
-Input: what the stage decided before launching its ranks (a kind's spec adds its resolved
-config and its own decisions to `RankSpec`'s fields), written once (`write`, atomically).
-Output: the same spec read once per rank (`read`) and validated there, so every rank works
-from exactly the resolved config the engine made. Each kind's side: `stages/train/spec.py`,
-`stages/rl/roles/spec.py`.
+Input: what the stage decided before launching its ranks (a kind's brief adds its resolved
+config and its own decisions to `RankBrief`'s fields), written once (`write`, atomically).
+Output: the same brief read once per rank (`read`) and validated there, so every rank works
+from exactly the resolved config the engine made. Each kind's side: `stages/train/brief.py`,
+`stages/rl/roles/brief.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 
-class RankSpec(BaseModel):
+class RankBrief(BaseModel):
     """Where every rank finds the model and the stage's folder, its device kind, its trainer
     with DeepSpeed's config, and its torch threads."""
 
