@@ -260,7 +260,7 @@ class RLConfig(
         """LoRA on the actor (`stages.lib.model.lora`): not with a critic, whose own weights
         would train in full beside it, nor on a 4-bit base, which the engines (full precision)
         would not sample like."""
-        from stages.lib.model.lora import check_lora, lora_path
+        from stages.lib.model.lora.refusals import check_lora, lora_path
 
         if self.lora is None:
             return []

@@ -22,7 +22,8 @@ from stages.lib.model.chat_template import (
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.model.gguf import memory_model
-from stages.lib.model.lora import LORA_HELP, LoraBlock, check_lora
+from stages.lib.model.lora import LORA_HELP, LoraBlock
+from stages.lib.model.lora.refusals import check_lora
 from stages.lib.model.path import check_model_ref
 
 

@@ -55,7 +55,7 @@ def _load(brief: WorkerBrief) -> tuple[Any, Any]:
     saved with it."""
     from transformers import AutoTokenizer
 
-    from stages.lib.model.lora import load_trained
+    from stages.lib.model.lora.wrap import load_trained
 
     tokenizer = AutoTokenizer.from_pretrained(brief.model_dir)
     if brief.config.algorithm != "rm":
@@ -71,11 +71,11 @@ def _load(brief: WorkerBrief) -> tuple[Any, Any]:
 def _save_final(trainer: Any, brief: WorkerBrief, rank: int) -> None:
     """Rank 0 writes the Hugging Face checkpoint at the config's `output` in the resolved
     save dtype, beside the input's files (`stages.lib.model.save`; with LoRA merged, or the
-    adapter alone: `stages.lib.model.lora.write_output`); a reward model's config names its
+    adapter alone: `stages.lib.model.lora.output.write_output`); a reward model's config names its
     head, one label and its pad id (`stages.lib.model.reward_model.reward_config`)."""
     import torch.distributed as dist
 
-    from stages.lib.model.lora import write_output
+    from stages.lib.model.lora.output import write_output
     from stages.lib.model.reward_model import reward_config
     from stages.lib.model.save import write_checkpoint
 

@@ -398,10 +398,14 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/distributed/trainer.py", "checkpoint {}/{} does not fit the model: "): data(
         "a resumable checkpoint on disk whose weights are not this model's"
     ),
-    ("stages/lib/model/lora.py", "adapter weights that fit no module of the base: {}"): internal(
-        "the adapters were made on this base with the same settings"
-    ),
-    ("stages/lib/model/lora.py", "expected 'all-linear' or at least one module name, "): plan(
+    (
+        "stages/lib/model/lora/output.py",
+        "adapter weights that fit no module of the base: {}",
+    ): internal("the adapters were made on this base with the same settings"),
+    (
+        "stages/lib/model/lora/__init__.py",
+        "expected 'all-linear' or at least one module name, ",
+    ): plan(
         Case(
             """\
             name: p

@@ -7,8 +7,8 @@ default; a plan, made where it may not be, assumes it is). Output: `choose_train
 the ds_config and `deepspeed_enable_sleep` are decided for. Light (no torch).
 
 auto trains with DeepSpeed where it is installed, except a 4-bit LoRA base
-(`lora.load_in_4bit`), which only plain torch trains (`stages.lib.model.lora`); deepspeed asked
-for where it is not installed is refused before any rank starts.
+(`lora.load_in_4bit`), which only plain torch trains (`stages.lib.model.lora.refusals`);
+deepspeed asked for where it is not installed is refused before any rank starts.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from stages.lib.distributed.rank import exit_now
-from stages.lib.model.lora import load_trained
+from stages.lib.model.lora.wrap import load_trained
 from stages.rl.roles.trained import TrainedRank
 
 log = logging.getLogger("pipe.rl")
@@ -64,7 +64,7 @@ class Actor(TrainedRank):
         hold the same frozen base)."""
         module = self.trainer.module
         if self.cfg.lora is not None:
-            from stages.lib.model.lora import adapter_params
+            from stages.lib.model.lora.wrap import adapter_params
 
             return adapter_params(module)
         return list(module.named_parameters())
@@ -115,7 +115,7 @@ class Actor(TrainedRank):
         (`stages.rl.sync.vllm.VLLMLoraReceiver`), then every rank scores the probe."""
         stats: dict[str, float] = {}
         if self.rank == 0:
-            from stages.lib.model.lora import write_sync_adapter
+            from stages.lib.model.lora.sync_writer import write_sync_adapter
 
             stats = write_sync_adapter(self.trainer.module, payload["adapter_dir"])
         probe = self.probe(payload["probe"])
@@ -166,7 +166,7 @@ class Actor(TrainedRank):
     def final(self, payload: dict[str, Any]) -> str:
         """The Hugging Face checkpoint at `output` in the resolved save dtype, beside the
         input's files (written beside it, then renamed in: `stages.lib.model.save`)."""
-        from stages.lib.model.lora import write_output
+        from stages.lib.model.lora.output import write_output
 
         output, brief = self.cfg.output, self.brief
         state = self.trainer.full_state_dict()  # under ZeRO-3 on rank 0 only, module by module
