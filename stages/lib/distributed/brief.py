@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from stages.lib.distributed.trainer_choice import Trainer
 from stages.lib.io.jsonl import atomic_write
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ class RankBrief(BaseModel):
     model_dir: str
     stage_dir: str
     device: Literal["cpu", "cuda"]
-    trainer: Literal["deepspeed", "torch"]
+    trainer: Trainer
     ds_config: dict[str, Any] | None
     threads: int
 

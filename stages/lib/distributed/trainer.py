@@ -27,7 +27,7 @@ import gc
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from stages.lib.distributed.offload import HostStates, optimizer_tensors, state_tensors
 from stages.lib.distributed.schedule import lr_factor, warmup_steps
 from stages.lib.distributed.sleep import Sleep, sleep_method
+from stages.lib.distributed.trainer_fields import LrScheduler
 
 
 class OptimizerSettings(Protocol):
@@ -47,7 +48,7 @@ class OptimizerSettings(Protocol):
     @property
     def warmup_ratio(self) -> float: ...
     @property
-    def lr_scheduler(self) -> Literal["constant", "cosine", "linear"]: ...
+    def lr_scheduler(self) -> LrScheduler: ...
     @property
     def bf16(self) -> bool: ...
     @property

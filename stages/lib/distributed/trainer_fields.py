@@ -1,0 +1,33 @@
+"""A trained model's settings, declared once for the train kind and rl's settings groups.
+
+Input: nothing (types). Output: each setting's type with its range, and its description where
+train and rl describe it alike, as `Annotated` types. A config declares the field with its own
+default, and its own description where the kinds differ (rl's actor and critic, rl's steps of
+rollouts): `zero_stage: ZeroStage = Field(0, description="DeepSpeed ZeRO stage.")`, so each
+kind keeps its own field order. The DeepSpeed config (`stages.lib.distributed.ds_config`),
+the trainer (`stages.lib.distributed.trainer`) and the trainer's choice
+(`stages.lib.distributed.trainer_choice`) read these fields by name from either kind's config.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+TrainerSetting = Literal["auto", "deepspeed", "torch"]
+LrScheduler = Literal["constant", "cosine", "linear"]
+
+ZeroStage = Annotated[int, Field(ge=0, le=3)]
+AdamOffload = Annotated[bool, Field(description="Offload Adam states to CPU memory (ZeRO).")]
+OverlapComm = Annotated[
+    bool, Field(description="Overlap gradient communication with backward (ZeRO).")
+]
+MicroBatchSize = Annotated[int, Field(gt=0, description="Samples per rank per forward pass.")]
+BatchSize = Annotated[int, Field(gt=0)]
+MaxLength = Annotated[int, Field(gt=0)]
+LearningRate = Annotated[float, Field(gt=0)]
+WarmupRatio = Annotated[float, Field(ge=0, lt=1)]
+WeightDecay = Annotated[float, Field(ge=0, description="AdamW weight decay.")]
+Bf16 = Annotated[bool, Field(description="Train in bfloat16 (fp32 otherwise).")]
+Ranks = Annotated[int, Field(gt=0)]
