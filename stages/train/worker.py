@@ -1,4 +1,4 @@
-"""One training rank, run as its own process: `python -m stages.train.worker SPEC.json`.
+"""One training rank, run as its own process: `python -m stages.train.worker BRIEF.json`.
 
 Input: the worker brief written by `stages.train.run` (the resolved config,
 the model directory, device, trainer kind, ds_config, threads) and the rank

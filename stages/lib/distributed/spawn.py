@@ -7,7 +7,7 @@ file, a logger, and optionally a `should_stop` callback (another node failed).
 Output: returns when every rank exited 0; otherwise stops the others and
 raises `TrainingFailed` with the exit status and the last lines of the log.
 
-Each rank is `python -m MODULE SPEC` with the usual
+Each rank is `python -m MODULE BRIEF` with the usual
 torch.distributed environment (MASTER_ADDR and MASTER_PORT of global rank 0:
 127.0.0.1 and a free port for a one-node job; RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, NODE_RANK), `CUDA_VISIBLE_DEVICES` set to the node's devices

@@ -3,10 +3,10 @@
 Input: the stage's slots and an `ActorBrief`. Output: each role's ranks started as one
 torch.distributed job across its workers, and the channel the controller drives them by.
 
-- `actor`, `critic`, `ref`, `reward`: one rank of each role (`python -m stages.rl.roles.ROLE SPEC`);
-  `rank_process`: the body every rank process runs around its role (set up, answer
-  requests); `trained`: what the actor's and the critic's ranks share (the trainer,
-  resuming, offload and reload).
+- `actor`, `critic`, `ref`, `reward`: one rank of each role
+  (`python -m stages.rl.roles.ROLE BRIEF`); `rank_process`: the body every rank process runs
+  around its role (set up, answer requests, gather a role's shares); `trained`: what the
+  actor's and the critic's ranks share (the trainer, resuming, offload and reload).
 - `policy_update`: the actor's update over a rollout batch; `proximal`: its side of the
   mismatch figure and of truncated importance sampling.
 - `frozen`: the frozen reference policy: where it loads, how, what it scores.

@@ -1,4 +1,4 @@
-"""One actor rank, run as its own process: `python -m stages.rl.roles.actor SPEC.json`.
+"""One actor rank, run as its own process: `python -m stages.rl.roles.actor BRIEF.json`.
 
 Input: the `ActorBrief` (resolved `RLConfig`, model directory, trainer, ds_config, the
 stage's channel and the weight-sync rendezvous) and the rank in the environment.

@@ -1,4 +1,4 @@
-"""One critic rank (PPO), run as its own process: `python -m stages.rl.roles.critic SPEC.json`.
+"""One critic rank (PPO), run as its own process: `python -m stages.rl.roles.critic BRIEF.json`.
 
 Input: the same `ActorBrief` the actor reads (the critic starts from the policy's
 checkpoint: its decoder, and a value head initialised to zero) and the rank in the

@@ -1,4 +1,4 @@
-"""The body of an rl rank process (actor, critic, ref): `python -m stages.rl.roles.ROLE SPEC`.
+"""The body of an rl rank process (actor, critic, ref): `python -m stages.rl.roles.ROLE BRIEF`.
 
 Input: the `ActorBrief` path on the command line and the rank in the environment (set by
 `stages.lib.distributed.spawn`). Output: the rank set up (logging, threads, device, process group),
@@ -6,6 +6,8 @@ its record in `<stage>/ranks/` (`stages.rl.roles.launch.record_rank`), the role 
 the stage's requests answered in order until `stop`: rank 0 receives each and passes it on
 to the other ranks (through the rendezvous store, not a collective: they may wait for hours,
 `stages.lib.distributed.serve`), every rank runs it, rank 0 replies on the role's channel.
+A frozen role's ranks each score every world-th item of a request, and rank 0 answers with
+them all in order (`gather_shares`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,36 @@ def serve_with(handlers: dict[str, Any], world: int, conn: Any) -> None:
             raise
         if conn is not None:
             conn.send(("ok", reply))
+
+
+def log_placed(logger: logging.Logger, what: str, rank: int, world: int, kind: str) -> None:
+    """The line saying where a rank of `what` runs, and as what."""
+    logger.info(
+        "%s on node %s (CUDA_VISIBLE_DEVICES %s), rank %d of %d, %s",
+        what,
+        os.environ.get("PIPE_NODE", "-"),
+        os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
+        rank,
+        world,
+        kind,
+    )
+
+
+def gather_shares(mine: list[Any], total: int, rank: int, world: int) -> list[Any] | None:
+    """Each rank's share of `total` items (every world-th from its rank: `items[rank::world]`)
+    gathered back in order: the whole list on rank 0, None on the others. Under NCCL the
+    objects travel on torch.cuda.current_device(), which the caller must set
+    (torch/distributed/distributed_c10d.py, all_gather_object): run_role does."""
+    if world == 1:
+        return mine
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, mine)
+    out: list[Any] = [None] * total
+    for r, part in enumerate(parts):
+        out[r::world] = part
+    return out if rank == 0 else None
 
 
 def run_role(

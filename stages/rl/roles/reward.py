@@ -1,4 +1,4 @@
-"""One rank of the `reward` role, run as its own process: `python -m stages.rl.roles.reward SPEC`.
+"""One rank of the `reward` role, run as its own process: `python -m stages.rl.roles.reward BRIEF`.
 
 Input: the `ActorBrief` the actor reads, its `model_dir` the reward model's (a scalar-head
 checkpoint, `stages.lib.model.reward_model`), and the rank in the environment; the role's
@@ -16,7 +16,6 @@ The reward model is whole on every rank (not split by ZeRO-3): the memory model 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,37 +30,23 @@ class RewardRank:
     def __init__(self, brief: Any, rank: int, world: int, device: str) -> None:
         from stages.lib.chat.tokens import pad_id
         from stages.lib.model.reward_model import load_reward_model
+        from stages.rl.roles.rank_process import log_placed
 
         self.cfg, self.rank, self.world = brief.config, rank, world
         self.model = load_reward_model(brief.model_dir, self.cfg.bf16, device)
         self.pad_id = pad_id(None, self.model.config)
         self.kind = f"reward model, {next(self.model.parameters()).dtype}"
-        log.info(
-            "reward model on node %s (CUDA_VISIBLE_DEVICES %s), rank %d of %d, %s",
-            os.environ.get("PIPE_NODE", "-"),
-            os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
-            rank,
-            world,
-            self.kind,
-        )
+        log_placed(log, "reward model", rank, world, self.kind)
 
     def reward_scores(self, payload: dict[str, Any]) -> list[float] | None:
         """Every world-th sequence from this rank; rank 0 returns them all, in order."""
         from stages.lib.model.reward_model import score
+        from stages.rl.roles.rank_process import gather_shares
 
         sequences = payload["sequences"]
         mine = sequences[self.rank :: self.world]
         scored = score(self.model, mine, self.cfg.micro_train_batch_size, self.pad_id)
-        if self.world == 1:
-            return scored
-        import torch.distributed as dist
-
-        parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, scored)  # on the device run_role set, under NCCL
-        out: list[float] = [0.0] * len(sequences)
-        for r, part in enumerate(parts):
-            out[r :: self.world] = part
-        return out if self.rank == 0 else None
+        return gather_shares(scored, len(sequences), self.rank, self.world)
 
 
 class RewardRanks:
