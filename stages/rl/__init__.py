@@ -28,8 +28,8 @@ from stages.lib.config import (
 from stages.lib.distributed.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
 from stages.lib.env.field import check_environment
 from stages.lib.model.chat_template import (
-    CHAT_TEMPLATE_HELP,
-    PROMPT_TEMPLATE_HELP,
+    ChatTemplate,
+    PromptTemplate,
     check_chat_template,
 )
 from stages.lib.model.declared import ModelRef
@@ -78,8 +78,8 @@ class RLConfig(
         description="The policy to start from: a checkpoint directory, a .gguf file (converted "
         "once into one), '@stage', a hub id, or a tiny model spec.",
     )
-    chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
-    prompt_template: str | None = Field(None, description=PROMPT_TEMPLATE_HELP)
+    chat_template: ChatTemplate = None
+    prompt_template: PromptTemplate = None
     max_steps: int | None = Field(
         100,
         gt=0,

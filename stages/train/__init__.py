@@ -30,8 +30,8 @@ from stages.lib.distributed.trainer_fields import (
     ZeroStage,
 )
 from stages.lib.model.chat_template import (
-    CHAT_TEMPLATE_HELP,
-    PROMPT_TEMPLATE_HELP,
+    ChatTemplate,
+    PromptTemplate,
     check_chat_template,
 )
 from stages.lib.model.declared import ModelRef
@@ -66,8 +66,8 @@ class TrainConfig(StageConfig):
         description="A checkpoint directory, a .gguf file (converted once into one), a reference "
         "'@stage' to a train stage's output, a hub id, or a tiny model spec.",
     )
-    chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
-    prompt_template: str | None = Field(None, description=PROMPT_TEMPLATE_HELP)
+    chat_template: ChatTemplate = None
+    prompt_template: PromptTemplate = None
     target: Literal["completion", "answer"] = Field(
         "completion",
         description="Train on each row's completion (rollouts) or on its gold answer (warm-up).",

@@ -27,6 +27,9 @@ alike: one rendering, compared like with like) and takes the place of a checkpoi
 template. The template a stage trained with is written into its output checkpoint's
 `tokenizer_config.json` (`stages.lib.model.prepared`), so later stages, and vLLM serving it,
 render the same text without naming it again.
+
+Every kind that renders prompts declares the two settings with their types here,
+`ChatTemplate` and `PromptTemplate` (each its type and help text), empty by default.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from engine.errors import Diagnostic, did_you_mean
 from engine.stage import ResolveContext
@@ -55,6 +60,8 @@ PROMPT_TEMPLATE_HELP = (
     "With chat_template plain: the text around each user turn, '{prompt}' standing for it, "
     "e.g. 'Question: {prompt}\\nAnswer:'."
 )
+ChatTemplate = Annotated[str | None, Field(description=CHAT_TEMPLATE_HELP)]
+PromptTemplate = Annotated[str | None, Field(description=PROMPT_TEMPLATE_HELP)]
 EXAMPLE = '"Question: {prompt}\\nAnswer:"'
 CHOICES = f"a family ({', '.join(FAMILIES)}), {PLAIN} with a prompt_template such as {EXAMPLE}"
 
