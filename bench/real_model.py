@@ -9,7 +9,7 @@ models/gemma-3-270m) or a GGUF file (converted first, as a stage converts it). T
 each timed side by side on the same cores, with the same threads, in one process:
 
 - train (full weights, then LoRA): the train stage's own step (`stages.train.loop.Loop`,
-  built as `stages.train.worker` builds it: the model `stages.lib.model.lora.load_trained`
+  built as `stages.train.worker` builds it: the model `stages.lib.model.lora.wrap.load_trained`
   loads, the trainer the stage picks, DeepSpeed ZeRO-0 when installed, else plain torch)
   against a bare torch loop (`AutoModelForCausalLM`, `labels=` loss, AdamW, clipping at 1.0;
   LoRA: peft's `get_peft_model` with pipe's default rank 16, alpha 32, all-linear). Both
@@ -129,7 +129,7 @@ def pipe_loop(model_dir: str, data_path: str, trainer: str, settings: dict[str, 
     from stages.lib.chat.tokens import pad_id
     from stages.lib.distributed.ds_config import build_ds_config
     from stages.lib.distributed.rank import make_trainer
-    from stages.lib.model.lora import load_trained
+    from stages.lib.model.lora.wrap import load_trained
     from stages.train import TrainConfig
     from stages.train.loop import Loop
     from stages.train.worker import plan_for

@@ -19,8 +19,8 @@ from stages.lib.block import CountOrAuto
 from stages.lib.config import Verifier, check_verifier
 from stages.lib.env.field import EnvironmentConfig, check_environment
 from stages.lib.model.chat_template import (
-    CHAT_TEMPLATE_HELP,
-    PROMPT_TEMPLATE_HELP,
+    ChatTemplate,
+    PromptTemplate,
     check_chat_template,
 )
 
@@ -81,8 +81,8 @@ class CollectConfig(BackendStageConfig):
         default_factory=lambda: LocalBackend(kind="local", model="checkpoint"),
         description="Where answers come from: openai, vllm or local.",
     )
-    chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
-    prompt_template: str | None = Field(None, description=PROMPT_TEMPLATE_HELP)
+    chat_template: ChatTemplate = None
+    prompt_template: PromptTemplate = None
     verifier: Verifier = Field(
         default_factory=Verifier, description="How answers are scored into rewards."
     )

@@ -14,8 +14,8 @@ from stages.lib.backends.registered import Backend, BackendStageConfig
 from stages.lib.config import Verifier, check_verifier
 from stages.lib.env.field import EnvironmentConfig, check_environment
 from stages.lib.model.chat_template import (
-    CHAT_TEMPLATE_HELP,
-    PROMPT_TEMPLATE_HELP,
+    ChatTemplate,
+    PromptTemplate,
     check_chat_template,
 )
 from stages.lib.model.path import check_checkpoint
@@ -55,8 +55,8 @@ class EvaluateConfig(BackendStageConfig):
         "process, on its GPUs when it holds some), vllm (each checkpoint served in turn on the "
         "stage's GPUs), or openai (the served model, named by backend.model; no checkpoints then).",
     )
-    chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
-    prompt_template: str | None = Field(None, description=PROMPT_TEMPLATE_HELP)
+    chat_template: ChatTemplate = None
+    prompt_template: PromptTemplate = None
     verifier: Verifier = Field(default_factory=Verifier, description="How answers are scored.")
     environment: EnvironmentConfig | None = Field(
         None,

@@ -22,8 +22,8 @@ from stages.lib.config import (
 from stages.lib.distributed.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
 from stages.lib.env.field import check_environment
 from stages.lib.model.chat_template import (
-    CHAT_TEMPLATE_HELP,
-    PROMPT_TEMPLATE_HELP,
+    ChatTemplate,
+    PromptTemplate,
     check_chat_template,
 )
 from stages.lib.model.declared import ModelRef
@@ -72,8 +72,8 @@ class RLConfig(
         description="The policy to start from: a checkpoint directory, a .gguf file (converted "
         "once into one), '@stage', a hub id, or a tiny model spec.",
     )
-    chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
-    prompt_template: str | None = Field(None, description=PROMPT_TEMPLATE_HELP)
+    chat_template: ChatTemplate = None
+    prompt_template: PromptTemplate = None
     max_steps: int | None = Field(
         100,
         gt=0,
@@ -242,7 +242,7 @@ class RLConfig(
         """LoRA on the actor (`stages.lib.model.lora`): not with a critic, whose own weights
         would train in full beside it, nor on a 4-bit base, which the engines (full precision)
         would not sample like."""
-        from stages.lib.model.lora import check_lora, lora_path
+        from stages.lib.model.lora.refusals import check_lora, lora_path
 
         if self.lora is None:
             return []
@@ -273,11 +273,12 @@ class RLConfig(
         resolved trainer and ZeRO stage (`stages.lib.distributed.sleep`: DeepSpeed's offload_states
         exists only for ZeRO-1/2, and asks for FusedAdam at ZeRO-3)."""
         from stages.lib.distributed.sleep import sleep_method
+        from stages.lib.distributed.trainer_choice import choose_trainer
 
         actor = ctx.roles.get("actor")
         if not (self.deepspeed_enable_sleep and actor and actor.gpus) or self.async_train:
             return []
-        trainer = "torch" if self.trainer == "torch" else "deepspeed"
+        trainer = choose_trainer(self, installed=True)  # as on a worker that has DeepSpeed
         how = sleep_method(trainer, self.zero_stage, self.adam_offload, "cuda").how
         zero = f"ZeRO-{self.zero_stage}" + (" with adam_offload" if self.adam_offload else "")
         where = f"{trainer} at {zero}" if trainer == "deepspeed" else "plain torch"

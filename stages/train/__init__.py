@@ -14,15 +14,31 @@ from stages.lib.block import CountOrAuto
 from stages.lib.builders.recipe import TinyModel
 from stages.lib.config import Verifier, check_verifier
 from stages.lib.distributed.ds_config import trainer_memory, trainer_memory_changes
+from stages.lib.distributed.trainer_fields import (
+    AdamOffload,
+    BatchSize,
+    Bf16,
+    LearningRate,
+    LrScheduler,
+    MaxLength,
+    MicroBatchSize,
+    OverlapComm,
+    Ranks,
+    TrainerSetting,
+    WarmupRatio,
+    WeightDecay,
+    ZeroStage,
+)
 from stages.lib.model.chat_template import (
-    CHAT_TEMPLATE_HELP,
-    PROMPT_TEMPLATE_HELP,
+    ChatTemplate,
+    PromptTemplate,
     check_chat_template,
 )
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.model.gguf import memory_model
-from stages.lib.model.lora import LORA_HELP, LoraBlock, check_lora
+from stages.lib.model.lora import LORA_HELP, LoraBlock
+from stages.lib.model.lora.refusals import check_lora
 from stages.lib.model.path import check_model_ref
 
 
@@ -50,14 +66,14 @@ class TrainConfig(StageConfig):
         description="A checkpoint directory, a .gguf file (converted once into one), a reference "
         "'@stage' to a train stage's output, a hub id, or a tiny model spec.",
     )
-    chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
-    prompt_template: str | None = Field(None, description=PROMPT_TEMPLATE_HELP)
+    chat_template: ChatTemplate = None
+    prompt_template: PromptTemplate = None
     target: Literal["completion", "answer"] = Field(
         "completion",
         description="Train on each row's completion (rollouts) or on its gold answer (warm-up).",
     )
-    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    adam_offload: bool = Field(False, description="Offload Adam states to CPU memory (ZeRO).")
+    zero_stage: ZeroStage = Field(0, description="DeepSpeed ZeRO stage.")
+    adam_offload: AdamOffload = False
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."
     )
@@ -67,32 +83,30 @@ class TrainConfig(StageConfig):
     use_dynamic_batch: bool = Field(
         False, description="Form micro batches by a token budget instead of a row count."
     )
-    overlap_comm: bool = Field(
-        False, description="Overlap gradient communication with backward (ZeRO)."
-    )
+    overlap_comm: OverlapComm = False
     deepspeed_enable_sleep: bool = Field(
         False, description="Offload DeepSpeed states while the model is idle."
     )
     async_train: bool = Field(
         False, description="Overlap generation and training (may affect stability)."
     )
-    micro_train_batch_size: int = Field(8, gt=0, description="Samples per rank per forward pass.")
-    train_batch_size: int = Field(
-        64, gt=0, description="Samples per optimizer step, all ranks together."
+    micro_train_batch_size: MicroBatchSize = 8
+    train_batch_size: BatchSize = Field(
+        64, description="Samples per optimizer step, all ranks together."
     )
-    max_length: int = Field(
-        256, gt=0, description="Longest training sequence in tokens; longer ones are cut."
+    max_length: MaxLength = Field(
+        256, description="Longest training sequence in tokens; longer ones are cut."
     )
-    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
-    lr_scheduler: Literal["constant", "cosine", "linear"] = Field(
+    learning_rate: LearningRate = Field(1e-3, description="Peak learning rate.")
+    lr_scheduler: LrScheduler = Field(
         "cosine",
         description="Learning-rate schedule after the linear warm-up: constant, or cosine / linear "
         "decay to a tenth of the peak.",
     )
-    warmup_ratio: float = Field(
-        0.03, ge=0, lt=1, description="Fraction of steps spent warming up the learning rate."
+    warmup_ratio: WarmupRatio = Field(
+        0.03, description="Fraction of steps spent warming up the learning rate."
     )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    weight_decay: WeightDecay = 0.0
     max_epochs: int = Field(1, gt=0, description="Passes over the data.")
     max_steps: int | None = Field(
         None,
@@ -100,17 +114,17 @@ class TrainConfig(StageConfig):
         description="Total optimizer steps; when set it overrides max_epochs (the data repeats as "
         "needed).",
     )
-    bf16: bool = Field(False, description="Train in bfloat16 (fp32 otherwise).")
+    bf16: Bf16 = False
     save_dtype: Dtype = Field("auto", description=SAVE_DTYPE_HELP)
-    num_processes: int = Field(
-        1, gt=0, description="Ranks launched on CPU (on GPU: one per GPU of the stage)."
+    num_processes: Ranks = Field(
+        1, description="Ranks launched on CPU (on GPU: one per GPU of the stage)."
     )
     num_threads: CountOrAuto = Field(
         "auto",
         description="Torch threads per rank; auto: 1 or up to 2 (the cores shared among the "
         "ranks), whichever measures faster, re-measured every few hundred steps.",
     )
-    trainer: Literal["auto", "deepspeed", "torch"] = Field(
+    trainer: TrainerSetting = Field(
         "auto",
         description="auto: DeepSpeed when it is installed, plain torch (AdamW) otherwise.",
     )

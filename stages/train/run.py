@@ -13,13 +13,12 @@ The stage process itself never trains: it checks the data (so a bad row fails
 before any process starts), builds the tiny model when the config asks for
 one (`<stage_dir>/init_model`), decides whether an earlier interrupted run can
 be resumed (same config, inputs and world size: its resume key), writes the
-worker spec and launches `stages.train.worker` once per rank: on CPU
+worker brief and launches `stages.train.worker` once per rank: on CPU
 `num_processes` ranks over gloo, on GPU one per GPU of the stage over NCCL.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -31,11 +30,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from stages.lib.distributed import resume
 from stages.lib.distributed.ds_config import build_ds_config
 from stages.lib.distributed.spawn import Ranks, launch, rank_table
+from stages.lib.distributed.trainer_choice import choose_trainer
 from stages.lib.io.jsonl import write_json
 from stages.lib.model.dtypes import resolve_save_dtype
 from stages.train import ckpt as train_ckpt
+from stages.train.brief import WorkerBrief
 from stages.train.data import dpo_pairs, read_rows, samples_of
-from stages.train.spec import WorkerSpec
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -43,17 +43,6 @@ if TYPE_CHECKING:
 
 UNHASHED = ("logging_steps", "save_steps", "num_threads")
 JOIN_TIMEOUT_S = 900.0  # how long a node waits for node 0 to prepare the job
-
-
-def trainer_kind(cfg: TrainConfig) -> Literal["deepspeed", "torch"]:
-    """deepspeed or torch: what `cfg.trainer` means on this machine."""
-    has_ds = importlib.util.find_spec("deepspeed") is not None
-    if cfg.trainer == "deepspeed" and not has_ds:
-        raise RuntimeError("trainer 'deepspeed' asked for, but deepspeed is not installed")
-    if cfg.trainer == "auto":  # a 4-bit base trains with torch (`stages.lib.model.lora`)
-        four_bit = cfg.lora is not None and cfg.lora.load_in_4bit
-        return "deepspeed" if has_ds and not four_bit else "torch"
-    return cfg.trainer
 
 
 def threads_per_rank(cfg: TrainConfig, world: int) -> int:
@@ -170,7 +159,7 @@ def _join(cfg: TrainConfig, ctx: StageContext, ranks: Ranks, device: str) -> dic
     )
     launch(
         "stages.train.worker",
-        f"{stage_dir}/train_spec.json",
+        f"{stage_dir}/train_brief.json",
         ranks,
         device,
         threads_per_rank(cfg, ranks.count),
@@ -202,7 +191,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
     stage_dir = ctx.stage_dir.rstrip("/")
     rows = _check_data(cfg)
     world = ranks.world
-    trainer = trainer_kind(cfg)
+    trainer = choose_trainer(cfg)
     resume_key = _resume_key(cfg, world, trainer, device)
     resumed = _resume_point(stage_dir, resume_key, ctx)
     model_dir = _model_dir(cfg, rows, ctx)
@@ -212,7 +201,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         write_json(f"{stage_dir}/ds_config.json", ds_config, indent=2)
     threads = threads_per_rank(cfg, ranks.count)
     save_dtype, save_why = resolve_save_dtype(cfg.save_dtype, model_dir)
-    spec = WorkerSpec(
+    brief = WorkerBrief(
         config=cfg,
         model_dir=model_dir,
         stage_dir=stage_dir,
@@ -224,7 +213,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         resume_key=resume_key,
         save_dtype=save_dtype,
     )
-    spec.write(f"{stage_dir}/train_spec.json")
+    brief.write(f"{stage_dir}/train_brief.json")
     engine = f"deepspeed zero {cfg.zero_stage}" if ds_config else "plain torch"
     ctx.log.info(
         "train: %s on %d %s rank(s), %d thread(s) each, %s",
@@ -240,7 +229,7 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
         ctx.link.publish("master", f"{host}:{port}")
     launch(
         "stages.train.worker",
-        f"{stage_dir}/train_spec.json",
+        f"{stage_dir}/train_brief.json",
         ranks,
         device,
         threads,

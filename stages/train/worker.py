@@ -1,6 +1,6 @@
-"""One training rank, run as its own process: `python -m stages.train.worker SPEC.json`.
+"""One training rank, run as its own process: `python -m stages.train.worker BRIEF.json`.
 
-Input: the worker spec written by `stages.train.run` (the resolved config,
+Input: the worker brief written by `stages.train.run` (the resolved config,
 the model directory, device, trainer kind, ds_config, threads) and the rank
 in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 Output: checkpoints, `loss.jsonl` and (a fresh start) `first_batch.jsonl`, the first step's
@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from stages.train import TrainConfig
     from stages.train.batch_plan import BatchPlan
+    from stages.train.brief import WorkerBrief
     from stages.train.data import TrainingSet
     from stages.train.loop import Loop
-    from stages.train.spec import WorkerSpec
 
 from stages.lib.chat.tokens import pad_id
 from stages.lib.distributed.rank import (
@@ -48,45 +48,45 @@ log = logging.getLogger("pipe.train")
 HELDOUT_SCORES = "heldout_scores.jsonl"  # rm: every held-out pair's final scores
 
 
-def _load(spec: WorkerSpec) -> tuple[Any, Any]:
+def _load(brief: WorkerBrief) -> tuple[Any, Any]:
     """The tokenizer and the model to train: the checkpoint's, with adapters when `lora` is
     set (`stages.lib.model.lora`); a reward model (`algorithm: rm`, never with LoRA) with its
     pad id the one its scores are read with (`stages.lib.model.reward_model.score_pad_id`),
     saved with it."""
     from transformers import AutoTokenizer
 
-    from stages.lib.model.lora import load_trained
+    from stages.lib.model.lora.wrap import load_trained
 
-    tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
-    if spec.config.algorithm != "rm":
-        model = load_trained(spec.model_dir, spec.ds_config, spec.config.lora, spec.config.bf16)
+    tokenizer = AutoTokenizer.from_pretrained(brief.model_dir)
+    if brief.config.algorithm != "rm":
+        model = load_trained(brief.model_dir, brief.ds_config, brief.config.lora, brief.config.bf16)
         return tokenizer, model
     from stages.lib.model.reward_model import score_pad_id
 
-    model = load_model(spec.model_dir, spec.ds_config, reward=True)
+    model = load_model(brief.model_dir, brief.ds_config, reward=True)
     model.config.pad_token_id = score_pad_id(tokenizer, model.config)
     return tokenizer, model
 
 
-def _save_final(trainer: Any, spec: WorkerSpec, rank: int) -> None:
+def _save_final(trainer: Any, brief: WorkerBrief, rank: int) -> None:
     """Rank 0 writes the Hugging Face checkpoint at the config's `output` in the resolved
     save dtype, beside the input's files (`stages.lib.model.save`; with LoRA merged, or the
-    adapter alone: `stages.lib.model.lora.write_output`); a reward model's config names its
+    adapter alone: `stages.lib.model.lora.output.write_output`); a reward model's config names its
     head, one label and its pad id (`stages.lib.model.reward_model.reward_config`)."""
     import torch.distributed as dist
 
-    from stages.lib.model.lora import write_output
+    from stages.lib.model.lora.output import write_output
     from stages.lib.model.reward_model import reward_config
     from stages.lib.model.save import write_checkpoint
 
     state = trainer.full_state_dict()  # every rank takes part under ZeRO-3
     if rank == 0:
-        cfg, module = spec.config, trainer.module
+        cfg, module = brief.config, trainer.module
         if cfg.algorithm == "rm":
             fields = reward_config(module, int(module.config.pad_token_id))
-            write_checkpoint(module, state, spec.model_dir, cfg.output, spec.save_dtype, fields)
+            write_checkpoint(module, state, brief.model_dir, cfg.output, brief.save_dtype, fields)
         else:
-            write_output(module, state, cfg.lora, spec.model_dir, cfg.output, spec.save_dtype)
+            write_output(module, state, cfg.lora, brief.model_dir, cfg.output, brief.save_dtype)
     if dist.is_initialized():
         dist.barrier()
 
@@ -152,7 +152,7 @@ def _result(loop: Loop, resumed: int | None) -> dict[str, Any]:
 
 
 def _build_loop(
-    spec: WorkerSpec, cfg: TrainConfig, rank: int, world: int, device: str
+    brief: WorkerBrief, cfg: TrainConfig, rank: int, world: int, device: str
 ) -> tuple[Loop, Any]:
     """Model, data, plan and trainer of this rank, ready to run; and the tokenizer."""
     from stages.train.data import read_rows, training_set
@@ -162,7 +162,7 @@ def _build_loop(
     from stages.train.threads import ThreadTuner
 
     reward = cfg.algorithm == "rm"
-    tokenizer, model = _load(spec)
+    tokenizer, model = _load(brief)
     rows = read_rows(str(cfg.input))
     if reward:
         pairs = preference_pairs(rows, cfg.margin, str(cfg.input))
@@ -181,39 +181,39 @@ def _build_loop(
         held_out = HeldOut(cfg, tokenizer)
     reference = None
     if cfg.algorithm == "dpo" and cfg.lora is None:  # with LoRA: the base, adapters off
-        reference = load_model(spec.model_dir, None).to(device).eval().requires_grad_(False)
+        reference = load_model(brief.model_dir, None).to(device).eval().requires_grad_(False)
     loop = Loop(
         cfg=cfg,
-        trainer=make_trainer(spec.trainer, spec.ds_config, cfg, model, plan.total_steps, device),
+        trainer=make_trainer(brief.trainer, brief.ds_config, cfg, model, plan.total_steps, device),
         plan=plan,
         data=data,
         device=device,
         pad_id=pad,
-        stage_dir=spec.stage_dir,
+        stage_dir=brief.stage_dir,
         rank=rank,
         world=world,
         reference=reference,
-        resume_key=spec.resume_key,
-        threads=ThreadTuner(spec.threads) if spec.tune_threads else None,
+        resume_key=brief.resume_key,
+        threads=ThreadTuner(brief.threads) if brief.tune_threads else None,
         held_out=held_out,
     )
     return loop, tokenizer
 
 
-def run(spec: WorkerSpec) -> None:
-    """Train one rank from its spec; see the module docstring."""
+def run(brief: WorkerBrief) -> None:
+    """Train one rank from its brief; see the module docstring."""
     import torch
 
     started = time.perf_counter()
-    cfg = spec.config
-    rank, world, device = start_rank(spec)
-    _record_rank(spec.stage_dir, rank, world, device)
+    cfg = brief.config
+    rank, world, device = start_rank(brief)
+    _record_rank(brief.stage_dir, rank, world, device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    loop, tokenizer = _build_loop(spec, cfg, rank, world, device)
-    resumed = _resume(loop, f"{spec.stage_dir}/checkpoints", rank)
+    loop, tokenizer = _build_loop(brief, cfg, rank, world, device)
+    resumed = _resume(loop, f"{brief.stage_dir}/checkpoints", rank)
     if rank == 0 and resumed is None:
-        write_first_batch(loop, tokenizer, f"{spec.stage_dir}/{FIRST_BATCH}")
+        write_first_batch(loop, tokenizer, f"{brief.stage_dir}/{FIRST_BATCH}")
     log.info(
         "training %d %s on %d rank(s) with %s: %d steps (%d per epoch), ready in %.1fs",
         len(loop.data.units),
@@ -228,12 +228,12 @@ def run(spec: WorkerSpec) -> None:
     from stages.train.pairwise import HeldOutPairs
 
     if isinstance(loop.held_out, HeldOutPairs) and loop.held_out.last:
-        loop.held_out.write_scores(f"{spec.stage_dir}/{HELDOUT_SCORES}", rank, world)
+        loop.held_out.write_scores(f"{brief.stage_dir}/{HELDOUT_SCORES}", rank, world)
     t = time.perf_counter()
-    _save_final(loop.trainer, spec, rank)
+    _save_final(loop.trainer, brief, rank)
     log.info("wrote %s in %.2fs", cfg.output, time.perf_counter() - t)
     if rank == 0:
-        with open(f"{spec.stage_dir}/train_result.json", "w", encoding="utf-8") as f:
+        with open(f"{brief.stage_dir}/train_result.json", "w", encoding="utf-8") as f:
             json.dump(_result(loop, resumed), f, indent=1)
 
 
@@ -283,9 +283,9 @@ def _record_rank(stage_dir: str, rank: int, world: int, device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     die_with_parent()
-    from stages.train.spec import WorkerSpec
+    from stages.train.brief import WorkerBrief
 
-    run(WorkerSpec.read(args[0]))
+    run(WorkerBrief.read(args[0]))
     leave_group()
     return 0
 

@@ -23,8 +23,8 @@ from stages.lib.builders.recipe import TinyModel
 from stages.lib.distributed.ds_config import build_ds_config
 from stages.lib.distributed.spawn import Ranks, launch
 from stages.rl import RLConfig
+from stages.rl.roles.brief import ActorBrief
 from stages.rl.roles.channel import StageEnd
-from stages.rl.roles.spec import ActorSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -88,7 +88,7 @@ def serving(
         algorithm="ppo",
     )
     end = StageEnd()
-    spec = ActorSpec(
+    brief = ActorBrief(
         config=cfg,
         model_dir=model,
         stage_dir=str(tmp),
@@ -103,7 +103,7 @@ def serving(
         resume_tag=None,
         total_updates=2,
     )
-    spec.write(str(tmp / "spec.json"))
+    brief.write(str(tmp / "brief.json"))
     done = threading.Event()
     failures: list[BaseException] = []
 
@@ -111,7 +111,7 @@ def serving(
         try:
             launch(
                 module,
-                str(tmp / "spec.json"),
+                str(tmp / "brief.json"),
                 Ranks(world=world),
                 "cpu",
                 1,

@@ -119,9 +119,9 @@ def test_two_zero3_reference_ranks_score_an_uneven_batch_like_one_whole_model(tm
     from stages.lib.distributed.spawn import Ranks, launch
     from stages.rl import RLConfig
     from stages.rl.algo.logprobs import Sample
+    from stages.rl.roles.brief import ActorBrief
     from stages.rl.roles.channel import StageEnd
     from stages.rl.roles.frozen import load_reference, reference_logprobs
-    from stages.rl.roles.spec import ActorSpec
 
     # hidden 160: the MLP matrices pass ZeRO-3's persistence threshold and are really split
     tiny = {"hidden_size": 160, "num_layers": 1, "num_heads": 4, "vocab_size": 300}
@@ -129,7 +129,7 @@ def test_two_zero3_reference_ranks_score_an_uneven_batch_like_one_whole_model(tm
     build_tiny_model(TinyModel(**tiny), [f"{a} + {a} = {2 * a}" for a in range(50)], model, 0)
     cfg = RLConfig(input="d.jsonl", kl_coef=0.1, zero_stage=3, micro_train_batch_size=2)
     end = StageEnd()
-    spec = ActorSpec(
+    brief = ActorBrief(
         config=cfg,
         model_dir=model,
         stage_dir=str(tmp_path),
@@ -144,9 +144,9 @@ def test_two_zero3_reference_ranks_score_an_uneven_batch_like_one_whole_model(tm
         resume_tag=None,
         total_updates=1,
     )
-    spec.write(str(tmp_path / "ref_spec.json"))
+    brief.write(str(tmp_path / "ref_brief.json"))
     log = str(tmp_path / "ref_log.txt")
-    args = ("stages.rl.roles.ref", str(tmp_path / "ref_spec.json"), Ranks(world=2), "cpu", 1, log)
+    args = ("stages.rl.roles.ref", str(tmp_path / "ref_brief.json"), Ranks(world=2), "cpu", 1, log)
     ranks = threading.Thread(target=launch, args=(*args, logging.getLogger("test")), daemon=True)
     ranks.start()
     end.accept(ranks.is_alive, timeout_s=300)

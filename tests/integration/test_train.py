@@ -258,7 +258,7 @@ def test_bad_rows_fail_before_any_process_starts(tmp_path: Path):
     with pytest.raises(ValueError) as e:
         run_train(config(data, stage), context(stage))
     assert str(e.value) == f"{data}: row 1 has no 'answer' (target: answer)"
-    assert not (stage / "train_spec.json").exists()
+    assert not (stage / "train_brief.json").exists()
 
 
 @pytest.mark.slow

@@ -89,7 +89,7 @@ def test_rl_run_without_an_update_does_not_turn_bf16_into_fp32(family_checkpoint
     actor.cfg = RLConfig.model_validate({"output": str(tmp_path / "out"), "model": str(src)})
     save_dtype, why = resolve_save_dtype(actor.cfg.save_dtype, str(src))
     assert (save_dtype, why) == ("bfloat16", f"auto: the input checkpoint's dtype ({src})")
-    actor.spec = SimpleNamespace(model_dir=str(src), save_dtype=save_dtype)
+    actor.brief = SimpleNamespace(model_dir=str(src), save_dtype=save_dtype)
     module = load_model(str(src), None)
     actor.trainer = SimpleNamespace(module=module, full_state_dict=lambda: None)
     assert actor.final({}) == str(tmp_path / "out")
@@ -104,7 +104,7 @@ def test_rl_run_without_an_update_does_not_turn_bf16_into_fp32(family_checkpoint
 
 def test_rl_settings_account_for_save_dtype():
     from stages.rl import RLConfig
-    from stages.rl.controller.settings import account
+    from stages.rl.controller.applied import account
     from stages.rl.sync.choice import choose_sync
 
     cfg = RLConfig.model_validate({"bf16": True})

@@ -145,7 +145,7 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
 
 LIB_PACKAGES = ("api", "backends", "builders", "chat", "distributed", "env", "io", "model")
 # file names every kind (or every role) has by design: the same job in each package
-PER_PACKAGE = {"__init__.py", "run.py", "spec.py", "cli.py"}
+PER_PACKAGE = {"__init__.py", "run.py", "brief.py", "cli.py"}
 # file names two packages share because they are the two sides of one concept; each
 # docstring names the other file. Every other module name is unique across engine/ and stages/
 TWO_SIDES = {

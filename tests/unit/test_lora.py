@@ -175,7 +175,8 @@ def test_each_sync_writes_a_new_adapter_folder_every_server_loads_by_a_new_name(
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.lib.model.lora import with_lora, write_sync_adapter
+    from stages.lib.model.lora.sync_writer import write_sync_adapter
+    from stages.lib.model.lora.wrap import with_lora
     from stages.rl.sync.vllm import VLLMLoraReceiver
 
     config = LlamaConfig(
@@ -216,7 +217,8 @@ def test_a_merged_output_equals_the_adapted_model(tmp_path: Path, save: str):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from stages.lib.model.lora import with_lora, write_output
+    from stages.lib.model.lora.output import write_output
+    from stages.lib.model.lora.wrap import with_lora
 
     config = LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -250,7 +252,7 @@ def test_adapters_go_on_without_a_deprecation_warning_from_peft(tmp_path: Path):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.lib.model.lora import with_lora
+    from stages.lib.model.lora.wrap import with_lora
 
     config = LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

@@ -402,10 +402,14 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/distributed/trainer.py", "checkpoint {}/{} does not fit the model: "): data(
         "a resumable checkpoint on disk whose weights are not this model's"
     ),
-    ("stages/lib/model/lora.py", "adapter weights that fit no module of the base: {}"): internal(
-        "the adapters were made on this base with the same settings"
-    ),
-    ("stages/lib/model/lora.py", "expected 'all-linear' or at least one module name, "): plan(
+    (
+        "stages/lib/model/lora/output.py",
+        "adapter weights that fit no module of the base: {}",
+    ): internal("the adapters were made on this base with the same settings"),
+    (
+        "stages/lib/model/lora/__init__.py",
+        "expected 'all-linear' or at least one module name, ",
+    ): plan(
         Case(
             """\
             name: p
@@ -598,7 +602,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/rl/rollout/prompts.py", "{}: no prompt rows"): data("an empty prompt file"),
     ("stages/rl/rollout/prompts.py", "{}:{}: a row needs"): data("a prompt row without a prompt"),
     ("stages/rl/controller/records.py", "settings not accounted for"): internal(
-        "stages.rl.controller.settings.account names every field"
+        "stages.rl.controller.applied.account names every field"
     ),
     ("stages/rl/controller/core.py", "rl needs prompts"): plan(no_input("rl", "{}")),
     ("stages/rl/sync/transports.py", "step {}: engine '{}' scored"): environment(
@@ -668,7 +672,7 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "an earlier stage's checkpoint that is no reward model (a folder that exists is "
         "refused at plan time)"
     ),
-    ("stages/train/run.py", "trainer 'deepspeed' asked for"): environment(
+    ("stages/lib/distributed/trainer_choice.py", "trainer 'deepspeed' asked for"): environment(
         "deepspeed on the worker; plan may run where it is not installed"
     ),
 }

@@ -24,7 +24,7 @@ from stages.rl.algo.advantage import (  # noqa: E402
     overlong_penalty,
     reinforce_pp_returns,
 )
-from stages.rl.algo.effects import algorithm_settings  # noqa: E402
+from stages.rl.algo.effects import account_algorithm  # noqa: E402
 from stages.rl.algo.loss import (  # noqa: E402
     clipped_policy_loss,
     masked_policy_terms,
@@ -213,13 +213,13 @@ def test_gspo_is_one_choice_that_brings_its_aggregation_and_clip_range(
     dr = _planned_rl(tmp_path, monkeypatch, "ratio_level: sequence, advantage: dr_grpo")
     assert (dr.loss_agg, dr.eps_clip, dr.eps_clip_high) == ("token_mean", 3e-4, 4e-4)
     # settings.json says why each is what it is
-    how = algorithm_settings(cfg)
+    how = account_algorithm(cfg)
     assert how["loss_agg"][1].endswith(
         "(GSPO's: with ratio_level sequence each sequence weighs the same, as the paper's)"
     )
     assert "(GSPO's range: a sequence's ratio, a geometric mean" in how["eps_clip"][1]
     assert "(GSPO's range" in how["eps_clip_high"][1]
-    assert "GSPO" not in algorithm_settings(own)["loss_agg"][1]
+    assert "GSPO" not in account_algorithm(own)["loss_agg"][1]
 
 
 def test_plan_explains_gspo_s_settings_as_derived_and_warns_on_a_wide_clip(tmp_path: Path):
@@ -413,13 +413,13 @@ def test_dynamic_sampling_is_off_by_default_for_every_estimator(
             batch = rollout(controller(engine, never, **stage.config.model_dump(include={
                 "advantage", "dynamic_sampling", "dynamic_sampling_max_rounds"})), 1)  # fmt: skip
             assert (batch.kept, len(batch.samples), batch.rounds) == trained[advantage]
-    assert algorithm_settings(stage.config)["dynamic_sampling"] == (
+    assert account_algorithm(stage.config)["dynamic_sampling"] == (
         "applied",
         "off: every group trains (REINFORCE++'s baseline is the batch's: a group whose rewards "
         "agree has advantages too)",
     )
     grpo = resolved_rl(tmp_path, "advantage: grpo")
-    assert algorithm_settings(grpo.config)["dynamic_sampling"] == (
+    assert account_algorithm(grpo.config)["dynamic_sampling"] == (
         "applied",
         "off: groups whose rewards all agree have advantages 0 and train nothing; the step "
         "trains on the rest, no refill",
@@ -427,7 +427,7 @@ def test_dynamic_sampling_is_off_by_default_for_every_estimator(
     ppo = resolved_rl(tmp_path, "algorithm: ppo")
     assert ppo.config.dynamic_sampling is False
     assert ppo.source("dynamic_sampling").render() == "kind default"
-    assert algorithm_settings(ppo.config)["dynamic_sampling"] == (
+    assert account_algorithm(ppo.config)["dynamic_sampling"] == (
         "applied",
         "off: every group trains (the critic values them)",
     )
@@ -487,7 +487,7 @@ def test_dynamic_sampling_judges_a_group_on_the_verifiers_rewards_not_the_shaped
     assert all(r == 1.0 for group in batch.rewards for r in group)
     assert batch.overlong is not None and batch.overlong < 0  # their lengths differ
     assert (batch.kept, batch.samples, batch.rounds) == (0, [], 2)  # none trained, refilled
-    how = algorithm_settings(c.cfg)["dynamic_sampling"][1]
+    how = account_algorithm(c.cfg)["dynamic_sampling"][1]
     assert how.startswith("groups whose verifier rewards all agree are dropped")
     assert how.endswith(
         "; judged on the verifier's rewards, not the overlong-shaped ones (as DAPO's and "
@@ -499,21 +499,21 @@ def test_dynamic_sampling_judges_a_group_on_the_verifiers_rewards_not_the_shaped
 
 
 def test_settings_that_cannot_act_are_recorded_skipped_with_a_reason():
-    ppo = algorithm_settings(RLConfig(input="x.jsonl", algorithm="ppo"))
+    ppo = account_algorithm(RLConfig(input="x.jsonl", algorithm="ppo"))
     assert ppo["advantage"][0] == "skipped" and "GAE" in ppo["advantage"][1]
     assert ppo["dynamic_sampling"] == (
         "applied",
         "off: every group trains (the critic values them)",
     )
-    ppo_on = algorithm_settings(RLConfig(input="x.jsonl", algorithm="ppo", dynamic_sampling=True))
+    ppo_on = account_algorithm(RLConfig(input="x.jsonl", algorithm="ppo", dynamic_sampling=True))
     assert ppo_on["dynamic_sampling"][0] == "skipped" and "critic" in ppo_on["dynamic_sampling"][1]
-    grpo = algorithm_settings(RLConfig(input="x.jsonl"))  # dynamic_sampling off by default
+    grpo = account_algorithm(RLConfig(input="x.jsonl"))  # dynamic_sampling off by default
     assert grpo["dynamic_sampling_max_rounds"] == ("skipped", "dynamic_sampling is off")
     assert grpo["overlong_penalty"] == ("skipped", "overlong_buffer is empty")
-    rloo = algorithm_settings(RLConfig(input="x.jsonl", advantage="rloo"))
+    rloo = account_algorithm(RLConfig(input="x.jsonl", advantage="rloo"))
     assert rloo["std_normalize"][0] == "skipped"
     assert "seldom binds" in grpo["eps_clip_high"][1]  # one update per batch: ratio ~1
-    several = algorithm_settings(RLConfig(input="x.jsonl", ppo_epochs=2, eps_clip_high=0.28))
+    several = account_algorithm(RLConfig(input="x.jsonl", ppo_epochs=2, eps_clip_high=0.28))
     assert several["eps_clip_high"] == (
         "applied",
         "the ratio kept at or below 1 + 0.28 (clip-higher)",

@@ -156,7 +156,7 @@ def test_tis_acts_in_async_mode_on_a_batch_sampled_a_version_behind(model_dir: s
     while `tis_cap` with `async_train` was accepted and ran. It is done: the actor has the
     engine's (behaviour) log-probabilities of a batch a version behind, and the ratio is
     taken against its own weights at the step's start; `settings.json` says so."""
-    from stages.rl.controller.settings import account
+    from stages.rl.controller.applied import account
     from stages.rl.sync.choice import SyncChoice
 
     samples = rollout_samples(model_dir, 1.0)  # sampled with the weights of version 0

@@ -197,7 +197,7 @@ def test_a_checkpoints_generation_config_does_not_change_the_policy_sampled(serv
 
 
 def test_settings_record_the_sampling_each_vllm_request_sent():
-    from stages.rl.controller.settings import account
+    from stages.rl.controller.applied import account
     from stages.rl.sync.choice import SyncChoice
 
     vllm = {"kind": "vllm", "model": "m"}

@@ -39,6 +39,20 @@ def test_fixed_template_replaces_each_literal_call():
     )
 
 
+@pytest.mark.parametrize(
+    "text", ['a "quoted" \\ word', "carriage\rreturn", "new\nline\ttab", "\x01", "déc. ’24"]
+)
+def test_string_literal_renders_its_text(text: str):
+    """A carriage return survives (Jinja turns a raw one into a newline): JSON's escapes, as
+    both the date fix and `plain`'s template write their literals."""
+    jinja2 = pytest.importorskip("jinja2")
+    from stages.lib.chat.jinja import string_literal
+
+    literal = string_literal(text)
+    assert jinja2.Environment().from_string("{{ " + literal + " }}").render() == text
+    assert "\r" not in literal and "\n" not in literal
+
+
 def build(tmp_path: Path, overrides: tuple[str, ...] = ()) -> Plan:
     (tmp_path / "p.yaml").write_text(textwrap.dedent(PIPELINE))
     return plan(resolve(load_pipeline("p.yaml", overrides), run_dir="runs/p"))

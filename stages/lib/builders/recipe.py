@@ -6,11 +6,18 @@ Input: the YAML mapping. Output: a validated spec that `stages.lib.builders.tiny
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from stages.lib.block import Block
+
+# what the tiny Llama and a family's test checkpoint both size alike
+HiddenSize = Annotated[int, Field(gt=0, description="Width of the model.")]
+NumLayers = Annotated[int, Field(gt=0, description="Transformer blocks.")]
+IntermediateSize = Annotated[
+    int | None, Field(gt=0, description="MLP width; empty: 4 x hidden_size.")
+]
 
 
 class TinyModel(Block):
@@ -19,12 +26,10 @@ class TinyModel(Block):
     init: Literal["tiny_llama"] = Field(
         "tiny_llama", description="Build a fresh Llama-architecture model."
     )
-    hidden_size: int = Field(128, gt=0, description="Width of the model.")
-    num_layers: int = Field(2, gt=0, description="Transformer blocks.")
+    hidden_size: HiddenSize = 128
+    num_layers: NumLayers = 2
     num_heads: int = Field(4, gt=0, description="Attention heads (must divide hidden_size).")
-    intermediate_size: int | None = Field(
-        None, gt=0, description="MLP width; empty: 4 x hidden_size."
-    )
+    intermediate_size: IntermediateSize = None
     vocab_size: int = Field(
         512,
         ge=262,
@@ -67,17 +72,15 @@ class FamilyModel(Block):
     dtype: Literal["bfloat16", "float32", "float16"] = Field(
         "bfloat16", description="Precision of the saved weights (the releases' is bfloat16)."
     )
-    hidden_size: int = Field(64, gt=0, description="Width of the model.")
-    num_layers: int = Field(2, gt=0, description="Transformer blocks.")
+    hidden_size: HiddenSize = 64
+    num_layers: NumLayers = 2
     num_heads: int = Field(
         4,
         gt=0,
         description="Attention heads (must divide hidden_size); half as many key-value heads "
         "when even, as the releases use grouped-query attention.",
     )
-    intermediate_size: int | None = Field(
-        None, gt=0, description="MLP width; empty: 4 x hidden_size."
-    )
+    intermediate_size: IntermediateSize = None
     vocab_size: int = Field(
         512,
         gt=0,

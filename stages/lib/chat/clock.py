@@ -22,6 +22,7 @@ from datetime import date, datetime
 from typing import Any
 
 from engine.stage import DATE_ENV
+from stages.lib.chat.jinja import string_literal
 
 _CALL = re.compile(r"""strftime_now\(\s*(?:"([^"\\]*)"|'([^'\\]*)')\s*\)""")
 _LEFT = re.compile(r"strftime_now\s*\(")
@@ -38,14 +39,12 @@ def run_date() -> date | None:
         return None
 
 
-def _literal(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def fixed_template(template: str, day: date) -> str:
     """`template` with every `strftime_now('<format>')` replaced by `day`'s text."""
     moment = datetime(day.year, day.month, day.day)
-    fixed = _CALL.sub(lambda m: _literal(moment.strftime(m.group(1) or m.group(2) or "")), template)
+    fixed = _CALL.sub(
+        lambda m: string_literal(moment.strftime(m.group(1) or m.group(2) or "")), template
+    )
     if _LEFT.search(fixed) and template not in _warned:
         _warned.add(template)
         log.warning(

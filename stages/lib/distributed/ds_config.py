@@ -9,38 +9,22 @@ it under offload and untested-optimizer checks.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from engine.errors import Diagnostic
 from engine.plan.memory import ds_buckets, read_shape
 from engine.stage import MemoryNeed, ResolveContext
+from stages.lib.distributed.trainer_fields import TrainedSettings
 
 
-class DeepSpeedSettings(Protocol):
-    """The resolved settings the ds_config is made of."""
-
-    @property
-    def zero_stage(self) -> int: ...
-    @property
-    def adam_offload(self) -> bool: ...
-    @property
-    def overlap_comm(self) -> bool: ...
-    @property
-    def bf16(self) -> bool: ...
-    @property
-    def micro_train_batch_size(self) -> int: ...
-    @property
-    def train_batch_size(self) -> int: ...
-
-
-def grad_accumulation(cfg: DeepSpeedSettings, world_size: int) -> int:
+def grad_accumulation(cfg: TrainedSettings, world_size: int) -> int:
     """Micro batches per optimizer step on each rank; resolve checks that it divides."""
     per_step = cfg.micro_train_batch_size * world_size
     return max(1, cfg.train_batch_size // per_step)
 
 
 def build_ds_config(
-    cfg: DeepSpeedSettings,
+    cfg: TrainedSettings,
     world_size: int,
     *,
     pin_memory: bool = False,
@@ -77,7 +61,7 @@ def build_ds_config(
     }
 
 
-def check_deepspeed(cfg: DeepSpeedSettings, ctx: ResolveContext, ranks: int) -> list[Diagnostic]:
+def check_deepspeed(cfg: TrainedSettings, ctx: ResolveContext, ranks: int) -> list[Diagnostic]:
     """Batch sizes that divide over `ranks` data-parallel ranks, and optimizer offload only
     with ZeRO: the one place these rules live."""
     out = []

@@ -1,7 +1,7 @@
 """What every rank process (a train or rl rank) does first, and how it ends.
 
-Input: the rank's environment (set by `stages.lib.distributed.spawn`) and its spec
-(`stages.lib.distributed.spec.RankSpec`: device kind, trainer, threads). Output: logging whose
+Input: the rank's environment (set by `stages.lib.distributed.spawn`) and its brief
+(`stages.lib.distributed.brief.RankBrief`: device kind, trainer, threads). Output: logging whose
 marked lines (`@pipe LEVEL ...`) the launcher passes on to the stage's log, the process group
 (gloo on CPU, NCCL on GPU; DeepSpeed's when it trains), the trainer around the model,
 and an exit that skips the interpreter's teardown once everything is written.
@@ -17,7 +17,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stages.lib.distributed.spec import RankSpec
+    from stages.lib.distributed.brief import RankBrief
 
 PARENT_ENV = "PIPE_TRAIN_PARENT_PID"
 MARK = "@pipe "  # lines the launcher passes on to the stage's log; the rest go to the log file only
@@ -191,19 +191,19 @@ def make_trainer(
     return TorchTrainer(model, cfg, total, device)
 
 
-def start_rank(spec: RankSpec) -> tuple[int, int, str]:
+def start_rank(brief: RankBrief) -> tuple[int, int, str]:
     """This rank's place from its environment (RANK, WORLD_SIZE, LOCAL_RANK), set up
-    (`setup`) on its device (`cuda:<local rank>` where the spec says cuda, else cpu) and in
+    (`setup`) on its device (`cuda:<local rank>` where the brief says cuda, else cpu) and in
     its process group (`init_distributed`): its rank, the world size and the device."""
     import torch
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    setup(rank, spec.threads)
-    device = f"cuda:{local}" if spec.device == "cuda" else "cpu"
+    setup(rank, brief.threads)
+    device = f"cuda:{local}" if brief.device == "cuda" else "cpu"
     if device != "cpu":
         torch.cuda.set_device(local)
-    init_distributed(spec.trainer, device, world)
+    init_distributed(brief.trainer, device, world)
     return rank, world, device
 
 

@@ -1,13 +1,13 @@
 """Launch the training ranks as fresh processes and follow them.
 
-Input: the rank module to run (e.g. `stages.train.worker`), its spec file,
+Input: the rank module to run (e.g. `stages.train.worker`), its brief file,
 which ranks of the job to start here (`Ranks`: all of them, or this node's
 share of a job that spans nodes), the device kind, threads per rank, a log
 file, a logger, and optionally a `should_stop` callback (another node failed).
 Output: returns when every rank exited 0; otherwise stops the others and
 raises `TrainingFailed` with the exit status and the last lines of the log.
 
-Each rank is `python -m MODULE SPEC` with the usual
+Each rank is `python -m MODULE BRIEF` with the usual
 torch.distributed environment (MASTER_ADDR and MASTER_PORT of global rank 0:
 127.0.0.1 and a free port for a one-node job; RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, NODE_RANK), `CUDA_VISIBLE_DEVICES` set to the node's devices
@@ -191,7 +191,7 @@ def _stop(procs: list[subprocess.Popen[str]], grace_s: float = 10.0) -> None:
 
 def launch(
     module: str,
-    spec_path: str,
+    brief_path: str,
     ranks: Ranks,
     device: str,
     threads: int,
@@ -199,7 +199,7 @@ def launch(
     logger: logging.Logger,
     should_stop: Callable[[], str | None] | None = None,
 ) -> None:
-    """Run this node's ranks of `python -m module spec_path`; raise if any fails, or (killing
+    """Run this node's ranks of `python -m module brief_path`; raise if any fails, or (killing
     them) when `should_stop` returns a reason."""
     port = ranks.master_port or free_port()
     tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -212,7 +212,7 @@ def launch(
             for local in range(ranks.count):
                 rank = ranks.first + local
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", module, spec_path],
+                    [sys.executable, "-m", module, brief_path],
                     env=rank_env(rank, ranks, port, threads, device, local),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

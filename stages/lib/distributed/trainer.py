@@ -1,10 +1,11 @@
 """The optimizer side of a rank: DeepSpeed's engine, or plain torch with the same interface.
 
-Input: the model, the resolved optimizer settings (any config with the fields
-of `OptimizerSettings`: the train and rl kinds' configs), the ds_config dict (DeepSpeed)
-and the run's total steps. Output: a `Trainer` whose call (the model's top-level forward),
-`backward` and `step` run one optimizer step as a series of micro batches, which saves and
-loads resumable checkpoints, and hands rank 0 the full weights for the final checkpoint.
+Input: the model, the resolved optimizer settings (any config with the fields of
+`stages.lib.distributed.trainer_fields.TrainedSettings`: the train and rl kinds' configs),
+the ds_config dict (DeepSpeed) and the run's total steps. Output: a `Trainer` whose call (the
+model's top-level forward), `backward` and `step` run one optimizer step as a series of micro
+batches, which saves and loads resumable checkpoints, and hands rank 0 the full weights for
+the final checkpoint.
 
 Both use torch's AdamW (betas 0.9/0.95) with the schedule of
 `stages.lib.distributed.schedule`, gradient clipping at 1.0, and gradients averaged over
@@ -27,7 +28,7 @@ import gc
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,33 +36,14 @@ import torch.distributed as dist
 from stages.lib.distributed.offload import HostStates, optimizer_tensors, state_tensors
 from stages.lib.distributed.schedule import lr_factor, warmup_steps
 from stages.lib.distributed.sleep import Sleep, sleep_method
-
-
-class OptimizerSettings(Protocol):
-    """The resolved settings a trainer reads (a kind's frozen config has them as fields)."""
-
-    @property
-    def learning_rate(self) -> float: ...
-    @property
-    def weight_decay(self) -> float: ...
-    @property
-    def warmup_ratio(self) -> float: ...
-    @property
-    def lr_scheduler(self) -> Literal["constant", "cosine", "linear"]: ...
-    @property
-    def bf16(self) -> bool: ...
-    @property
-    def zero_stage(self) -> int: ...
-    @property
-    def adam_offload(self) -> bool: ...
-
+from stages.lib.distributed.trainer_fields import TrainedSettings
 
 BETAS = (0.9, 0.95)
 log = logging.getLogger("pipe.train")
 
 
 def _scheduler(
-    optimizer: torch.optim.Optimizer, cfg: OptimizerSettings, total: int
+    optimizer: torch.optim.Optimizer, cfg: TrainedSettings, total: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     warm = warmup_steps(total, cfg.warmup_ratio)
     kind = cfg.lr_scheduler
@@ -158,7 +140,7 @@ class TorchTrainer(Sleeper):
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimizerSettings, total: int, device: str):
+    def __init__(self, model: torch.nn.Module, cfg: TrainedSettings, total: int, device: str):
         self.module = model.to(device)
         self.device, self.bf16 = device, cfg.bf16
         self.optimizer = torch.optim.AdamW(
@@ -252,7 +234,7 @@ class DeepSpeedTrainer(Sleeper):
     def __init__(
         self,
         model: torch.nn.Module,
-        cfg: OptimizerSettings,
+        cfg: TrainedSettings,
         total: int,
         device: str,
         ds_config: dict[str, Any],

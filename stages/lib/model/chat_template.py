@@ -27,6 +27,9 @@ alike: one rendering, compared like with like) and takes the place of a checkpoi
 template. The template a stage trained with is written into its output checkpoint's
 `tokenizer_config.json` (`stages.lib.model.prepared`), so later stages, and vLLM serving it,
 render the same text without naming it again.
+
+Every kind that renders prompts declares the two settings with their types here,
+`ChatTemplate` and `PromptTemplate` (each its type and help text), empty by default.
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from engine.checkpoint import chat_template
 from engine.errors import Diagnostic, did_you_mean
 from engine.stage import ResolveContext
 from stages.lib.builders.conventions import TEMPLATES
+from stages.lib.chat.jinja import string_literal
 from stages.lib.model.gguf import NotGGUF, is_gguf, read_header, shown
 
 FAMILIES = ("chatml", "gemma", "llama3", "mistral")
@@ -55,24 +61,21 @@ PROMPT_TEMPLATE_HELP = (
     "With chat_template plain: the text around each user turn, '{prompt}' standing for it, "
     "e.g. 'Question: {prompt}\\nAnswer:'."
 )
+ChatTemplate = Annotated[str | None, Field(description=CHAT_TEMPLATE_HELP)]
+PromptTemplate = Annotated[str | None, Field(description=PROMPT_TEMPLATE_HELP)]
 EXAMPLE = '"Question: {prompt}\\nAnswer:"'
 CHOICES = f"a family ({', '.join(FAMILIES)}), {PLAIN} with a prompt_template such as {EXAMPLE}"
 
 
-def _literal(text: str) -> str:
-    """`text` as a Jinja string literal (Jinja reads Python's escapes)."""
-    return json.dumps(text, ensure_ascii=False)
-
-
 def plain_template(prompt_template: str) -> str:
     """The Jinja text of `plain` (module docstring) around `prompt_template`."""
-    before, _, after = prompt_template.partition(SLOT)
+    before, _, after = (string_literal(part) for part in prompt_template.partition(SLOT))
     return (
         "{% if bos_token %}{{ bos_token }}{% endif %}"
         "{% for message in messages %}"
         "{% if message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
         "{% elif message['role'] == 'system' %}{{ message['content'] + '\\n' }}"
-        f"{{% else %}}{{{{ {_literal(before)} + message['content'] + {_literal(after)} }}}}"
+        f"{{% else %}}{{{{ {before} + message['content'] + {after} }}}}"
         "{% endif %}{% endfor %}"
     )
 

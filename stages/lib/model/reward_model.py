@@ -99,7 +99,7 @@ def reward_config(module: Any, pad: int) -> dict[str, Any]:
     }
 
 
-def reward_model_problem(config: dict[str, Any]) -> str | None:
+def _config_problem(config: dict[str, Any]) -> str | None:
     """Why a checkpoint's config.json is not a reward model's, or None."""
     archs = config.get("architectures") or []
     if not any(str(a).endswith(HEAD_SUFFIX) for a in archs):
@@ -115,14 +115,14 @@ def reward_model_problem(config: dict[str, Any]) -> str | None:
 
 
 def head_problem(model_dir: str) -> str | None:
-    """Why the checkpoint folder `model_dir` is not a reward model (`reward_model_problem` of
-    its config.json), or None."""
+    """Why the checkpoint folder `model_dir` is not a reward model, read from its config.json
+    alone (no torch), or None."""
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError) as exc:
         return f"its config.json cannot be read ({exc})"
-    return reward_model_problem(config)
+    return _config_problem(config)
 
 
 def load_reward_model(model_dir: str, bf16: bool, device: str) -> Any:
@@ -138,21 +138,17 @@ def load_reward_model(model_dir: str, bf16: bool, device: str) -> Any:
 
 
 def check_reward_model(ctx: ResolveContext, field: str, path: str | None) -> list[Diagnostic]:
-    """Plan time: `path` is a checkpoint folder (`check_checkpoint`) whose config.json is a
-    reward model's; an earlier stage's output is checked when it is loaded."""
+    """Plan time: `path` is a checkpoint (`check_checkpoint`) and, where it is a folder with a
+    config.json, a reward model's (`head_problem`); an earlier stage's output, a hub id or a
+    remote URL is checked when it is loaded."""
     from stages.lib.model.path import check_checkpoint
 
     if path is None:
         return []
     found = check_checkpoint(ctx, field, path)
-    if found or ctx.is_produced(path) or "://" in path:
+    if found or not os.path.isfile(os.path.join(path, "config.json")):
         return found
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        return [ctx.error(field, f"'{path}': cannot read config.json: {e}")]
-    problem = reward_model_problem(config)
+    problem = head_problem(path)
     return [ctx.error(field, f"'{path}' is no reward model: {problem}")] if problem else []
 
 
@@ -202,8 +198,7 @@ class RewardScorer:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            problem = reward_model_problem(json.load(f))
+        problem = head_problem(path)
         if problem:
             raise ValueError(f"'{path}' is no reward model: {problem}")
         self.tokenizer = AutoTokenizer.from_pretrained(path)

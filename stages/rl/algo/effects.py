@@ -1,5 +1,5 @@
 """How the algorithm settings of an rl stage act in its run (`stages.rl.algo.options`): applied,
-and how, or skipped, and why; merged into `stages.rl.controller.settings.account`.
+and how, or skipped, and why; merged into `stages.rl.controller.applied.account`.
 
 Input: the resolved config. Output: `{field: (status, how)}` for the estimator, the loss's
 aggregation and clip, the ratio's level and DAPO's dynamic sampling and overlong shaping.
@@ -29,7 +29,7 @@ GSPO_AGG = " (GSPO's: with ratio_level sequence each sequence weighs the same, a
 GSPO_RANGE = " (GSPO's range: a sequence's ratio, a geometric mean, stays within about 1e-3 of 1)"
 
 
-def algorithm_settings(cfg: Any) -> dict[str, tuple[str, str]]:
+def account_algorithm(cfg: Any) -> dict[str, tuple[str, str]]:
     """See the module docstring."""
     ppo = cfg.algorithm == "ppo"
     ratio_one = (

@@ -2,7 +2,8 @@
 how per-token losses add up, DAPO's and GSPO's changes, PPO's and the KL's terms.
 
 Input: a stage's config values. Output: the fields of `AlgorithmOptions`, a base of
-`stages.rl.RLConfig` (the rules that tie them together: `stages.rl.algo.combinations`).
+`stages.rl.RLConfig` (the rules that tie them together: `stages.rl.algo.combinations`), and
+`per_token_returns`, which estimators take their advantages from each token's return.
 
 The names follow the frameworks users compare us with (docs/rl/algorithms.md):
 `advantage` is verl's `adv_estimator` / OpenRLHF's `advantage_estimator`, `loss_agg` is
@@ -111,3 +112,11 @@ class AlgorithmOptions(StageConfig):
         "loss weighted by min(exp(actor - engine), tis_cap), as verl's tis_imp_ratio_cap; "
         "empty: off.",
     )
+
+
+def per_token_returns(cfg: AlgorithmOptions) -> bool:
+    """Whether advantages come from each token's return (ppo's GAE, reinforce_pp's returns)
+    rather than from the group's rewards: the KL to the reference is then a term of each
+    token's reward, not of the loss, and the baseline is not the group's (the critic's
+    values, the batch's statistics), so a group whose rewards all agree still trains."""
+    return cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp"

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stages.rl.algo.combinations import refills
+from stages.rl.algo.options import per_token_returns
 from stages.rl.controller.loop import Batch
 
 
@@ -73,7 +74,7 @@ def rollout(c: Any, step: int) -> Batch:
     raw: list[float] = []  # the reward model's scores, every round's
     scored = [_score(cfg, g, s) for g, s in zip(groups, _model_scores(c, groups, raw), strict=True)]
     dynamic = refills(cfg)
-    every = (cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp") and not dynamic
+    every = per_token_returns(cfg) and not dynamic
     kept = [i for i, s in enumerate(scored) if s.trains(dynamic, every)]
     # DAPO's dynamic sampling: refill from further prompts until `want` groups carry a signal
     while dynamic and len(kept) < want and rounds < cfg.dynamic_sampling_max_rounds:

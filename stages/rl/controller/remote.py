@@ -3,7 +3,7 @@ share of every role placed here (the actor's, critic's, reference's and reward m
 ranks; an engine when the `vllm` role holds devices here) and follows them.
 
 Input: the stage's context (this task's slots, and the link to the controller's task,
-which publishes each role's spec file and each engine's spec). Output: the roles' ranks
+which publishes each role's brief file and each engine's brief). Output: the roles' ranks
 and the engine run until the controller stops them; a failure raises the stage's abort
 flag (run_stage does).
 """
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from engine.stage import StageContext
     from stages.rl import RLConfig
 
-SPEC_TIMEOUT_S = 900.0
+BRIEF_TIMEOUT_S = 900.0
 TRAINED = ("actor", "critic", "ref", "reward")
 
 
@@ -37,7 +37,7 @@ def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
         ranks = local_ranks(ctx, role, cfg.num_processes)
         if ranks is None or (role == "ref" and not own_ref):
             continue
-        path = link.lookup(f"spec-{role}", timeout_s=SPEC_TIMEOUT_S)
+        path = link.lookup(f"brief-{role}", timeout_s=BRIEF_TIMEOUT_S)
         threads.append(start_ranks(cfg, ctx, role, path, ranks, errors, link.aborted))
         roles.append(role)
     if ctx.node_slots("vllm"):

@@ -9,15 +9,14 @@ checkpoint's on resume, else 0).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.distributed import resume
 from stages.rl.algo.shaping import RunningMoments
+from stages.rl.controller.applied import account
 from stages.rl.controller.records import resume_point
-from stages.rl.controller.settings import account
 from stages.rl.roles.launch import host_of
 from stages.rl.roles.layout import role_workers
 from stages.rl.rollout.prompts import probe_ids
@@ -85,19 +84,17 @@ def _resume(c: Controller, resume_key: str) -> tuple[str | None, int]:
 def start(c: Controller) -> int:
     """Build the engine, launch the actor, sync the first weights; the step to start at."""
     from stages.lib.distributed.ds_config import build_ds_config
+    from stages.lib.distributed.trainer_choice import choose_trainer
     from stages.lib.model.dtypes import resolve_save_dtype
+    from stages.rl.roles.brief import ActorBrief
     from stages.rl.roles.channel import StageEnd
-    from stages.rl.roles.spec import ActorSpec
     from stages.rl.rollout.local import LocalEngine
     from stages.rl.sync.transports import make_receiver, sync_file, wire_dtype
 
     cfg = c.cfg
     model_dir = init_model_dir(c)
     device, world, _ = c.roles.devices("actor")
-    has_ds = importlib.util.find_spec("deepspeed") is not None
-    trainer = (
-        "deepspeed" if cfg.trainer == "deepspeed" or (cfg.trainer == "auto" and has_ds) else "torch"
-    )
+    trainer = choose_trainer(cfg)
     resume_key = _resume_key(c, world, trainer)
     tag, start = _resume(c, resume_key)
     c.resume_key = resume_key
@@ -148,12 +145,12 @@ def start(c: Controller) -> int:
 
     ref_in_actor = cfg.kl_coef > 0 and in_actor(c.ctx.slots)
     saved = resolve_save_dtype(cfg.save_dtype, model_dir)
-    spec = ActorSpec(
+    brief = ActorBrief(
         config=cfg,
         model_dir=model_dir,
         stage_dir=c.dir,
         device=device,
-        trainer=trainer,  # type: ignore[arg-type]
+        trainer=trainer,
         ds_config=build_ds_config(cfg, world, pin_memory=device == "cuda", model_dir=model_dir)
         if trainer == "deepspeed"
         else None,
@@ -168,17 +165,17 @@ def start(c: Controller) -> int:
         ref_in_actor=ref_in_actor,
         save_dtype=saved[0],
     )
-    c.actor_thread = c.roles.start("actor", spec, c.channel)
+    c.actor_thread = c.roles.start("actor", brief, c.channel)
     if cfg.kl_coef > 0 and not ref_in_actor:  # started as the critic's ranks are
-        c.ref = RefRanks(c.roles, c.host, spec, model_dir)
+        c.ref = RefRanks(c.roles, c.host, brief, model_dir)
     if cfg.reward_model is not None:  # its own ranks, on the reward role's devices
         from stages.rl.roles.reward import RewardRanks
 
-        c.reward = RewardRanks(c.roles, c.host, spec, cfg.reward_model)
+        c.reward = RewardRanks(c.roles, c.host, brief, cfg.reward_model)
     if cfg.algorithm == "ppo":  # the critic: its own ranks, on the critic role's devices
         c.critic = StageEnd(c.host)
         c_world = c.roles.devices("critic")[1]
-        critic_spec = spec.model_copy(
+        critic_brief = brief.model_copy(
             update={
                 "channel": c.critic.address,
                 "authkey": c.critic.authkey.hex(),
@@ -189,7 +186,7 @@ def start(c: Controller) -> int:
                 else None,
             }
         )
-        c.critic_thread = c.roles.start("critic", critic_spec, c.critic)
+        c.critic_thread = c.roles.start("critic", critic_brief, c.critic)
     if vllm:
         c.engine = _vllm_engine(c, model_dir, sync_path)
     else:

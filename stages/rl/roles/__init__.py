@@ -1,18 +1,18 @@
 """The trained and frozen roles: actor, critic, reference, reward, each its ranks' processes.
 
-Input: the stage's slots and an `ActorSpec`. Output: each role's ranks started as one
+Input: the stage's slots and an `ActorBrief`. Output: each role's ranks started as one
 torch.distributed job across its workers, and the channel the controller drives them by.
 
-- `actor`, `critic`, `ref`, `reward`: one rank of each role (`python -m stages.rl.roles.ROLE SPEC`);
-  `rank_process`: the body every rank process runs around its role (set up, answer
-  requests); `trained`: what the actor's and the critic's ranks share (the trainer,
-  resuming, offload and reload).
+- `actor`, `critic`, `ref`, `reward`: one rank of each role
+  (`python -m stages.rl.roles.ROLE BRIEF`); `rank_process`: the body every rank process runs
+  around its role (set up, answer requests, gather a role's shares); `trained`: what the
+  actor's and the critic's ranks share (the trainer, resuming, offload and reload).
 - `policy_update`: the actor's update over a rollout batch; `proximal`: its side of the
   mismatch figure and of truncated importance sampling.
 - `frozen`: the frozen reference policy: where it loads, how, what it scores.
 - `reward`: the reward model's ranks (each scores its share of a batch's sequences) and the
   controller's side of them (`RewardRanks`).
-- `spec`: what the stage hands every rank; `layout`: where the ranks of a role run and
+- `brief`: what the stage hands every rank; `layout`: where the ranks of a role run and
   meet; `launch`: how a role's ranks are started on the workers; `channel`: the
   authenticated socket between the stage and a role's rank 0.
 

@@ -1,6 +1,6 @@
-"""One actor rank, run as its own process: `python -m stages.rl.roles.actor SPEC.json`.
+"""One actor rank, run as its own process: `python -m stages.rl.roles.actor BRIEF.json`.
 
-Input: the `ActorSpec` (resolved `RLConfig`, model directory, trainer, ds_config, the
+Input: the `ActorBrief` (resolved `RLConfig`, model directory, trainer, ds_config, the
 stage's channel and the weight-sync rendezvous) and the rank in the environment.
 Output: answers to the stage's requests, in order: `train` (the clipped GRPO update over
 a rollout batch, `ppo_epochs` passes, one optimizer step per `train_batch_size` samples;
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from stages.lib.distributed.rank import exit_now
-from stages.lib.model.lora import load_trained
+from stages.lib.model.lora.wrap import load_trained
 from stages.rl.roles.trained import TrainedRank
 
 log = logging.getLogger("pipe.rl")
@@ -34,21 +34,21 @@ log = logging.getLogger("pipe.rl")
 class Actor(TrainedRank):
     """The model, its trainer and reference, and what each request does."""
 
-    def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
-        cfg = spec.config
-        model = load_trained(spec.model_dir, spec.ds_config, cfg.lora, cfg.bf16)
-        super().__init__(spec, rank, world, device, model)
+    def __init__(self, brief: Any, rank: int, world: int, device: str) -> None:
+        cfg = brief.config
+        model = load_trained(brief.model_dir, brief.ds_config, cfg.lora, cfg.bf16)
+        super().__init__(brief, rank, world, device, model)
         self.reference: Any = None  # here when the ref role has no devices of its own
-        if self.cfg.kl_coef > 0 and spec.ref_in_actor:
+        if self.cfg.kl_coef > 0 and brief.ref_in_actor:
             from stages.rl.roles.frozen import load_reference
 
             self.reference, self.ref_engine = load_reference(
-                spec.model_dir, self.cfg.bf16, spec.ds_config, device
+                brief.model_dir, self.cfg.bf16, brief.ds_config, device
             )
             dtype = next(self.reference.parameters()).dtype
             log.info("frozen reference in the actor's ranks, %s", dtype)
         if self.resume("checkpoints"):
-            log.info("resumed the actor from %s", spec.resume_tag)
+            log.info("resumed the actor from %s", brief.resume_tag)
         self.publisher: Any = None
         self.pi_old: dict[int, Any] | None = None  # tis_cap: per sample, at the step's start
 
@@ -64,7 +64,7 @@ class Actor(TrainedRank):
         hold the same frozen base)."""
         module = self.trainer.module
         if self.cfg.lora is not None:
-            from stages.lib.model.lora import adapter_params
+            from stages.lib.model.lora.wrap import adapter_params
 
             return adapter_params(module)
         return list(module.named_parameters())
@@ -90,13 +90,13 @@ class Actor(TrainedRank):
         if "adapter_dir" in payload:  # LoRA into vLLM servers: the adapters as peft files
             return self._sync_adapter(payload, start)
         if self.rank == 0 and self.publisher is None:
-            spec = self.spec
+            brief = self.brief
             self.publisher = make_publisher(  # vLLM's group: its address and size come now
-                spec.sync_backend,
-                payload.get("store") or spec.sync_store,
-                sync_file(spec.stage_dir),
-                spec.config.sync_timeout_s,
-                payload.get("world") or spec.sync_world,
+                brief.sync_backend,
+                payload.get("store") or brief.sync_store,
+                sync_file(brief.stage_dir),
+                brief.config.sync_timeout_s,
+                payload.get("world") or brief.sync_world,
                 wire_dtype(self.cfg.bf16),
                 self.cfg.sync_bucket_mb,
             )
@@ -115,7 +115,7 @@ class Actor(TrainedRank):
         (`stages.rl.sync.vllm.VLLMLoraReceiver`), then every rank scores the probe."""
         stats: dict[str, float] = {}
         if self.rank == 0:
-            from stages.lib.model.lora import write_sync_adapter
+            from stages.lib.model.lora.sync_writer import write_sync_adapter
 
             stats = write_sync_adapter(self.trainer.module, payload["adapter_dir"])
         probe = self.probe(payload["probe"])
@@ -153,7 +153,7 @@ class Actor(TrainedRank):
 
     def save(self, payload: dict[str, Any]) -> str:
         """A resumable checkpoint: the trainer's state, and (rank 0) the stage's cursor."""
-        root = f"{self.spec.stage_dir}/checkpoints"
+        root = f"{self.brief.stage_dir}/checkpoints"
         tag = payload["tag"]
         self.trainer.save(root, tag)
         if self.rank == 0:
@@ -166,13 +166,13 @@ class Actor(TrainedRank):
     def final(self, payload: dict[str, Any]) -> str:
         """The Hugging Face checkpoint at `output` in the resolved save dtype, beside the
         input's files (written beside it, then renamed in: `stages.lib.model.save`)."""
-        from stages.lib.model.lora import write_output
+        from stages.lib.model.lora.output import write_output
 
-        output, spec = self.cfg.output, self.spec
+        output, brief = self.cfg.output, self.brief
         state = self.trainer.full_state_dict()  # under ZeRO-3 on rank 0 only, module by module
         if self.rank == 0:
             module, lora = self.trainer.module, self.cfg.lora
-            write_output(module, state, lora, spec.model_dir, output, spec.save_dtype)
+            write_output(module, state, lora, brief.model_dir, output, brief.save_dtype)
         return str(output)
 
 

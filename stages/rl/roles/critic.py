@@ -1,6 +1,6 @@
-"""One critic rank (PPO), run as its own process: `python -m stages.rl.roles.critic SPEC.json`.
+"""One critic rank (PPO), run as its own process: `python -m stages.rl.roles.critic BRIEF.json`.
 
-Input: the same `ActorSpec` the actor reads (the critic starts from the policy's
+Input: the same `ActorBrief` the actor reads (the critic starts from the policy's
 checkpoint: its decoder, and a value head initialised to zero) and the rank in the
 environment; the critic's ranks form their own torch.distributed job, on the critic
 role's devices. Output: answers to the stage's requests: `values` (the value of the state
@@ -67,8 +67,8 @@ def build_critic(model_dir: str, ds_config: dict[str, Any] | None) -> Any:
 class CriticRank(TrainedRank):
     """The critic, its trainer, and what each request does."""
 
-    def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
-        super().__init__(spec, rank, world, device, build_critic(spec.model_dir, spec.ds_config))
+    def __init__(self, brief: Any, rank: int, world: int, device: str) -> None:
+        super().__init__(brief, rank, world, device, build_critic(brief.model_dir, brief.ds_config))
         self.resume("critic_checkpoints")
 
     def values(self, payload: dict[str, Any]) -> list[list[float]]:
@@ -155,7 +155,7 @@ class CriticRank(TrainedRank):
         return float(reduced.item())
 
     def save(self, payload: dict[str, Any]) -> str:
-        root = f"{self.spec.stage_dir}/critic_checkpoints"
+        root = f"{self.brief.stage_dir}/critic_checkpoints"
         self.trainer.save(root, payload["tag"])
         return f"{root}/{payload['tag']}"
 

@@ -100,17 +100,17 @@ class RefRanks:
     are (`Roles.start`, as the critic's), asked for each batch's log-probabilities before
     the actor's update, stopped with the stage."""
 
-    def __init__(self, roles: Any, host: str, spec: Any, model_dir: str) -> None:
-        """`spec`: the actor's; the ranks take their own channel and, under DeepSpeed, a
+    def __init__(self, roles: Any, host: str, brief: Any, model_dir: str) -> None:
+        """`brief`: the actor's; the ranks take their own channel and, under DeepSpeed, a
         ds_config for the ref role's rank count (it only says how the weights split)."""
         from stages.lib.distributed.ds_config import build_ds_config
         from stages.rl.roles.channel import StageEnd
 
         self.roles, self.end = roles, StageEnd(host)
         world = roles.devices("ref")[1]
-        ds = build_ds_config(spec.config, world, model_dir=model_dir) if spec.ds_config else None
+        ds = build_ds_config(brief.config, world, model_dir=model_dir) if brief.ds_config else None
         update = {"channel": self.end.address, "authkey": self.end.authkey.hex(), "ds_config": ds}
-        self.thread = roles.start("ref", spec.model_copy(update=update), self.end)
+        self.thread = roles.start("ref", brief.model_copy(update=update), self.end)
 
     def alive(self) -> bool:
         return bool(

@@ -3,7 +3,7 @@
 Input: the stage's context (its slots: which workers hold each role's devices), its
 config and folder. Output: each role's ranks started as one torch.distributed job across
 the workers the placement gives it: the controller's task starts the ranks on its own
-worker (a thread follows them) and publishes the role's spec path for the tasks on the
+worker (a thread follows them) and publishes the role's brief path for the tasks on the
 role's other workers (`stages.rl.controller.remote`), which start theirs; the role's rank 0 then
 connects to the controller. Each rank records what it was given in
 `<stage>/ranks/<role>-<rank>.json` (`records_of`).
@@ -36,7 +36,7 @@ def start_ranks(
     cfg: RLConfig,
     ctx: StageContext,
     role: str,
-    spec_path: str,
+    brief_path: str,
     ranks: Ranks,
     errors: list[BaseException],
     should_stop: Callable[[], str | None] | None = None,
@@ -56,7 +56,7 @@ def start_ranks(
         try:
             launch(
                 f"stages.rl.roles.{role}",
-                spec_path,
+                brief_path,
                 rendezvous(ctx, role, ranks),
                 device,
                 cfg.num_threads,
@@ -79,14 +79,14 @@ class Roles:
         self.cfg, self.ctx, self.dir = cfg, ctx, stage_dir
         self.errors: list[BaseException] = []
 
-    def start(self, role: str, spec: Any, end: Any) -> threading.Thread | None:
-        """Write the role's spec, start its ranks on this worker (if it has any here) and
-        publish the spec for its other workers; then wait for its rank 0 to connect."""
-        path = f"{self.dir}/{role}_spec.json"
-        spec.write(path)
+    def start(self, role: str, brief: Any, end: Any) -> threading.Thread | None:
+        """Write the role's brief, start its ranks on this worker (if it has any here) and
+        publish the brief for its other workers; then wait for its rank 0 to connect."""
+        path = f"{self.dir}/{role}_brief.json"
+        brief.write(path)
         if any(w != self.ctx.tasks[0][1] for w in role_workers(self.ctx, role)):
             assert self.ctx.link is not None
-            self.ctx.link.publish(f"spec-{role}", path)
+            self.ctx.link.publish(f"brief-{role}", path)
         ranks = local_ranks(self.ctx, role, self.cfg.num_processes)
         thread = None
         if ranks is not None:

@@ -25,6 +25,7 @@ from stages.rl.algo.logprobs import Sample, completion_logprobs
 from stages.rl.algo.loss import masked_policy_terms, tis_weights, token_scale
 from stages.rl.algo.micro import epoch_steps, plan_micros
 from stages.rl.algo.mismatch import Gap
+from stages.rl.algo.options import per_token_returns
 from stages.rl.roles.proximal import gap_figures, proximal
 
 STATS = ("loss", "kl", "clip_frac", "entropy")
@@ -142,7 +143,7 @@ def _policy_terms(
     # observation tokens of a multi-turn episode carry no loss and no KL
     mask = torch.tensor([m for s in micro for m in s.loss_mask()], device=device)
     # ppo and reinforce_pp: the KL is in the reward, not in the loss
-    with_kl = cfg.kl_coef > 0 and cfg.algorithm == "grpo" and cfg.advantage != "reinforce_pp"
+    with_kl = cfg.kl_coef > 0 and not per_token_returns(cfg)
     ref = _reference(actor, micro) if with_kl else None
     if gap is not None:
         gap.add(new_t, old, mask)

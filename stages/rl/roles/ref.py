@@ -1,6 +1,6 @@
-"""One rank of the `ref` role, run as its own process: `python -m stages.rl.roles.ref SPEC.json`.
+"""One rank of the `ref` role, run as its own process: `python -m stages.rl.roles.ref BRIEF.json`.
 
-Input: the `ActorSpec` the actor reads (its ds_config says whether ZeRO-3 splits the
+Input: the `ActorBrief` the actor reads (its ds_config says whether ZeRO-3 splits the
 weights) and the rank in the environment; the ref role's ranks form their own
 torch.distributed job on the role's devices (`stages.rl.roles.frozen` says when it has them).
 Output: answers to the stage's requests: `ref_logprobs` (each sample's completion
@@ -12,12 +12,12 @@ world-th sample, in as many passes as the busiest rank, and rank 0 returns them 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from stages.lib.chat.tokens import pad_id
 from stages.lib.distributed.rank import exit_now
 from stages.rl.roles.frozen import load_reference, reference_logprobs
+from stages.rl.roles.rank_process import gather_shares, log_placed
 
 log = logging.getLogger("pipe.rl.ref")
 
@@ -25,22 +25,15 @@ log = logging.getLogger("pipe.rl.ref")
 class RefRank:
     """One rank of the `ref` role: the frozen reference, scoring its share of each batch."""
 
-    def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
-        self.spec, self.cfg = spec, spec.config
+    def __init__(self, brief: Any, rank: int, world: int, device: str) -> None:
+        self.brief, self.cfg = brief, brief.config
         self.rank, self.world, self.device = rank, world, device
         self.module, self.engine = load_reference(
-            spec.model_dir, self.cfg.bf16, spec.ds_config, device
+            brief.model_dir, self.cfg.bf16, brief.ds_config, device
         )
         self.pad_id = pad_id(None, self.module.config)
         self.kind = f"frozen reference, {next(self.module.parameters()).dtype}"
-        log.info(
-            "reference on node %s (CUDA_VISIBLE_DEVICES %s), rank %d of %d, %s",
-            os.environ.get("PIPE_NODE", "-"),
-            os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
-            rank,
-            world,
-            self.kind,
-        )
+        log_placed(log, "reference", rank, world, self.kind)
         if self.engine is not None:
             params = list(self.module.parameters())
             held = sum(p.ds_tensor.numel() for p in params)
@@ -58,18 +51,7 @@ class RefRank:
         busiest = -(-len(samples) // self.world)
         passes = -(-busiest // size)  # ZeRO-3: every rank in every pass
         scored = reference_logprobs(self.module, mine, self.device, self.cfg, self.pad_id, passes)
-        if self.world == 1:
-            return scored
-        import torch.distributed as dist
-
-        parts: list[Any] = [None] * self.world
-        # under NCCL the objects travel on torch.cuda.current_device(), which the caller must
-        # set (torch/distributed/distributed_c10d.py, all_gather_object): run_role does
-        dist.all_gather_object(parts, scored)
-        out: list[list[float]] = [[] for _ in samples]
-        for r, part in enumerate(parts):
-            out[r :: self.world] = part
-        return out if self.rank == 0 else None
+        return gather_shares(scored, len(samples), self.rank, self.world)
 
 
 if __name__ == "__main__":

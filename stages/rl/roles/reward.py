@@ -1,6 +1,6 @@
-"""One rank of the `reward` role, run as its own process: `python -m stages.rl.roles.reward SPEC`.
+"""One rank of the `reward` role, run as its own process: `python -m stages.rl.roles.reward BRIEF`.
 
-Input: the `ActorSpec` the actor reads, its `model_dir` the reward model's (a scalar-head
+Input: the `ActorBrief` the actor reads, its `model_dir` the reward model's (a scalar-head
 checkpoint, `stages.lib.model.reward_model`), and the rank in the environment; the role's
 ranks form their own torch.distributed job on the reward role's devices (its own GPUs in the
 ratio, or shared with the critic's under `colocate: [[critic, reward]]`, or on the CPU).
@@ -16,7 +16,6 @@ The reward model is whole on every rank (not split by ZeRO-3): the memory model 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,48 +27,34 @@ log = logging.getLogger("pipe.rl.reward")
 class RewardRank:
     """One rank of the `reward` role: the frozen reward model, scoring its share of a batch."""
 
-    def __init__(self, spec: Any, rank: int, world: int, device: str) -> None:
+    def __init__(self, brief: Any, rank: int, world: int, device: str) -> None:
         from stages.lib.chat.tokens import pad_id
         from stages.lib.model.reward_model import load_reward_model
+        from stages.rl.roles.rank_process import log_placed
 
-        self.cfg, self.rank, self.world = spec.config, rank, world
-        self.model = load_reward_model(spec.model_dir, self.cfg.bf16, device)
+        self.cfg, self.rank, self.world = brief.config, rank, world
+        self.model = load_reward_model(brief.model_dir, self.cfg.bf16, device)
         self.pad_id = pad_id(None, self.model.config)
         self.kind = f"reward model, {next(self.model.parameters()).dtype}"
-        log.info(
-            "reward model on node %s (CUDA_VISIBLE_DEVICES %s), rank %d of %d, %s",
-            os.environ.get("PIPE_NODE", "-"),
-            os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
-            rank,
-            world,
-            self.kind,
-        )
+        log_placed(log, "reward model", rank, world, self.kind)
 
     def reward_scores(self, payload: dict[str, Any]) -> list[float] | None:
         """Every world-th sequence from this rank; rank 0 returns them all, in order."""
         from stages.lib.model.reward_model import score
+        from stages.rl.roles.rank_process import gather_shares
 
         sequences = payload["sequences"]
         mine = sequences[self.rank :: self.world]
         scored = score(self.model, mine, self.cfg.micro_train_batch_size, self.pad_id)
-        if self.world == 1:
-            return scored
-        import torch.distributed as dist
-
-        parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, scored)  # on the device run_role set, under NCCL
-        out: list[float] = [0.0] * len(sequences)
-        for r, part in enumerate(parts):
-            out[r :: self.world] = part
-        return out if self.rank == 0 else None
+        return gather_shares(scored, len(sequences), self.rank, self.world)
 
 
 class RewardRanks:
     """The controller's side of the reward role's ranks: started where the role's devices
     are (`Roles.start`), asked for each batch's scores, stopped with the stage."""
 
-    def __init__(self, roles: Any, host: str, spec: Any, model_dir: str) -> None:
-        """`spec`: the actor's; the ranks take their own channel and the reward model's
+    def __init__(self, roles: Any, host: str, brief: Any, model_dir: str) -> None:
+        """`brief`: the actor's; the ranks take their own channel and the reward model's
         folder, and no ds_config (the model is whole on every rank)."""
         from stages.rl.roles.channel import StageEnd
 
@@ -80,7 +65,7 @@ class RewardRanks:
             "model_dir": model_dir,
             "ds_config": None,
         }
-        self.thread = roles.start("reward", spec.model_copy(update=update), self.end)
+        self.thread = roles.start("reward", brief.model_copy(update=update), self.end)
 
     def alive(self) -> bool:
         return bool(

@@ -4,7 +4,7 @@ Input: the model directory, the step's prompts and the sampling settings. Output
 (token ids, behaviour log-probabilities, finish reasons), turn by turn for multi-turn
 episodes.
 
-- `engine`: what every engine's `generate` is asked for (`Sampling`).
+- `generate_args`: what every engine's `generate` is asked for (`Sampling`).
 - `local`: the in-process engine (batched local generation on a copy of the policy).
 - `vllm`: vLLM servers as the engines; `vllm_servers`: where each server runs and how it
   starts; `vllm_requests`: a step's requests to them.

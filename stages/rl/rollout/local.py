@@ -31,7 +31,7 @@ from stages.rl.algo.logprobs import Sample, completion_logprobs
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from stages.rl.rollout.engine import Sampling
+    from stages.rl.rollout.generate_args import Sampling
 
 log = logging.getLogger("pipe.rl")
 
@@ -60,7 +60,7 @@ class LocalEngine:
         dtype = torch.bfloat16 if bf16 else torch.float32
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         if lora is not None:
-            from stages.lib.model.lora import with_lora
+            from stages.lib.model.lora.wrap import with_lora
 
             model = with_lora(model, lora, inference=True)
         model.eval()

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from stages.rl.rollout.local import LocalEngine
 
 log = logging.getLogger("pipe.rl")
-SPEC_TIMEOUT_S = 900.0
+BRIEF_TIMEOUT_S = 900.0
 SEED_STRIDE = 1_000_033  # engine i samples with seed + i * stride: no two engines share a stream
 
 
@@ -132,7 +132,7 @@ def start_pool(
     ctx: StageContext, local: LocalEngine, join: dict[str, Any], alive: Any
 ) -> EnginePool:
     """The pool of `local` and one engine per other worker of the `vllm` role: each gets
-    its spec through the link (`join`: the model, the sync backend and where its group
+    its brief through the link (`join`: the model, the sync backend and where its group
     meets; and its own group rank) and connects back."""
     from stages.rl.roles.channel import StageEnd
     from stages.rl.roles.launch import host_of
@@ -149,18 +149,18 @@ def start_pool(
         assert ctx.link is not None
         end = StageEnd(host_of(ctx))
         end.who = f"engine 'local-{i}'"
-        spec = {
+        brief = {
             **join,
             "name": f"local-{i}",
             "rank": 1 + i,
             "channel": end.address,
             "authkey": end.authkey.hex(),
         }
-        ctx.link.publish(f"engine-{node}-{worker}", json.dumps(spec))
+        ctx.link.publish(f"engine-{node}-{worker}", json.dumps(brief))
         ends.append((i, end))
     remotes = []
     for i, end in ends:
-        end.accept(alive, timeout_s=SPEC_TIMEOUT_S)
+        end.accept(alive, timeout_s=BRIEF_TIMEOUT_S)
         placed = end.request("where", timeout_s=600, alive=alive)
         remotes.append(RemoteEngine(f"local-{i}", end, placed, alive))
     return EnginePool(local, where, remotes)
@@ -179,22 +179,22 @@ def host_engine(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     assert ctx.link is not None
     torch.set_num_threads(cfg.num_threads)
     node, worker = ctx.tasks[ctx.node_rank]
-    spec = json.loads(ctx.link.lookup(f"engine-{node}-{worker}", timeout_s=SPEC_TIMEOUT_S))
+    brief = json.loads(ctx.link.lookup(f"engine-{node}-{worker}", timeout_s=BRIEF_TIMEOUT_S))
     device = torch_device(ctx, "vllm")
-    engine = LocalEngine(spec["model_dir"], device, bf16=cfg.bf16, lora=cfg.lora)
-    engine.name = spec["name"]
+    engine = LocalEngine(brief["model_dir"], device, bf16=cfg.bf16, lora=cfg.lora)
+    engine.name = brief["name"]
     receiver = make_receiver(
-        spec["kind"],
-        spec["name"],
-        spec["path"],
-        spec["timeout_s"],
+        brief["kind"],
+        brief["name"],
+        brief["path"],
+        brief["timeout_s"],
         device,
-        world=spec["world"],
-        rank=spec["rank"],
-        store_address=spec["store"] or None,
+        world=brief["world"],
+        rank=brief["rank"],
+        store_address=brief["store"] or None,
         wire=wire_dtype(cfg.bf16),
     )
-    conn = connect(spec["channel"], spec["authkey"])
+    conn = connect(brief["channel"], brief["authkey"])
     where = {"node": node, "worker": worker, "devices": list(ctx.devices("vllm"))}
     handlers: dict[str, Any] = {
         "where": lambda _: where,
@@ -203,8 +203,8 @@ def host_engine(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
         "load": lambda _: receiver.apply(engine.model),
     }
     served = _serve(conn, handlers, ctx)
-    log.info("engine %s on %s served %d request(s)", spec["name"], worker, served)
-    return {"engine": spec["name"], "requests": served}
+    log.info("engine %s on %s served %d request(s)", brief["name"], worker, served)
+    return {"engine": brief["name"], "requests": served}
 
 
 def _serve(conn: Any, handlers: dict[str, Any], ctx: StageContext) -> int:

@@ -51,7 +51,7 @@ from stages.lib.model.generate import Generation
 from stages.rl.algo.logprobs import Sample
 from stages.rl.rollout.vllm_requests import HTTPRollouts
 from stages.rl.rollout.vllm_servers import (
-    SPEC_TIMEOUT_S,
+    BRIEF_TIMEOUT_S,
     context_len,
     engine_devices,
     start_servers,
@@ -79,12 +79,12 @@ def start_vllm(cfg: RLConfig, ctx: StageContext, model_dir: str, log_file: str) 
     secret = new_secret()  # one for the run's servers: in memory and the link, never on disk
     if others:
         assert ctx.link is not None
-        ctx.link.publish("vllm-spec", json.dumps({"model_dir": model_dir, "secret": secret}))
+        ctx.link.publish("vllm-brief", json.dumps({"model_dir": model_dir, "secret": secret}))
 
     def remote() -> list[dict[str, Any]]:
         link = ctx.link
         return [
-            json.loads(link.lookup(f"vllm-{nodes[w]}-{w}", timeout_s=SPEC_TIMEOUT_S))
+            json.loads(link.lookup(f"vllm-{nodes[w]}-{w}", timeout_s=BRIEF_TIMEOUT_S))
             for w in others
             if link is not None
         ]

@@ -40,7 +40,7 @@ from stages.lib.model.generate import Generation
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from stages.rl.rollout.engine import Sampling
+    from stages.rl.rollout.generate_args import Sampling
 
 MAX_RETRIES, BACKOFF_S = 4, 0.5
 _QUEUE = re.compile(r"^vllm:request_queue_time_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$", re.M)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from stages.rl import RLConfig
 
 log = logging.getLogger("pipe.rl")
-SPEC_TIMEOUT_S = 900.0
+BRIEF_TIMEOUT_S = 900.0
 HOLD_S = 7 * 24 * 3600.0  # a worker's servers run until the controller says stop
 
 
@@ -133,15 +133,15 @@ def host_servers(cfg: RLConfig, ctx: StageContext) -> None:
 
     assert ctx.link is not None
     node, worker = ctx.tasks[ctx.node_rank]
-    spec = json.loads(ctx.link.lookup("vllm-spec", timeout_s=SPEC_TIMEOUT_S))
+    brief = json.loads(ctx.link.lookup("vllm-brief", timeout_s=BRIEF_TIMEOUT_S))
     devices = engine_devices(ctx)
     with start_servers(
         vllm_block(cfg.backend),
-        spec["model_dir"],
+        brief["model_dir"],
         devices,
         bf16=cfg.bf16,
         log_file=f"{ctx.stage_dir.rstrip('/')}/vllm.{ctx.node_rank}.log",
-        secret=spec["secret"],
+        secret=brief["secret"],
         host=worker_host(worker),
         max_model_len=context_len(cfg),
         lora_rank=cfg.lora.rank if cfg.lora is not None else 0,

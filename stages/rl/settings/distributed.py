@@ -13,6 +13,13 @@ from typing import Literal
 from pydantic import Field
 
 from engine.stage import StageConfig
+from stages.lib.distributed.trainer_fields import (
+    AdamOffload,
+    OverlapComm,
+    Ranks,
+    TrainerSetting,
+    ZeroStage,
+)
 
 
 class DistributedSettings(StageConfig):
@@ -26,11 +33,9 @@ class DistributedSettings(StageConfig):
     async_queue_size: int = Field(
         1, ge=0, description="async: rollout batches in flight at most (0: synchronous)."
     )
-    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage of the actor.")
-    adam_offload: bool = Field(False, description="Offload Adam states to CPU memory (ZeRO).")
-    overlap_comm: bool = Field(
-        False, description="Overlap gradient communication with backward (ZeRO)."
-    )
+    zero_stage: ZeroStage = Field(0, description="DeepSpeed ZeRO stage of the actor.")
+    adam_offload: AdamOffload = False
+    overlap_comm: OverlapComm = False
     deepspeed_enable_sleep: bool = Field(
         False,
         description="Move the actor's and critic's optimizer states off the GPU while the "
@@ -50,12 +55,10 @@ class DistributedSettings(StageConfig):
         description="Weights travel to the engines (nccl, gloo) in buckets of this many MiB: the "
         "sending rank holds one bucket beyond its own shard.",
     )
-    num_processes: int = Field(
-        1, gt=0, description="Actor ranks on CPU (on GPU: one per actor GPU)."
-    )
+    num_processes: Ranks = Field(1, description="Actor ranks on CPU (on GPU: one per actor GPU).")
     num_threads: int = Field(
         1, gt=0, description="Torch threads of each actor rank and of the engine."
     )
-    trainer: Literal["auto", "deepspeed", "torch"] = Field(
+    trainer: TrainerSetting = Field(
         "auto", description="auto: DeepSpeed when installed, plain torch otherwise."
     )

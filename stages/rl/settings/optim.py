@@ -7,30 +7,37 @@ Input: a stage's config values. Output: the fields of `OptimSettings`, a base of
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field
 
 from engine.stage import StageConfig
+from stages.lib.distributed.trainer_fields import (
+    BatchSize,
+    Bf16,
+    LearningRate,
+    LrScheduler,
+    MaxLength,
+    MicroBatchSize,
+    WarmupRatio,
+    WeightDecay,
+)
 from stages.lib.model.lora import LORA_HELP, LoraBlock
 
 
 class OptimSettings(StageConfig):
     """Batch sizes, learning rate and schedule, sequence length, memory savers, dtype."""
 
-    train_batch_size: int = Field(
+    train_batch_size: BatchSize = Field(
         256,
-        gt=0,
         description="Samples per optimizer step (a step's kept samples, cut in pieces of this).",
     )
-    micro_train_batch_size: int = Field(64, gt=0, description="Samples per rank per forward pass.")
-    learning_rate: float = Field(1e-4, gt=0, description="Actor learning rate.")
-    lr_scheduler: Literal["constant", "cosine", "linear"] = Field(
+    micro_train_batch_size: MicroBatchSize = 64
+    learning_rate: LearningRate = Field(1e-4, description="Actor learning rate.")
+    lr_scheduler: LrScheduler = Field(
         "constant", description="Learning-rate schedule over the run's optimizer steps."
     )
-    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Fraction of updates warming up.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_length: int = Field(512, gt=0, description="Longest prompt + answer trained on, in tokens.")
+    warmup_ratio: WarmupRatio = Field(0.0, description="Fraction of updates warming up.")
+    weight_decay: WeightDecay = 0.0
+    max_length: MaxLength = Field(512, description="Longest prompt + answer trained on, in tokens.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     packing_samples: bool = Field(
         False,
@@ -40,7 +47,7 @@ class OptimSettings(StageConfig):
     use_dynamic_batch: bool = Field(
         False, description="Form micro batches by a token budget instead of a sample count."
     )
-    bf16: bool = Field(False, description="Train in bfloat16 (fp32 otherwise).")
+    bf16: Bf16 = False
     lora: LoraBlock | None = Field(
         None, description=f"The actor's adapters; the engines generate with them. {LORA_HELP}"
     )

@@ -10,7 +10,6 @@ controller applies them (`stages.rl.algo.shaping`).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from pydantic import Field
@@ -18,7 +17,6 @@ from pydantic import Field
 from engine.errors import Diagnostic
 from engine.stage import ResolveContext, StageConfig
 from stages.lib.block import Block
-from stages.lib.model.path import check_checkpoint
 
 
 class RewardWeights(Block):
@@ -60,7 +58,7 @@ class ScoringSettings(StageConfig):
 
 def check_scoring(cfg: Any, ctx: ResolveContext) -> list[Diagnostic]:
     """The reward model's rules (`cfg`: the stage's `RLConfig`)."""
-    from stages.lib.model.reward_model import head_problem
+    from stages.lib.model.reward_model import check_reward_model
 
     out: list[Diagnostic] = []
     rm = cfg.reward_model
@@ -85,12 +83,7 @@ def check_scoring(cfg: Any, ctx: ResolveContext) -> list[Diagnostic]:
                 )
             )
         return out
-    found = check_checkpoint(ctx, "reward_model", rm)
-    out += found
-    if not found and os.path.isfile(os.path.join(rm, "config.json")):
-        why = head_problem(rm)
-        if why is not None:
-            out.append(ctx.error("reward_model", f"'{rm}' is not a reward model: {why}"))
+    out += check_reward_model(ctx, "reward_model", rm)
     weights = cfg.reward_weights
     if weights is not None and weights.verifier and not scored_by_verifier:
         out.append(

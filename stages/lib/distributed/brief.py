@@ -1,10 +1,10 @@
-"""What a stage hands its rank processes: one typed, validated spec file (train's and rl's).
+"""What a stage hands its rank processes: one typed, validated brief file (train's and rl's).
 
-Input: what the stage decided before launching its ranks (a kind's spec adds its resolved
-config and its own decisions to `RankSpec`'s fields), written once (`write`, atomically).
-Output: the same spec read once per rank (`read`) and validated there, so every rank works
-from exactly the resolved config the engine made. Each kind's side: `stages/train/spec.py`,
-`stages/rl/roles/spec.py`.
+Input: what the stage decided before launching its ranks (a kind's brief adds its resolved
+config and its own decisions to `RankBrief`'s fields), written once (`write`, atomically).
+Output: the same brief read once per rank (`read`) and validated there, so every rank works
+from exactly the resolved config the engine made. Each kind's side: `stages/train/brief.py`,
+`stages/rl/roles/brief.py`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from stages.lib.distributed.trainer_choice import Trainer
 from stages.lib.io.jsonl import atomic_write
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
 
-class RankSpec(BaseModel):
+class RankBrief(BaseModel):
     """Where every rank finds the model and the stage's folder, its device kind, its trainer
     with DeepSpeed's config, and its torch threads."""
 
@@ -28,7 +29,7 @@ class RankSpec(BaseModel):
     model_dir: str
     stage_dir: str
     device: Literal["cpu", "cuda"]
-    trainer: Literal["deepspeed", "torch"]
+    trainer: Trainer
     ds_config: dict[str, Any] | None
     threads: int
 

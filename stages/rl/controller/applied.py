@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from stages.lib.api.sampling import request_sampling
 from stages.lib.distributed.sleep import sleep_method
-from stages.rl.algo.effects import algorithm_settings
+from stages.rl.algo.effects import account_algorithm
+from stages.rl.algo.options import per_token_returns
 from stages.rl.controller.records import SAMPLES_PER_STEP
 from stages.rl.sync.choice import LORA_SYNC, SyncChoice
 
@@ -86,9 +87,9 @@ def account(
         "temperature": _temperature(cfg),
         "max_output_tokens": (A, "most tokens per answer"),
         "max_length": (A, "prompt + answer cut to this for the update"),
-        "kl_coef": _kl(cfg.kl_coef, cfg.algorithm, cfg.advantage),
+        "kl_coef": _kl(cfg),
         "ppo_epochs": (A, "updates over each rollout batch"),
-        **algorithm_settings(cfg),
+        **account_algorithm(cfg),
         "gamma": (A, "GAE discount")
         if cfg.algorithm == "ppo"
         else (S, "GRPO has no value function: gamma acts with algorithm ppo"),
@@ -256,10 +257,10 @@ def _temperature(cfg: RLConfig) -> tuple[str, str]:
     )
 
 
-def _kl(coef: float, algorithm: str, advantage: str) -> tuple[str, str]:
-    if coef <= 0:
+def _kl(cfg: RLConfig) -> tuple[str, str]:
+    if cfg.kl_coef <= 0:
         return A, "0: no reference model loaded"
-    if algorithm == "ppo" or advantage == "reinforce_pp":
+    if per_token_returns(cfg):
         return A, "KL to a frozen reference in every token's reward (k1), not in the loss"
     return A, "k3 KL to a frozen reference in the actor's loss"
 

@@ -1,7 +1,7 @@
-"""What the rl stage hands its actor ranks: one typed, validated spec file.
+"""What the rl stage hands its actor ranks: one typed, validated brief file.
 
-Input: written by the stage (`stages.rl.run`) as `<stage_dir>/actor_spec.json`.
-Output: read once per actor rank (`ActorSpec.read`): the resolved `RLConfig`, the
+Input: written by the stage (`stages.rl.run`) as `<stage_dir>/actor_brief.json`.
+Output: read once per actor rank (`ActorBrief.read`): the resolved `RLConfig`, the
 model directory, the device, the trainer and its ds_config, where the controller
 listens, and how weights reach the engine.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from stages.lib.distributed.spec import RankSpec
+from stages.lib.distributed.brief import RankBrief
 from stages.rl import RLConfig
 
 
-class ActorSpec(RankSpec):
+class ActorBrief(RankBrief):
     """The resolved config and what the stage decided before launching the actor (where
-    the model, the folder, the device, the trainer: `RankSpec`'s fields)."""
+    the model, the folder, the device, the trainer: `RankBrief`'s fields)."""
 
     config: RLConfig
     channel: str  # host:port of the stage's listener

@@ -1,19 +1,19 @@
-"""What the stage process hands each training rank: one typed, validated spec file.
+"""What the stage process hands each training rank: one typed, validated brief file.
 
-Input: written by `stages.train.run` as `<stage_dir>/train_spec.json`.
-Output: read once per rank by `stages.train.worker` (`WorkerSpec.read`), validated
+Input: written by `stages.train.run` as `<stage_dir>/train_brief.json`.
+Output: read once per rank by `stages.train.worker` (`WorkerBrief.read`), validated
 there, so the rank trains on exactly the resolved `TrainConfig` the engine made.
 """
 
 from __future__ import annotations
 
-from stages.lib.distributed.spec import RankSpec
+from stages.lib.distributed.brief import RankBrief
 from stages.train import TrainConfig
 
 
-class WorkerSpec(RankSpec):
+class WorkerBrief(RankBrief):
     """The resolved config and what the stage process decided before launching the ranks
-    (where the model, the folder, the device, the trainer: `RankSpec`'s fields)."""
+    (where the model, the folder, the device, the trainer: `RankBrief`'s fields)."""
 
     config: TrainConfig
     tune_threads: bool
