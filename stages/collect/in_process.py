@@ -9,7 +9,7 @@ format the train stage trains on). A rollout's latency is its
 batch's wall time. An exception in generation fails the stage (a missing
 checkpoint is not a per-row failure); the rerun resumes.
 
-With an environment, `collect_local_episodes` plays one episode per pending (prompt,
+With an environment, it plays one episode per pending (prompt,
 sample) pair, `batch_size` pairs at a time, with evaluate's batched driver
 (`stages.lib.env.message_play.play_batched` and `local_answer`: every turn's open conversations in
 one generation call, each rendered by the chat template with the generation prompt). Its
@@ -39,13 +39,17 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def collect_local(
+def collect_in_process(
     cfg: CollectConfig,
     work: Iterator[tuple[Prompt, list[int]]],
     recorder: Recorder,
     device: str = "cpu",
 ) -> None:
-    """Generate every pending sample in batches (on `device`) and record the rollouts."""
+    """Every pending sample generated (or, with an environment, every pending pair's episode
+    played) in batches on `device`, and recorded."""
+    if cfg.environment is not None:
+        _episodes(cfg, work, recorder, device)
+        return
     engine, model, dtype = _engine(cfg)  # the dtype read once: the checkpoint's config.json
     _in_batches(
         work,
@@ -135,13 +139,10 @@ def _generate_batch(
             recorder.rollout(prompt, sample_idx, out, took)
 
 
-def collect_local_episodes(
-    cfg: CollectConfig,
-    work: Iterator[tuple[Prompt, list[int]]],
-    recorder: Recorder,
-    device: str = "cpu",
+def _episodes(
+    cfg: CollectConfig, work: Iterator[tuple[Prompt, list[int]]], recorder: Recorder, device: str
 ) -> None:
-    """Play every pending pair's episode in batches (on `device`) and record the lines."""
+    """Play every pending pair's episode in batches and record the lines."""
     from stages.lib.env.contract import environment_factory
 
     assert cfg.environment is not None

@@ -71,11 +71,10 @@ def collect_range(
     try:
         work = pending(cfg.input, start, end, cfg.num_repeats, done)
         if cfg.backend.in_process() is not None:
-            from stages.collect.in_process import collect_local, collect_local_episodes
+            from stages.collect.in_process import collect_in_process
             from stages.lib.devices import torch_device
 
-            local = collect_local_episodes if cfg.environment else collect_local
-            local(cfg, work, recorder, torch_device(ctx))
+            collect_in_process(cfg, work, recorder, torch_device(ctx))
         else:
             _collect_http(cfg, ctx, work, recorder)
     finally:

@@ -10,34 +10,27 @@ from __future__ import annotations
 from pydantic import Field
 
 from engine.stage import StageConfig
-from stages.lib.distributed.trainer_fields import (
-    BatchSize,
-    Bf16,
-    LearningRate,
-    LrScheduler,
-    MaxLength,
-    MicroBatchSize,
-    WarmupRatio,
-    WeightDecay,
-)
+from stages.lib.distributed import trainer_fields as trainer
 from stages.lib.model.lora import LORA_HELP, LoraBlock
 
 
 class OptimSettings(StageConfig):
     """Batch sizes, learning rate and schedule, sequence length, memory savers, dtype."""
 
-    train_batch_size: BatchSize = Field(
+    train_batch_size: trainer.BatchSize = Field(
         256,
         description="Samples per optimizer step (a step's kept samples, cut in pieces of this).",
     )
-    micro_train_batch_size: MicroBatchSize = 64
-    learning_rate: LearningRate = Field(1e-4, description="Actor learning rate.")
-    lr_scheduler: LrScheduler = Field(
+    micro_train_batch_size: trainer.MicroBatchSize = 64
+    learning_rate: trainer.LearningRate = Field(1e-4, description="Actor learning rate.")
+    lr_scheduler: trainer.LrScheduler = Field(
         "constant", description="Learning-rate schedule over the run's optimizer steps."
     )
-    warmup_ratio: WarmupRatio = Field(0.0, description="Fraction of updates warming up.")
-    weight_decay: WeightDecay = 0.0
-    max_length: MaxLength = Field(512, description="Longest prompt + answer trained on, in tokens.")
+    warmup_ratio: trainer.WarmupRatio = Field(0.0, description="Fraction of updates warming up.")
+    weight_decay: trainer.WeightDecay = 0.0
+    max_length: trainer.MaxLength = Field(
+        512, description="Longest prompt + answer trained on, in tokens."
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     packing_samples: bool = Field(
         False,
@@ -47,7 +40,7 @@ class OptimSettings(StageConfig):
     use_dynamic_batch: bool = Field(
         False, description="Form micro batches by a token budget instead of a sample count."
     )
-    bf16: Bf16 = False
+    bf16: trainer.Bf16 = False
     lora: LoraBlock | None = Field(
         None, description=f"The actor's adapters; the engines generate with them. {LORA_HELP}"
     )
