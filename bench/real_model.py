@@ -80,7 +80,7 @@ def sum_rows(n: int, seed: int, terms: int) -> list[dict[str, str]]:
 
 def prepared(model: str, tmp: str, dtype: str) -> str:
     """The folder a stage would load: a GGUF converted, `chat_template: plain` applied."""
-    from stages.lib.model.chat_template import template_text
+    from stages.lib.chat.template import template_text
     from stages.lib.model.prepared import prepare_model
 
     template = template_text("plain", TEMPLATE)

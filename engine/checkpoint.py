@@ -1,12 +1,13 @@
 """A checkpoint folder read light: its chat template, as transformers finds it.
 
 Input: a local checkpoint folder (a Hugging Face layout: `tokenizer_config.json`,
-`chat_template.jinja`, ...). Output: `chat_template(folder)`: what `tokenizer.chat_template`
+`chat_template.jinja`, ...). Output: `shown(path)`, a checkpoint's path as messages show it;
+`chat_template(folder)`: what `tokenizer.chat_template`
 is once transformers has loaded that folder (one Jinja text, `{name: text}` where the
 checkpoint has named templates, or None for a base model); read as files, no transformers.
 
 The one reader for the plan (`engine.plan.dated`: does a template read the date?) and the
-stages (`stages.lib.model.chat_template`: is there a template at all?).
+stages (`stages.lib.chat.template`: is there a template at all?).
 """
 
 from __future__ import annotations
@@ -70,3 +71,12 @@ def _named(folder: str) -> dict[str, str]:
         if name.endswith(".jinja"):
             out[name.removesuffix(".jinja")] = _read(os.path.join(folder, name)) or ""
     return out
+
+
+def shown(path: str) -> str:
+    """A resolved path as `pipe plan` prints it: relative to the working directory when
+    under it."""
+    if not path.startswith("/"):
+        return path
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel

@@ -4,7 +4,7 @@ Input: the module that defines a kind. Output: a hash of every file of its packa
 module alone) and of every module of the same top-level package it imports, directly or
 not (`stages/lib` for the built-ins), each file named by its path, and the data those
 modules read from beside them: every file of a folder next to one of them that is not a
-package (`stages/lib/builders/templates/*.jinja`, the family chat templates), so editing a
+package (`stages/lib/chat/families/*.jinja`, the family chat templates), so editing a
 vendored template re-runs what rendered with it. Imports are read from the source text, so
 the hash needs no import of what it covers.
 """

@@ -16,13 +16,13 @@ from engine.stage import Derived, ResolveContext, stage
 from stages.lib.backends.local import LocalBackend
 from stages.lib.backends.registered import Backend, BackendStageConfig
 from stages.lib.block import CountOrAuto
-from stages.lib.config import Verifier, check_verifier
-from stages.lib.env.field import EnvironmentConfig, check_environment
-from stages.lib.model.chat_template import (
+from stages.lib.chat.template import (
     ChatTemplate,
     PromptTemplate,
     check_chat_template,
 )
+from stages.lib.config import Verifier, check_verifier
+from stages.lib.env.field import EnvironmentConfig, check_environment
 
 
 class CollectConfig(BackendStageConfig):

@@ -16,16 +16,16 @@ from engine.errors import Diagnostic
 from engine.stage import Derived, MemoryNeed, ResolveContext, stage
 from stages.lib.backends.registered import backend_preset_path, rl_engine_kinds
 from stages.lib.builders.recipe import TinyModel
+from stages.lib.chat.template import (
+    ChatTemplate,
+    PromptTemplate,
+    check_chat_template,
+)
 from stages.lib.config import (
     check_verifier,
 )
 from stages.lib.distributed.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
 from stages.lib.env.field import check_environment
-from stages.lib.model.chat_template import (
-    ChatTemplate,
-    PromptTemplate,
-    check_chat_template,
-)
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.model.gguf import memory_model

@@ -12,6 +12,11 @@ from engine.errors import Diagnostic
 from engine.stage import MemoryNeed, ResolveContext, StageConfig, stage
 from stages.lib.block import CountOrAuto
 from stages.lib.builders.recipe import TinyModel
+from stages.lib.chat.template import (
+    ChatTemplate,
+    PromptTemplate,
+    check_chat_template,
+)
 from stages.lib.config import Verifier, check_verifier
 from stages.lib.distributed.ds_config import trainer_memory, trainer_memory_changes
 from stages.lib.distributed.trainer_fields import (
@@ -28,11 +33,6 @@ from stages.lib.distributed.trainer_fields import (
     WarmupRatio,
     WeightDecay,
     ZeroStage,
-)
-from stages.lib.model.chat_template import (
-    ChatTemplate,
-    PromptTemplate,
-    check_chat_template,
 )
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype

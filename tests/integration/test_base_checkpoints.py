@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.lib.builders.conventions import TEMPLATES
+from stages.lib.chat.template import TEMPLATES
 from stages.train.run import run_train
 from tests.gguf_files import write_tiny_gguf
 from tests.integration.test_train import additions, config, context
@@ -118,7 +118,7 @@ def test_rl_from_a_gguf_base_model_syncs_and_saves_its_template(tmp_path: Path):
     import subprocess
     import sys
 
-    from stages.lib.model.chat_template import template_text
+    from stages.lib.chat.template import template_text
     from tests.conftest import ROOT
 
     write_tiny_gguf(tmp_path / "base.gguf")

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from stages.lib.builders.conventions import TEMPLATES
-from stages.lib.model.chat_template import plain_template, template_text
+from stages.lib.chat.template import TEMPLATES, plain_template, template_text
 from stages.lib.model.prepared import prepare_model
 
 pytest.importorskip("transformers")

@@ -17,8 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stages.lib.builders.conventions import TEMPLATES  # noqa: E402
 from stages.lib.chat.prompt import format_prompt  # noqa: E402
+from stages.lib.chat.template import TEMPLATES  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 from tests.families import FAMILIES, real_vocab_missing  # noqa: E402
 

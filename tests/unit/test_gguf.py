@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from engine.gguf_header import read_header
 from stages.lib.model import gguf
 from tests.conftest import ROOT, run_cli
 from tests.gguf_files import write_tiny_gguf
@@ -40,7 +41,8 @@ def _sha(path: Path) -> str:
 def test_the_header_gives_shape_and_template_without_numpy_or_torch(tiny: tuple[Path, Any]):
     path, model = tiny
     code = (
-        "import sys; from stages.lib.model.gguf import read_header, shape_config; "
+        "import sys; from engine.gguf_header import read_header; "
+        "from stages.lib.model.gguf import shape_config; "
         f"h = read_header({str(path)!r}); "
         "print(h.architecture, h.parameters, h.vocab_size, h.tied, h.chat_template); "
         "print(sorted(m for m in ('numpy', 'torch', 'transformers', 'gguf') if m in sys.modules))"
@@ -50,7 +52,7 @@ def test_the_header_gives_shape_and_template_without_numpy_or_torch(tiny: tuple[
     )
     params = sum(p.numel() for p in model.parameters())
     assert out.stdout.splitlines() == [f"llama {params} 261 False None", "[]"]
-    assert gguf.shape_config(gguf.read_header(str(path))) == {
+    assert gguf.shape_config(read_header(str(path))) == {
         "hidden_size": 32,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
@@ -252,7 +254,7 @@ def test_collect_serves_the_converted_gguf_with_the_stages_template(
 
     from stages.collect import CollectConfig
     from stages.collect.run import prepared
-    from stages.lib.model.chat_template import template_text
+    from stages.lib.chat.template import template_text
 
     cfg = CollectConfig.model_validate(
         {

@@ -78,13 +78,14 @@ def test_the_engine_is_cut_by_phase_and_rl_by_role_each_part_stating_its_input_a
     parts = [*PHASES, *(f"stages/rl/{r}" for r in RL_ROLES)]
     loose = sorted(p.name for p in (ROOT / "engine").glob("*.py"))
     # beside the phases: what they share, the edges of the world (files; the model hub; a
-    # checkpoint folder read light, which stages read the same way)
+    # checkpoint folder and a GGUF file's header read light, which stages read the same way)
     assert loose == [
         "__init__.py",
         "checkpoint.py",
         "codeversion.py",
         "errors.py",
         "fsio.py",
+        "gguf_header.py",
         "hub.py",
     ]
     loose_rl = sorted(p.name for p in (ROOT / "stages/rl").glob("*.py"))
@@ -134,7 +135,7 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
     for rel, kinds_changed in (
         ("stages/lib/verify.py", rendering),
         ("stages/lib/api/client.py", ["collect", "evaluate", "rl"]),  # HTTP backends
-        ("stages/lib/builders/templates/gemma.jinja", rendering),
+        ("stages/lib/chat/families/gemma.jinja", rendering),
     ):
         with open(copy / rel, "a") as f:
             f.write("\n")

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
+from stages.lib.chat.template import TEMPLATES
+
 Vocab = Literal["small", "real"]
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -3,13 +3,13 @@ content hash into an ordinary checkpoint folder.
 
 Input: the path of a GGUF file (llama.cpp's single-file format: metadata, tokenizer, chat
 template and weights, usually quantized), the dtype the stage computes in and the run folder.
-Output: `read_header(path) -> GgufHeader` (the metadata's scalars and strings, the length of
-each array, the tensor count and parameter count; no numpy, no torch: `pipe validate` reads it)
-and `converted(path, dtype, run_dir) -> folder`: `<run-dir>/.pipe-models/gguf-<sha256 prefix>-
-<dtype>/`, a Hugging Face checkpoint (weights dequantized into `dtype`, config, the tokenizer
-and, where the file has one, its chat template; `<folder>.json` beside it names the file and
-its sha256), written once (to a temporary sibling, then renamed) and reused by every later
-stage and run keyed by the same content.
+Output: the header's figures as a model's shape (`shape_config`, `memory_model`: the header
+is read by `engine.gguf_header`, light: `pipe validate` reads it), the plan-time check of a
+`.gguf` path, and `converted(path, dtype, run_dir) -> folder`:
+`<run-dir>/.pipe-models/gguf-<sha256 prefix>-<dtype>/`, a Hugging Face checkpoint (weights
+dequantized into `dtype`, config, the tokenizer and, where the file has one, its chat template;
+`<folder>.json` beside it names the file and its sha256), written once (to a temporary sibling,
+then renamed) and reused by every later stage and run keyed by the same content.
 
 None of the RL frameworks takes a GGUF; transformers (with the `gguf` and `accelerate`
 packages: the `gguf` extra) dequantizes it into its architecture's model class and builds a
@@ -20,159 +20,24 @@ dequantize (`GgufConfig(dequantize=True)`) it is an ordinary model that saves as
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
-import mmap
 import os
 import shutil
-import struct
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
+from engine.checkpoint import shown
 from engine.errors import Diagnostic
+from engine.gguf_header import GgufHeader, NotGGUF, is_gguf, read_header
 from engine.stage import ResolveContext
 
 log = logging.getLogger("pipe.stages.gguf")
 
-MAGIC = b"GGUF"
 MODELS_DIR = ".pipe-models"  # in the run folder: converted checkpoints, shared by its stages
-# metadata value types (gguf's GGUFValueType): the fixed-size ones, then string (8), array (9)
-_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-_STRING, _ARRAY = 8, 9
 # files a make target fetches (not in git): a refusal of a missing one names the command
 FETCHED_BY = {"gemma-3-270m-q4_k_m.gguf": "make gemma3"}
-
-
-class NotGGUF(ValueError):
-    """The file is not a GGUF file this reader understands (its message says why)."""
-
-
-@dataclass(frozen=True)
-class GgufHeader:
-    """What a GGUF file says about itself, without its tensors' data."""
-
-    version: int
-    metadata: dict[str, Any]  # scalars and strings; an array is listed in `arrays` instead
-    arrays: dict[str, int] = field(default_factory=dict)  # array key -> its length
-    tensors: int = 0
-    parameters: int = 0  # elements of every tensor
-    tied: bool = True  # no separate output projection (`output.weight`): tied embeddings
-
-    @property
-    def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", ""))
-
-    @property
-    def chat_template(self) -> str | None:
-        template = self.metadata.get("tokenizer.chat_template")
-        return template if isinstance(template, str) and template.strip() else None
-
-    @property
-    def vocab_size(self) -> int:
-        return self.arrays.get("tokenizer.ggml.tokens", 0)
-
-    def arch_value(self, key: str) -> Any:
-        """`<architecture>.<key>` of the metadata (e.g. `block_count`), None when absent."""
-        return self.metadata.get(f"{self.architecture}.{key}")
-
-
-def read_header(path: str) -> GgufHeader:
-    """The file's metadata (module docstring), memoized by (path, size, mtime); `NotGGUF`
-    when it is not a GGUF file of version 2 or 3."""
-    st = os.stat(path)
-    return _read_header(os.path.abspath(path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=16)
-def _read_header(path: str, size: int, mtime_ns: int) -> GgufHeader:
-    with open(path, "rb") as f:
-        if size < 24 or f.read(4) != MAGIC:
-            raise NotGGUF("not a GGUF file (it does not start with 'GGUF')")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
-            return _parse(blob)
-
-
-def _parse(blob: Any) -> GgufHeader:
-    version, tensors, kv_count = struct.unpack_from("<IQQ", blob, 4)
-    if version not in (2, 3):
-        raise NotGGUF(f"GGUF version {version}; this reader knows versions 2 and 3")
-    pos = 24
-    metadata: dict[str, Any] = {}
-    arrays: dict[str, int] = {}
-    try:
-        for _ in range(kv_count):
-            key, pos = _string(blob, pos)
-            (kind,) = struct.unpack_from("<I", blob, pos)
-            pos += 4
-            if kind == _ARRAY:
-                (item, count) = struct.unpack_from("<IQ", blob, pos)
-                arrays[key] = count
-                pos = _skip_array(blob, pos + 12, item, count)
-            else:
-                metadata[key], pos = _value(blob, pos, kind)
-        parameters, tied = 0, True
-        for _ in range(tensors):
-            name, pos = _string(blob, pos)
-            tied = tied and name != "output.weight"
-            (dims,) = struct.unpack_from("<I", blob, pos)
-            shape = struct.unpack_from(f"<{dims}Q", blob, pos + 4)
-            pos += 4 + 8 * dims + 12  # the dims, then the ggml type (u32) and offset (u64)
-            n = 1
-            for d in shape:
-                n *= d
-            parameters += n
-    except (struct.error, UnicodeDecodeError, IndexError) as e:
-        raise NotGGUF(
-            f"a damaged GGUF header: {kv_count} metadata entries and {tensors} tensors "
-            "announced, not all readable"
-        ) from e
-    return GgufHeader(version, metadata, arrays, tensors, parameters, tied)
-
-
-def _string(blob: Any, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", blob, pos)
-    end = pos + 8 + n
-    if end > len(blob):
-        raise IndexError("a string runs past the end of the file")
-    return bytes(blob[pos + 8 : end]).decode("utf-8"), end
-
-
-def _value(blob: Any, pos: int, kind: int) -> tuple[Any, int]:
-    if kind == _STRING:
-        return _string(blob, pos)
-    fmt = _SCALARS.get(kind)
-    if fmt is None:
-        raise struct.error(f"unknown metadata value type {kind}")
-    return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
-
-
-def _skip_array(blob: Any, pos: int, item: int, count: int) -> int:
-    if item == _STRING:  # each string's length leads it
-        for _ in range(count):
-            (n,) = struct.unpack_from("<Q", blob, pos)
-            pos += 8 + n
-        return pos
-    if item == _ARRAY:
-        raise struct.error("nested metadata arrays")
-    fmt = _SCALARS.get(item)
-    if fmt is None:
-        raise struct.error(f"unknown metadata array type {item}")
-    return pos + struct.calcsize(fmt) * count
 
 
 def shape_config(header: GgufHeader) -> dict[str, Any]:
@@ -221,11 +86,6 @@ def memory_model(model: Any) -> Any:
     return model
 
 
-def is_gguf(path: Any) -> bool:
-    """Whether a `model:` value names a GGUF file (by its suffix: the file may not exist yet)."""
-    return isinstance(path, str) and path.lower().endswith(".gguf")
-
-
 def check_gguf(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:
     """A `.gguf` model path: a file there that reads as GGUF (its header only)."""
     where = "" if value.startswith("/") else " (relative to the pipeline's folder)"
@@ -241,15 +101,6 @@ def check_gguf(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:
         msg = f"'{shown(value)}' names no architecture (general.architecture)"
         return [ctx.error(field, msg)]
     return []
-
-
-def shown(path: str) -> str:
-    """A resolved path as `pipe plan` prints it: relative to the working directory when
-    under it."""
-    if not path.startswith("/"):
-        return path
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
 
 
 def converted_path(run_dir: str, digest: str, dtype: str) -> str:

@@ -13,9 +13,10 @@ import os
 from typing import Any
 
 from engine.errors import Diagnostic
+from engine.gguf_header import is_gguf
 from engine.hub import HUB_ID
 from engine.stage import ResolveContext
-from stages.lib.model.gguf import check_gguf, is_gguf
+from stages.lib.model.gguf import check_gguf
 
 
 def check_checkpoint(ctx: ResolveContext, field: str, value: str) -> list[Diagnostic]:

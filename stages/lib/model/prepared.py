@@ -22,8 +22,9 @@ import os
 import shutil
 from typing import Any
 
-from stages.lib.model.chat_template import template_text
-from stages.lib.model.gguf import MODELS_DIR, converted, is_gguf
+from engine.gguf_header import is_gguf
+from stages.lib.chat.template import template_text
+from stages.lib.model.gguf import MODELS_DIR, converted
 
 DROPPED = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 

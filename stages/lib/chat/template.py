@@ -14,7 +14,7 @@ template, and transformers refuses to render one at run time. Here a stage that 
 prompts with such a checkpoint names its template or is refused at validate:
 
 - a family name (`chatml`, `gemma`, `llama3`, `mistral`): the release's template, verbatim
-  (`stages/lib/builders/templates/`); its turn markers should be tokens of the vocabulary
+  (`stages/lib/chat/families/`); its turn markers should be tokens of the vocabulary
   (Gemma's base vocabulary holds `<start_of_turn>`);
 - `plain` with a `prompt_template` such as `"Question: {prompt}\\nAnswer:"` (OpenRLHF's
   `--input_template`, DeepSeek-R1-Zero's habit): the tokenizer's BOS (when it has one), each
@@ -37,18 +37,19 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field
 
-from engine.checkpoint import chat_template
+from engine.checkpoint import chat_template, shown
 from engine.errors import Diagnostic, did_you_mean
+from engine.gguf_header import NotGGUF, is_gguf, read_header
 from engine.stage import ResolveContext
-from stages.lib.builders.conventions import TEMPLATES
 from stages.lib.chat.jinja import string_literal
-from stages.lib.model.gguf import NotGGUF, is_gguf, read_header, shown
 
 FAMILIES = ("chatml", "gemma", "llama3", "mistral")
+TEMPLATES = Path(__file__).resolve().parent / "families"  # each family's release template
 PLAIN = "plain"
 SLOT = "{prompt}"
 CHAT_TEMPLATE_HELP = (
