@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 from engine.errors import Diagnostic
 from engine.stage import Derived, MemoryNeed, ResolveContext
 from stages.lib.block import Block
+from stages.lib.model.path import check_model_ref
 
 if TYPE_CHECKING:
     from stages.lib.backends.endpoint import Endpoint, Serving
     from stages.lib.model.generate import Generation
 
 RLEngine = Literal["in_process", "servers"]
-Answers = list[list["Generation"]]  # per prompt, per sample
 
 
 class InProcess(Protocol):
@@ -110,8 +110,6 @@ class BackendConfig(Block):
         (`wanted`), and none when the stage brings its own (evaluate's checkpoints)."""
         if self.SERVES_OWN_MODEL:
             return []
-        from stages.lib.model.path import check_model_ref
-
         if wanted and self.model is None:
             return [
                 ctx.error("backend", f"a '{self.kind}' backend needs a 'model' to generate with")
