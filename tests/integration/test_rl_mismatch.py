@@ -63,9 +63,13 @@ def test_every_step_records_the_mismatch_figure(tmp_path: Path, tis: str, warn: 
     result = json.loads((stage / "rl_result.json").read_text())
     settings = json.loads((stage / "settings.json").read_text())
     assert settings["tis_cap"]["status"] == "applied"
-    if tis == "null":  # every updated step passes a threshold of 1e-12 nats: one warning each
-        assert result["logprob_diff_warnings"] == len(updated)
-        assert proc.stderr.count("the rollouts are not the policy the loss trains") == len(updated)
+    if tis == "null":  # one warning for each step past a threshold of 1e-12 nats
+        # a step's figure may be exactly 0 (the engine and the actor on the same weights in
+        # fp32, bit for bit: step 1 on some CPUs), which passes no threshold and warns nothing
+        past = [r for r in updated if r["logprob_diff_max"] > 1e-12]
+        assert past, rows  # the update moves the weights: the next step differs somewhere
+        assert result["logprob_diff_warnings"] == len(past)
+        assert proc.stderr.count("the rollouts are not the policy the loss trains") == len(past)
         assert all(r["tis_weight_mean"] is None for r in rows)
         assert settings["tis_cap"]["how"].startswith("off")
     else:
