@@ -33,7 +33,7 @@ from typing import Any
 
 from engine.errors import Diagnostic, PipeError
 from engine.load.load import LoadedPipeline, validate_document
-from engine.load.source import Document
+from engine.load.source import Document, set_at
 from engine.resolve.checks import check, context, derive, located, validated
 from engine.resolve.layers import Layers
 from engine.resolve.paths import resolve_paths
@@ -117,11 +117,7 @@ def resolve_changed(
     loaded = resolved.loaded
     data = copy.deepcopy(loaded.doc.data)
     for dotted, value in changes.items():
-        *parents, last = dotted.split(".")
-        node = data
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
+        set_at(data, tuple(dotted.split(".")), value)
     doc = Document(loaded.doc.name, data, loaded.doc.values, loaded.doc.keys)
     again = validate_document(doc, loaded.path)
     return resolve(again, resolved.run_dir, gpus, pinning=resolved.pinning)

@@ -176,8 +176,14 @@ class VLLMBackend(BackendConfig):
         from stages.lib.backends.vllm.server import vllm_server
 
         secret = new_secret()  # this stage run's: the server refuses requests without it
-        where = {"gpus": serving.gpus, "devices": serving.devices, "log_file": serving.log_file}
-        with vllm_server(self, log=serving.log, secret=secret, **where) as base_url:
+        with vllm_server(
+            self,
+            gpus=serving.gpus,
+            devices=serving.devices,
+            log=serving.log,
+            log_file=serving.log_file,
+            secret=secret,
+        ) as base_url:
             serving.log.info("vLLM server ready at %s", base_url)
             yield Endpoint(base_url, str(self.model), "chat", api_key=secret, vllm=True)
 
