@@ -130,11 +130,11 @@ class Controller:
         if self.engine_asleep:
             self.engine.wake("kv_cache")
             self.engine_asleep = False
-        precision = "bf16" if self.cfg.bf16 else "fp32"
+        rule = self.engine.probe_rule
         diff, mine = 0.0, []
         for name, mine in self.engine.scores(Sample(*self.probe)).items():  # every engine
             before = self.probe_scores.get(name)
-            diff = max(diff, verify(name, mine, reply["probe"], precision, version, before))
+            diff = max(diff, verify(name, mine, reply["probe"], rule, version, before))
             self.probe_scores[name] = mine
         self.version = version
         got = getattr(self.receiver, "stats", {})

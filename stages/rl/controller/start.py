@@ -89,7 +89,7 @@ def start(c: Controller) -> int:
     from stages.rl.roles.brief import ActorBrief
     from stages.rl.roles.channel import StageEnd
     from stages.rl.rollout.local import LocalEngine
-    from stages.rl.sync.transports import make_receiver, sync_file, wire_dtype
+    from stages.rl.sync.transports import engine_autocast, make_receiver, sync_file, wire_dtype
 
     cfg = c.cfg
     model_dir = init_model_dir(c)
@@ -130,7 +130,7 @@ def start(c: Controller) -> int:
             engine_device,
             host=c.host,
             world=sync_world,
-            wire=wire_dtype(cfg.bf16),
+            wire=wire_dtype(cfg.bf16, trainer),
         )
     )
     join = {  # what the engines of other workers need to join the sync
@@ -192,7 +192,8 @@ def start(c: Controller) -> int:
     else:
         from stages.rl.rollout.pool import start_pool
 
-        local = LocalEngine(model_dir, engine_device, bf16=cfg.bf16, lora=cfg.lora)
+        autocast = engine_autocast(cfg.bf16, trainer)
+        local = LocalEngine(model_dir, engine_device, cfg.bf16, cfg.lora, autocast)
         c.engine = start_pool(c.ctx, local, join, c.roles.remote_alive)
     tok = c.engine.tokenizer
     row = c.data.rows[0]

@@ -97,7 +97,7 @@ class Actor(TrainedRank):
                 sync_file(brief.stage_dir),
                 brief.config.sync_timeout_s,
                 payload.get("world") or brief.sync_world,
-                wire_dtype(self.cfg.bf16),
+                wire_dtype(self.cfg.bf16, self.trainer.name),
                 self.cfg.sync_bucket_mb,
             )
             self.publisher.aliases = tied_aliases(self.trainer.module)

@@ -17,6 +17,7 @@ collect's and evaluate's backend, `stages/lib/backends/local.py`; this file: rl'
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from stages.lib.chat.prompt import Prompt
 from stages.lib.chat.tokens import eos_ids, pad_id
 from stages.lib.model.generate import Generation, generate_with
 from stages.rl.algo.logprobs import Sample, completion_logprobs
+from stages.rl.sync.transports import SAME_FUNCTION
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -41,14 +43,22 @@ class LocalEngine:
 
     name = "local-0"
 
+    probe_rule = SAME_FUNCTION  # the actor's own model code, dtype path and adapter math
+
     def __init__(
-        self, model_dir: str, device: str = "cpu", bf16: bool = False, lora: Any = None
+        self,
+        model_dir: str,
+        device: str = "cpu",
+        bf16: bool = False,
+        lora: Any = None,
+        autocast: bool = False,
     ) -> None:
-        """The policy of `model_dir` on `device` in the actor's compute dtype (bfloat16 when
-        the actor trains in bf16, as the reference loads: the probe compares the two sides'
-        log-probabilities; float32 otherwise), whatever dtype the checkpoint was saved in;
-        with the actor's `lora` adapters on it (`stages.lib.model.lora`: a sync fills them,
-        the base stays as loaded)."""
+        """The policy of `model_dir` on `device` computing the actor's function: in bfloat16
+        when the actor's module is bf16 (DeepSpeed in bf16), in bf16 autocast over float32
+        weights when the actor's is (`autocast`: the torch trainer in bf16), in float32
+        otherwise, whatever dtype the checkpoint was saved in; with the actor's `lora` adapters
+        on it (`stages.lib.model.lora`: a sync fills them, the base stays as loaded). The
+        probe compares the two sides token for token (`stages.rl.sync.transports.verify`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -57,7 +67,8 @@ class LocalEngine:
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        dtype = torch.bfloat16 if bf16 else torch.float32
+        dtype = torch.bfloat16 if bf16 and not autocast else torch.float32
+        self.autocast = autocast
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         if lora is not None:
             from stages.lib.model.lora.wrap import with_lora
@@ -85,28 +96,36 @@ class LocalEngine:
         self, prompts: Sequence[Prompt], *, batch_size: int, **sampling: Unpack[Sampling]
     ) -> list[list[Generation]]:
         """`num_samples` answers per prompt with token ids and behaviour log-probabilities."""
-        return generate_with(
-            self.model,
-            self.tokenizer,
-            prompts,
-            num_samples=sampling["num_samples"],
-            temperature=sampling["temperature"],
-            top_p=1.0,
-            max_new_tokens=sampling["max_new_tokens"],
-            seed=sampling["seed"],
-            batch_size=batch_size,
-            logprobs=sampling["temperature"] > 0,
-        )
+        with self.computing():
+            return generate_with(
+                self.model,
+                self.tokenizer,
+                prompts,
+                num_samples=sampling["num_samples"],
+                temperature=sampling["temperature"],
+                top_p=1.0,
+                max_new_tokens=sampling["max_new_tokens"],
+                seed=sampling["seed"],
+                batch_size=batch_size,
+                logprobs=sampling["temperature"] > 0,
+            )
 
     def score(self, sample: Sample, temperature: float) -> list[float]:
         """Log-probabilities of the sample's completion tokens under the engine's weights."""
-        with torch.no_grad():
+        with torch.no_grad(), self.computing():
             lp, _ = completion_logprobs(self.model, [sample], self.device, temperature, self.pad_id)
         return [float(x) for x in lp[0]]
 
     def scores(self, sample: Sample) -> dict[str, list[float]]:
         """The probe's log-probabilities per engine (one here), at temperature 1."""
         return {self.name: self.score(sample, 1.0)}
+
+    def computing(self) -> contextlib.AbstractContextManager[Any]:
+        """The actor's compute: bf16 autocast over fp32 weights (the torch trainer), else as
+        the weights are."""
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16)
 
     def sleep(self) -> int:
         """Free the weights; returns the bytes freed."""

@@ -58,6 +58,7 @@ class EnginePool:
 
     def __init__(self, local: LocalEngine, where: dict[str, Any], remotes: list[RemoteEngine]):
         self.local, self.remotes = local, remotes
+        self.probe_rule = local.probe_rule  # every member is a local engine
         self.tokenizer = local.tokenizer
         self.model = local.model
         self.where = [{"name": local.name, **where}] + [
@@ -172,16 +173,19 @@ def host_engine(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     import torch
 
     from stages.lib.devices import torch_device
+    from stages.lib.distributed.trainer_choice import choose_trainer
     from stages.rl.roles.channel import connect
     from stages.rl.rollout.local import LocalEngine
-    from stages.rl.sync.transports import make_receiver, wire_dtype
+    from stages.rl.sync.transports import engine_autocast, make_receiver, wire_dtype
 
     assert ctx.link is not None
     torch.set_num_threads(cfg.num_threads)
     node, worker = ctx.tasks[ctx.node_rank]
     brief = json.loads(ctx.link.lookup(f"engine-{node}-{worker}", timeout_s=BRIEF_TIMEOUT_S))
     device = torch_device(ctx, "vllm")
-    engine = LocalEngine(brief["model_dir"], device, bf16=cfg.bf16, lora=cfg.lora)
+    trainer = choose_trainer(cfg)
+    autocast = engine_autocast(cfg.bf16, trainer)
+    engine = LocalEngine(brief["model_dir"], device, cfg.bf16, cfg.lora, autocast)
     engine.name = brief["name"]
     receiver = make_receiver(
         brief["kind"],
@@ -192,7 +196,7 @@ def host_engine(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
         world=brief["world"],
         rank=brief["rank"],
         store_address=brief["store"] or None,
-        wire=wire_dtype(cfg.bf16),
+        wire=wire_dtype(cfg.bf16, trainer),
     )
     conn = connect(brief["channel"], brief["authkey"])
     where = {"node": node, "worker": worker, "devices": list(ctx.devices("vllm"))}

@@ -56,6 +56,7 @@ from stages.rl.rollout.vllm_servers import (
     engine_devices,
     start_servers,
 )
+from stages.rl.sync.transports import other_kernels
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -139,6 +140,7 @@ class VLLMEngine:
         from stages.lib.backends.vllm.auth import bearer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.probe_rule = other_kernels(bf16)  # vLLM's kernels: another function than the actor's
         self.served = model_dir
         self.timeout_s = timeout_s
         import torch
