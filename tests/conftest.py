@@ -77,3 +77,19 @@ def stub_checkpoint(folder: Path) -> Path:
     }
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def stub_weights(path: Path, names: tuple[str, ...] = ("model.embed_tokens.weight",)) -> Path:
+    """A `.safetensors` file holding one float32 element per tensor named (its header is what
+    plan-time checks read: the tensors' names), written without torch."""
+    import json
+    import struct
+
+    header = {
+        n: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+        for i, n in enumerate(names)
+    }
+    blob = json.dumps(header).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(4 * len(names)))
+    return path
