@@ -79,17 +79,20 @@ def stub_checkpoint(folder: Path) -> Path:
     return folder
 
 
-def stub_weights(path: Path, names: tuple[str, ...] = ("model.embed_tokens.weight",)) -> Path:
-    """A `.safetensors` file holding one float32 element per tensor named (its header is what
-    plan-time checks read: the tensors' names), written without torch."""
+def stub_weights(path: Path, shapes: dict[str, list[int]] | None = None) -> Path:
+    """A `.safetensors` file of float32 zeros, one tensor per name in `shapes` (default: an
+    embedding), written without torch: its header is what plan-time checks read."""
     import json
+    import math
     import struct
 
-    header = {
-        n: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
-        for i, n in enumerate(names)
-    }
+    shapes = shapes or {"model.embed_tokens.weight": [2, 2]}
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
     blob = json.dumps(header).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(4 * len(names)))
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(offset))
     return path

@@ -74,5 +74,8 @@ class LoraBlock(Block):
         return self.alpha if self.alpha is not None else 2.0 * self.rank
 
     def targets(self) -> tuple[str, ...]:
-        """The target module names, `all-linear` as the decoder's projections."""
-        return PROJECTIONS if self.target_modules == ALL_LINEAR else tuple(self.target_modules)
+        """The target modules' own names, `all-linear` as the decoder's projections (a dotted
+        name, `mlp.down_proj`, as its last part: peft matches the end of a module's name)."""
+        if self.target_modules == ALL_LINEAR:
+            return PROJECTIONS
+        return tuple(dict.fromkeys(t.rsplit(".", 1)[-1] for t in self.target_modules))
