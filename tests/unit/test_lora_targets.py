@@ -6,6 +6,7 @@ the first step."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -34,10 +35,16 @@ def _llama_weights(folder: Path, shards: int = 1) -> Path:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             shapes[f"model.layers.{i}.{norm}.weight"] = [2]
     stub_checkpoint(folder)
-    names = list(shapes)
+    if shards == 1:
+        stub_weights(folder / "model.safetensors", shapes)
+        return folder
+    names, weight_map = list(shapes), {}
     for s in range(shards):
-        part = {n: shapes[n] for n in names[s::shards]}
-        stub_weights(folder / f"model-{s + 1:05d}-of-{shards:05d}.safetensors", part)
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        stub_weights(folder / file, {n: shapes[n] for n in names[s::shards]})
+        weight_map.update(dict.fromkeys(names[s::shards], file))
+    index = {"weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return folder
 
 
@@ -68,6 +75,24 @@ def test_a_list_every_entry_of_which_matches_still_plans(tmp_path: Path):
     _llama_weights(tmp_path / "base")
     assert _plan(tmp_path, "[q_proj, mlp.down_proj, self_attn.v_proj]") == ["0"]
     assert _plan(tmp_path, "all-linear") == ["0"]
+
+
+def test_a_hub_model_the_cache_holds_is_checked_at_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # pinned from the cache: no hub asked
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    repo = tmp_path / "hf" / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("a" * 40)
+    (_llama_weights(repo / "snapshots" / ("a" * 40)) / "tokenizer.json").write_text("{}")
+    lines = _plan(tmp_path, "[q_proj, v_prj]", model="org/tiny")
+    assert lines[0] == "2" and len(lines) == 2
+    assert lines[1].startswith(
+        "p.yaml:3:94: stages.t.config.lora.target_modules[1]: 'v_prj' matches no module of the "
+        "model: did you mean 'v_proj'?"
+    )
 
 
 def test_a_model_whose_modules_are_known_only_when_it_loads_is_checked_by_the_run(

@@ -4,6 +4,8 @@ Input: the stage's `lora:` values. Output: `LoraBlock`, the block's settings (li
 kinds' configs import it). The rest of the package, by concern:
 
 - `refusals`: plan time: what cannot act, located (`check_lora`);
+- `targets`: `target_modules` matched as peft matches them, and a checkpoint's modules read
+  from its `.safetensors` headers (a name no module has is refused, at plan or at load);
 - `wrap`: the model with adapters on its target modules, only they trainable (frozen base
   weights get no gradient and no optimizer state, a frozen embedding no dense gradient),
   and the model a rank trains (`load_trained`); the adapters' own parameters;
