@@ -6,7 +6,8 @@ the environment huggingface_hub reads, read here at each call: `HF_HUB_CACHE` (e
 `HF_HOME/hub`), `HF_HUB_OFFLINE`, `HF_ENDPOINT`, and a token from `HF_TOKEN` or the login file
 (left to huggingface_hub: never read into a value pipe keeps, logs or writes).
 Output: `HubId` (`parse`); `pin` -> a `Pin` (the commit sha and where it was read), or a
-`HubError` whose one-line message says what to do; `fetch` -> the snapshot folder, downloaded
+`HubError` whose one-line message says what to do (offline, a model the cache holds in part
+too); `fetch` -> the snapshot folder, complete (`engine.hub_files`), downloaded or completed
 at most once per node at a time (a file lock in the cache).
 
 Light: the local cache is read as files (`refs/<revision>`, `snapshots/<sha>`); huggingface_hub
@@ -24,6 +25,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from engine.hub_files import missing
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 PIN_TIMEOUT_S = 10.0  # how long `pipe plan` waits for the hub to name a revision's commit
@@ -185,6 +188,24 @@ def not_cached(hub: HubId, repo_type: str = "model") -> str:
     )
 
 
+def incomplete(hub: HubId, repo_type: str, lacks: list[str]) -> str:
+    return (
+        f"'{hub.written or hub.repo}' is in the Hugging Face cache ({hub_cache()}) without "
+        f"{', '.join(lacks)} (a download of some of its files, or of its tokenizer alone), and "
+        f"HF_HUB_OFFLINE is set: complete it where there is a network (`"
+        f"{download_command(hub, repo_type)}` with the same HF_HOME or HF_HUB_CACHE), or unset "
+        "HF_HUB_OFFLINE so that the run downloads what is missing"
+    )
+
+
+def snapshot_lacks(hub: HubId, sha: str, repo_type: str = "model") -> list[str]:
+    """What the cached snapshot of a model at `sha` lacks to load (`engine.hub_files`): its
+    config, weights, indexed shards or tokenizer; a dataset's snapshot is taken as it is."""
+    if repo_type != "model":
+        return []
+    return missing(os.path.join(repo_folder(hub.repo, repo_type), "snapshots", sha))
+
+
 def pin(
     hub: HubId, repo_type: str = "model", network: bool = True, timeout_s: float = PIN_TIMEOUT_S
 ) -> Pin | None:
@@ -195,6 +216,9 @@ def pin(
         sha = cached_sha(hub, repo_type)
         if sha is None:
             raise HubError(not_cached(hub, repo_type))
+        lacks = snapshot_lacks(hub, sha, repo_type)
+        if lacks:
+            raise HubError(incomplete(hub, repo_type, lacks))
         return Pin(sha, "as written" if hub.pinned else "the local cache")
     if hub.pinned:
         return Pin(hub.revision, "as written")
@@ -282,12 +306,21 @@ def _page(repo: str, repo_type: str) -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
-    """An exclusive lock on `path` (made if missing) for as long as the block runs: the ranks,
-    engines and workers of a node (or of nodes sharing the cache) take turns."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+def _locked(path: str, shared: bool = False) -> Iterator[None]:
+    """A lock on `path` (made if missing) for as long as the block runs: exclusive, the ranks,
+    engines and workers of a node (or of nodes sharing the cache) take turns to download;
+    `shared`, readers wait for a download under way and not for each other (a cache they
+    cannot write, read-only storage, is read without one)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed below)
+    except OSError:
+        if not shared:
+            raise
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -296,28 +329,47 @@ def _locked(path: str) -> Iterator[None]:
 
 def fetch(value: str, log: logging.Logger | None = None, repo_type: str = "model") -> str:
     """The local snapshot folder of the pinned hub id `value` (`org/name@<sha>`): from the cache
-    when it is complete there, else downloaded (huggingface_hub's progress bar, and a line in
-    `log` before and after) by one process of the node while the others wait on the lock."""
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
+    when it is complete there (a model's config, weights, every indexed shard and tokenizer:
+    `engine.hub_files`), else downloaded, or completed, by one process of the node while the
+    others wait on the lock (huggingface_hub's progress bar, and a line in `log` before and
+    after). A download under way holds the lock: no reader takes its folder half filled."""
     hub = parse(value)
     if hub is None:
         raise HubError(f"'{value}' is not a hub id (org/name@revision)")
-    with contextlib.suppress(LocalEntryNotFoundError):
-        return _snapshot(hub, repo_type, local=True)
-    if offline():
-        raise HubError(not_cached(hub, repo_type))
     name = os.path.basename(repo_folder(hub.repo, repo_type))
-    with _locked(os.path.join(hub_cache(), ".locks", f"pipe-{name}.lock")):
-        with contextlib.suppress(LocalEntryNotFoundError):  # another process got it meanwhile
-            return _snapshot(hub, repo_type, local=True)
+    lock = os.path.join(hub_cache(), ".locks", f"pipe-{name}.lock")
+    with _locked(lock, shared=True):
+        folder, lacks = _cached(hub, repo_type)
+    if folder is not None and not lacks:
+        return folder
+    if offline():
+        raise HubError(
+            not_cached(hub, repo_type) if folder is None else incomplete(hub, repo_type, lacks)
+        )
+    with _locked(lock):
+        folder, lacks = _cached(hub, repo_type)  # another process got it meanwhile
+        if folder is not None and not lacks:
+            return folder
         if log is not None:
-            log.info("downloading %s from %s into %s", value, endpoint(), hub_cache())
+            why = f" (the cache lacks {', '.join(lacks)})" if lacks else ""
+            log.info("downloading %s%s from %s into %s", value, why, endpoint(), hub_cache())
         start = time.monotonic()
         folder = _snapshot(hub, repo_type, local=False)
         if log is not None:
             log.info("downloaded %s in %.1f s: %s", value, time.monotonic() - start, folder)
         return folder
+
+
+def _cached(hub: HubId, repo_type: str) -> tuple[str | None, list[str]]:
+    """The cache's snapshot folder of `hub` (None when it has none) and what it lacks."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = _snapshot(hub, repo_type, local=True)
+    except LocalEntryNotFoundError:
+        return None, []
+    sha = os.path.basename(os.path.normpath(folder))
+    return folder, snapshot_lacks(hub, sha, repo_type)
 
 
 def _snapshot(hub: HubId, repo_type: str, local: bool) -> str:

@@ -77,3 +77,22 @@ def stub_checkpoint(folder: Path) -> Path:
     }
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def stub_weights(path: Path, shapes: dict[str, list[int]] | None = None) -> Path:
+    """A `.safetensors` file of float32 zeros, one tensor per name in `shapes` (default: an
+    embedding), written without torch: its header is what plan-time checks read."""
+    import json
+    import math
+    import struct
+
+    shapes = shapes or {"model.embed_tokens.weight": [2, 2]}
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(offset))
+    return path

@@ -10,7 +10,8 @@ Endpoints: `GET /api/{models,datasets}/{repo}/revision/{rev}` (the revision's co
 /{repo}/resolve/{sha}/{file}` (`datasets/{repo}/...` for a dataset) with `X-Repo-Commit` and
 `ETag`. A repo made `gated` answers 403 with `X-Error-Code: GatedRepo` to requests without a
 token; an unknown repo 404 `RepoNotFound`; an unknown revision 404 `RevisionNotFound`.
-Every request's path and Authorization header are kept in `requests`.
+Every request's path and Authorization header are kept in `requests`; a file named in `slow`
+is sent that many seconds after its request (a download under way others can see).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -38,6 +40,7 @@ class FakeHub:
     def __init__(self) -> None:
         self.repos: dict[tuple[str, str], Repo] = {}
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Authorization)
+        self.slow: dict[str, float] = {}  # file name -> seconds before its body is sent
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -148,6 +151,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self._error(404, "EntryNotFound")
                 return
             headers = {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha1(data).hexdigest()}"'}
+            if body and name in hub.slow:
+                time.sleep(hub.slow[name])
             self._send(200, data if body else b"", headers, length=len(data))
 
         def _error(self, status: int, code: str) -> None:

@@ -11,6 +11,7 @@ then the kind's own (its `check` hook). Validation errors point where each value
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 from typing import Any, TypeVar
 
@@ -60,7 +61,16 @@ def context(
     name, sources = draft.name, draft.sources
 
     def locate(dotted: str) -> Location:
-        return view.value_loc(tuple(dotted.split(".")) if dotted else ())
+        path = tuple(dotted.split(".")) if dotted else ()
+        whole = tuple(itertools.takewhile(lambda p: not p.isdigit(), path))
+        loc = view.value_loc(whole)
+        if whole != path:  # a list's entry: where it was written, when the list was written
+            # in the stage's own config (else where the list came from: defaults, --set)
+            own = ("stages", name, "config")
+            entry = own + tuple(int(p) if p.isdigit() else p for p in path)
+            if loaded.doc.value_loc(own + whole) == loc and entry in loaded.doc.values:
+                return loaded.doc.values[entry]
+        return loc
 
     def describe(dotted: str) -> str:
         return sources[dotted].render() if dotted in sources else DEFAULT.render()

@@ -8,9 +8,10 @@ moves), the source of each value saying what was pinned and where the commit was
 (`pipe plan --explain`), the pins for the plan's record, and located errors.
 
 `pipe plan` and `pipe run` ask the hub (`engine.hub.pin`: a short timeout; with
-`HF_HUB_OFFLINE` the local cache only); `pipe validate` never does (`network` off): it pins from
-the local cache when it holds the revision, refuses an id the cache lacks when offline, and
-otherwise leaves the id for the plan to pin.
+`HF_HUB_OFFLINE` the local cache only, which must hold a model whole: `engine.hub_files`);
+`pipe validate` never does (`network` off): it pins from the local cache when it holds the
+revision, refuses an id the cache lacks, or holds in part, when offline, and otherwise leaves
+the id for the plan to pin.
 """
 
 from __future__ import annotations

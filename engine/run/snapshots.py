@@ -2,11 +2,11 @@
 
 Input: a stage's config, whose `hub_inputs` of type model hold pinned hub ids
 (`org/name@<sha>`, as the plan wrote them), and the stage's logger. Output: the config with
-each such value replaced by the snapshot folder on this node (`engine.hub.fetch`: the cache's,
-or downloaded once per node under a lock before any of the stage's processes start: its ranks
-and engines, a vLLM server too, are given the folder), and `{folder: org/name}`, the names
-people know those folders by. A Dask or Slurm worker on another node fetches on its own node,
-into its own `HF_HOME` (or the shared one: docs/models.md).
+each such value replaced by the snapshot folder on this node (`engine.hub.fetch`: the cache's
+when complete, or downloaded, or completed, once per node under a lock before any of the
+stage's processes start: its ranks and engines, a vLLM server too, are given the folder), and
+`{folder: org/name}`, the names people know those folders by. A Dask or Slurm worker on another
+node fetches on its own node, into its own `HF_HOME` (or the shared one: docs/models.md).
 """
 
 from __future__ import annotations

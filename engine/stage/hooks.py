@@ -11,6 +11,7 @@ need memory for (`MemoryNeed`) and the changes that cut it.
 from __future__ import annotations
 
 import functools
+import re
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -84,8 +85,10 @@ class ResolveContext:
     describe: Callable[[str], str] = field(default=lambda _: "kind default", repr=False)
 
     def error(self, path: str, message: str, severity: str = "error") -> Diagnostic:
-        """A diagnostic about the config value at dotted `path` ('' for the stage itself)."""
-        where = f"stages.{self.stage}.config.{path}" if path else f"stages.{self.stage}"
+        """A diagnostic about the config value at dotted `path` ('' for the stage itself; a
+        number part is a list's entry: `lora.target_modules.1`, shown `target_modules[1]`)."""
+        shown = re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", path)
+        where = f"stages.{self.stage}.config.{shown}" if path else f"stages.{self.stage}"
         return Diagnostic(self.locate(path), where, message, severity)
 
     def warning(self, path: str, message: str) -> Diagnostic:

@@ -13,21 +13,34 @@ from pathlib import Path
 import pytest
 
 from engine.hub import HubId, parse
-from tests.conftest import run_cli, stub_checkpoint
+from tests.conftest import run_cli, stub_checkpoint, stub_weights
 from tests.hub_server import FakeHub
 
 TOKEN = "hf_pipeTestSecretToken0123456789"
 
 
+def release(folder: Path, files: tuple[str, ...] = ("model.safetensors", "tokenizer.json")) -> Path:
+    """A checkpoint as a hub repository holds one: config.json, and `files` (weights, tokenizer:
+    what a snapshot must hold, `engine.hub_files`) as stubs."""
+    stub_checkpoint(folder)
+    for name in files:
+        if name.endswith(".safetensors"):
+            stub_weights(folder / name)
+        else:
+            (folder / name).write_text("{}")
+    return folder
+
+
 @pytest.fixture
 def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
-    """A fake hub serving `org/tiny` (a checkpoint's config.json); HF_HOME in the test's folder."""
+    """A fake hub serving `org/tiny` (a checkpoint's config, weights and tokenizer, stubs);
+    HF_HOME in the test's folder."""
     with FakeHub() as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
         for name in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
             monkeypatch.delenv(name, raising=False)
-        server.add("org/tiny", stub_checkpoint(tmp_path / "release"))
+        server.add("org/tiny", release(tmp_path / "release"))
         yield server
 
 
@@ -191,12 +204,18 @@ def test_an_unreachable_hub_gives_the_offline_advice(
     ]
 
 
-def _cache(tmp_path: Path, repo: str, sha: str, repo_type: str = "model") -> Path:
-    """The cache layout `hf download` leaves: refs/main and snapshots/<sha>/config.json."""
-    folder = tmp_path / "hf" / "hub" / "--".join([f"{repo_type}s", *repo.split("/")])
+def _cache(
+    tmp_path: Path,
+    repo: str,
+    sha: str,
+    files: tuple[str, ...] = ("model.safetensors", "tokenizer.json"),
+) -> Path:
+    """The cache layout `hf download` leaves: refs/main and snapshots/<sha>/ holding config.json
+    and `files` (plain files where the cache has links to its blobs: pipe reads either)."""
+    folder = tmp_path / "hf" / "hub" / "--".join(["models", *repo.split("/")])
     (folder / "refs").mkdir(parents=True)
     (folder / "refs" / "main").write_text(sha)
-    return stub_checkpoint(folder / "snapshots" / sha)
+    return release(folder / "snapshots" / sha, files)
 
 
 def test_offline_the_cache_pins_the_revision_at_validate_and_plan(
@@ -227,6 +246,38 @@ def test_offline_an_id_the_cache_lacks_is_refused_at_validate_with_the_download_
         "a network (`hf download org/tiny --revision v1` with the same HF_HOME or "
         "HF_HUB_CACHE), or unset HF_HUB_OFFLINE so that pipe plan asks the hub"
     ]
+
+
+@pytest.mark.parametrize(
+    ("files", "lacks"),
+    [
+        (("tokenizer.json",), "model.safetensors or pytorch_model.bin"),  # a tokenizer loaded
+        (
+            ("model.safetensors.index.json", "model-00001-of-00002.safetensors", "tokenizer.json"),
+            "model-00002-of-00002.safetensors",
+        ),
+    ],
+)
+def test_offline_a_model_the_cache_holds_in_part_is_refused_at_validate_and_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: tuple[str, ...], lacks: str
+):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    snapshot = _cache(tmp_path, "org/tiny", "a" * 40, files)
+    if "model.safetensors.index.json" in files:
+        shards = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+        (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
+    _write(tmp_path, EVALUATE.format(model="org/tiny"))
+    expected = [
+        f"p.yaml:5:49: stages.evaluate.config.checkpoints: 'org/tiny' is in the Hugging Face "
+        f"cache ({tmp_path}/hf/hub) without {lacks} (a download of some of its files, or of its "
+        "tokenizer alone), and HF_HUB_OFFLINE is set: complete it where there is a network "
+        "(`hf download org/tiny` with the same HF_HOME or HF_HUB_CACHE), or unset HF_HUB_OFFLINE "
+        "so that the run downloads what is missing"
+    ]
+    assert _errors(tmp_path, "validate") == expected
+    assert _errors(tmp_path) == expected
 
 
 def test_a_dataset_by_hub_id_is_pinned_and_a_moved_main_changes_its_key(
@@ -272,3 +323,71 @@ def test_a_download_shows_a_progress_bar_where_hugging_faces_bars_are_off(
     assert "Downloading bytes" in bar and "100%" in bar
     assert fetch("org/tiny@main") == folder  # from the cache: no bar
     assert "Downloading bytes" not in capfd.readouterr().err
+
+
+def _weights_got(hub: FakeHub) -> list[str]:
+    return [p for m, p, _ in hub.requests if m == "GET" and p.endswith("/model.safetensors")]
+
+
+def test_online_a_snapshot_holding_only_the_config_is_completed(hub: FakeHub):
+    """`hf download org/tiny config.json` leaves the commit's snapshot folder with one file."""
+    from huggingface_hub import hf_hub_download
+
+    from engine.hub import fetch, hub_cache
+
+    sha = hub.repos["model", "org/tiny"].refs["main"]
+    hf_hub_download(
+        "org/tiny", "config.json", revision=sha, cache_dir=hub_cache(), endpoint=hub.url
+    )
+    folder = Path(fetch(f"org/tiny@{sha}"))
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert len(_weights_got(hub)) == 1
+
+
+def test_two_workers_racing_for_one_model_make_one_download_and_see_it_whole(hub: FakeHub):
+    """The weights arrive a second after the config: the worker that waits does not take the
+    snapshot folder half filled, and downloads nothing itself."""
+    import glob
+    import threading
+    import time
+
+    from engine.hub import fetch, hub_cache
+
+    hub.slow["model.safetensors"] = 1.0
+    seen: list[tuple[str, bool]] = []
+
+    def worker() -> None:
+        folder = fetch("org/tiny@main")
+        seen.append((folder, (Path(folder) / "model.safetensors").is_file()))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    threads[0].start()
+    config = hub_cache() + "/models--org--tiny/snapshots/*/config.json"
+    deadline = time.monotonic() + 10
+    while not glob.glob(config) and time.monotonic() < deadline:  # the download under way
+        time.sleep(0.02)
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0][1]
+    assert len(_weights_got(hub)) == 1
+
+
+def test_what_a_snapshot_lacks(tmp_path: Path):
+    """Shards without their index are no checkpoint; a tokenizer is asked for unless the
+    listing of the commit's files huggingface_hub keeps (`trees/<sha>.json`) shows none."""
+    from engine.hub_files import missing
+
+    snapshot = release(tmp_path / "snapshots" / "s", ("model-00001-of-00002.safetensors",))
+    assert missing(str(snapshot)) == [
+        "model.safetensors.index.json",
+        "tokenizer.json or tokenizer.model",
+    ]
+    (tmp_path / "trees").mkdir()
+    (tmp_path / "trees" / "s.json").write_text(json.dumps({"files": {"config.json": {}}}))
+    assert missing(str(snapshot)) == ["model.safetensors.index.json"]
+    assert missing(str(release(tmp_path / "snapshots" / "s", ("model.safetensors",)))) == []

@@ -78,7 +78,8 @@ def test_the_engine_is_cut_by_phase_and_rl_by_role_each_part_stating_its_input_a
     parts = [*PHASES, *(f"stages/rl/{r}" for r in RL_ROLES)]
     loose = sorted(p.name for p in (ROOT / "engine").glob("*.py"))
     # beside the phases: what they share, the edges of the world (files; the model hub; a
-    # checkpoint folder and a GGUF file's header read light, which stages read the same way)
+    # checkpoint folder and a GGUF file's header read light, which stages read the same way;
+    # what a model's snapshot in the hub cache must hold)
     assert loose == [
         "__init__.py",
         "checkpoint.py",
@@ -87,6 +88,7 @@ def test_the_engine_is_cut_by_phase_and_rl_by_role_each_part_stating_its_input_a
         "fsio.py",
         "gguf_header.py",
         "hub.py",
+        "hub_files.py",
     ]
     loose_rl = sorted(p.name for p in (ROOT / "stages/rl").glob("*.py"))
     assert loose_rl == ["__init__.py", "run.py"]

@@ -364,6 +364,11 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "stages/lib/model/lora/output.py",
         "adapter weights that fit no module of the base: {}",
     ): internal("the adapters were made on this base with the same settings"),
+    ("stages/lib/model/lora/wrap.py", "lora.target_modules: {}"): data(
+        "the model's modules, known when it loads: an earlier stage's output, a GGUF file or a "
+        "model built from config (a checkpoint folder or cached hub model is refused at plan "
+        "time from its .safetensors headers: tests/unit/test_lora_targets.py)"
+    ),
     (
         "stages/lib/model/lora/__init__.py",
         "expected 'all-linear' or at least one module name, ",

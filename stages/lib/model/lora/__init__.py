@@ -4,6 +4,8 @@ Input: the stage's `lora:` values. Output: `LoraBlock`, the block's settings (li
 kinds' configs import it). The rest of the package, by concern:
 
 - `refusals`: plan time: what cannot act, located (`check_lora`);
+- `targets`: `target_modules` matched as peft matches them, and a checkpoint's modules read
+  from its `.safetensors` headers (a name no module has is refused, at plan or at load);
 - `wrap`: the model with adapters on its target modules, only they trainable (frozen base
   weights get no gradient and no optimizer state, a frozen embedding no dense gradient),
   and the model a rank trains (`load_trained`); the adapters' own parameters;
@@ -74,5 +76,8 @@ class LoraBlock(Block):
         return self.alpha if self.alpha is not None else 2.0 * self.rank
 
     def targets(self) -> tuple[str, ...]:
-        """The target module names, `all-linear` as the decoder's projections."""
-        return PROJECTIONS if self.target_modules == ALL_LINEAR else tuple(self.target_modules)
+        """The target modules' own names, `all-linear` as the decoder's projections (a dotted
+        name, `mlp.down_proj`, as its last part: peft matches the end of a module's name)."""
+        if self.target_modules == ALL_LINEAR:
+            return PROJECTIONS
+        return tuple(dict.fromkeys(t.rsplit(".", 1)[-1] for t in self.target_modules))

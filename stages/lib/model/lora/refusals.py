@@ -1,18 +1,22 @@
 """Plan time: the `lora:` settings that could not act, refused where they are written.
 
 Input: the resolved `LoraBlock`, the stage's resolve context, its config (ZeRO stage,
-trainer) and the trained role's GPUs. Output: located diagnostics (`check_lora`), and where a
-refusal of the whole block points (`lora_path`). Light: no torch, no peft.
+trainer, the trained model) and the trained role's GPUs. Output: located diagnostics
+(`check_lora`; a target module that matches none of a checkpoint's, `check_targets`), and
+where a refusal of the whole block points (`lora_path`). Light: no torch, no peft.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 from engine.errors import Diagnostic
+from engine.hub import cached_file
 from engine.stage import ResolveContext
 from stages.lib.model.lora import PROJECTIONS, LoraBlock
+from stages.lib.model.lora.targets import Modules, checkpoint_modules, refusal, unmatched
 
 BNB_NEEDS_GPU = (
     "4-bit loading (QLoRA) is bitsandbytes' CUDA kernels: it has no 4-bit training path on the "
@@ -25,10 +29,12 @@ def check_lora(
 ) -> list[Diagnostic]:
     """Refusals of `lora` settings that could not act, located: under ZeRO-3, with 4-bit
     loading where bitsandbytes cannot run (`gpus`: the trained role's GPUs) or with a
-    DeepSpeed trainer; module names the memory model cannot size are a warning."""
+    DeepSpeed trainer, and a target that matches no module of `cfg.model` where its modules
+    are known now (`check_targets`); module names the memory model cannot size are a
+    warning."""
     if lora is None:
         return []
-    out: list[Diagnostic] = []
+    out, refused = check_targets(lora, ctx, cfg.model)
     who = f"the {role}'s " if role else ""
     if cfg.zero_stage == 3:
         out.append(
@@ -59,7 +65,7 @@ def check_lora(
                     "auto or torch",
                 )
             )
-    unknown = [m for m in lora.targets() if m not in PROJECTIONS]
+    unknown = [m for m in lora.targets() if m not in PROJECTIONS and m not in refused]
     if unknown:
         out.append(
             ctx.warning(
@@ -70,6 +76,37 @@ def check_lora(
             )
         )
     return out
+
+
+def check_targets(
+    lora: LoraBlock, ctx: ResolveContext, model: Any
+) -> tuple[list[Diagnostic], set[str]]:
+    """Each target that matches no module of `model`, refused where it is written (the list's
+    entry), with the closest real name; and those names. Known now for a checkpoint folder or
+    a hub model the cache holds, from its `.safetensors` headers; else the run refuses, before
+    the first step (`stages.lib.model.lora.wrap.with_lora`)."""
+    modules = plan_modules(model, ctx)
+    if modules is None:
+        return [], set()
+    targets = lora.target_modules
+    bad = unmatched(targets, modules.names)
+    if isinstance(targets, str):
+        where = [("lora.target_modules", t) for t in bad]
+    else:
+        where = [(f"lora.target_modules.{i}", t) for i, t in enumerate(targets) if t in bad]
+    return [ctx.error(path, refusal(t, modules)) for path, t in where], set(bad)
+
+
+def plan_modules(model: Any, ctx: ResolveContext) -> Modules | None:
+    """The modules of the checkpoint `model` names, read without torch: a folder (not an
+    earlier stage's output, whose folder a previous run may have left) or a hub id's snapshot
+    in the local cache; None for what is known only once it loads."""
+    if not isinstance(model, str) or ctx.is_produced(model) or "://" in model:
+        return None
+    folder = (
+        model if os.path.isdir(model) else os.path.dirname(cached_file(model, "config.json") or "")
+    )
+    return checkpoint_modules(folder) if folder else None
 
 
 def lora_path(lora: LoraBlock) -> str:

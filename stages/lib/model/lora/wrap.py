@@ -2,7 +2,8 @@
 
 Input: a loaded causal LM (or a checkpoint folder and its ds_config) and the `LoraBlock`.
 Output: the model with adapters on its target modules, only they trainable, in the base's
-dtype (`with_lora`); the model a rank trains, with adapters when `lora` is set
+dtype (`with_lora`; a target that matches no module refused first: `check_targets`); the
+model a rank trains, with adapters when `lora` is set
 (`load_trained`); the adapters' parameters, what a weight sync sends (`adapter_params`).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from stages.lib.model.lora import LoraBlock
+from stages.lib.model.lora.targets import Modules, refusal, unmatched
 
 
 def peft_config(lora: LoraBlock, inference: bool = False) -> Any:
@@ -36,6 +38,7 @@ def with_lora(model: Any, lora: LoraBlock, inference: bool = False) -> Any:
 
     from peft import get_peft_model
 
+    check_targets(model, lora)
     dtype = next(model.parameters()).dtype
     with warnings.catch_warnings():  # peft 0.21 reads a property transformers 5.24 deprecates
         warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
@@ -44,6 +47,26 @@ def with_lora(model: Any, lora: LoraBlock, inference: bool = False) -> Any:
         if "lora_" in name and p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
     return wrapped
+
+
+def check_targets(model: Any, lora: LoraBlock) -> None:
+    """Refuse, before any step, a target that matches no module of `model`: peft adapts the
+    ones that match and says nothing of the others. `pipe plan` refuses it already where it
+    can read a checkpoint's modules (`stages.lib.model.lora.refusals.check_targets`); an
+    earlier stage's output, a GGUF file or a model built from config is known only here."""
+    names = [n for n, _ in model.named_modules()]
+    bad = unmatched(lora.target_modules, names)
+    if not bad:
+        return
+    import torch
+
+    layers = {
+        n.rsplit(".", 1)[-1]
+        for n, m in model.named_modules()
+        if isinstance(w := getattr(m, "weight", None), torch.Tensor) and w.dim() == 2
+    }
+    modules = Modules(frozenset(names), tuple(sorted(layers)))
+    raise ValueError(f"lora.target_modules: {'; '.join(refusal(t, modules) for t in bad)}")
 
 
 def load_trained(
