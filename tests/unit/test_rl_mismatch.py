@@ -19,8 +19,10 @@ from stages.lib.builders.recipe import TinyModel  # noqa: E402
 from stages.lib.builders.tiny import build_tiny_model  # noqa: E402
 from stages.lib.config import Verifier  # noqa: E402
 from stages.rl import RLConfig  # noqa: E402
-from stages.rl.algo.loss import masked_policy_terms, tis_weights  # noqa: E402
+from stages.rl.algo.correction import correct  # noqa: E402
+from stages.rl.algo.loss import masked_policy_terms  # noqa: E402
 from stages.rl.algo.mismatch import Gap  # noqa: E402
+from stages.rl.algo.options import Correction  # noqa: E402
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "vocab_size": 300}
 ROWS = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a in range(4) for b in range(3)]
@@ -34,7 +36,8 @@ def test_tis_weight_and_loss_by_hand():
     new = log(torch.tensor([0.5, 0.5, 0.2])).requires_grad_()
     pi_old = log(torch.tensor([0.5, 0.4, 0.2]))
     mu = log(torch.tensor([0.5, 0.1, 0.4]))
-    w = tis_weights(pi_old, mu, cap=2.0)
+    w, keep, _ = correct(pi_old, mu, torch.ones(3), [3], Correction("token_truncate", 2.0, None))
+    assert keep.tolist() == [1.0, 1.0, 1.0]
     assert w.tolist() == pytest.approx([1.0, 2.0, 0.5])  # 4.0 truncated to 2
     assert not w.requires_grad
     adv = torch.tensor([1.0, 1.0, -1.0])
@@ -53,9 +56,11 @@ def test_tis_weight_and_loss_by_hand():
 
 def test_gap_adds_up_the_masked_tokens():
     gap = Gap()
-    gap.add(torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -2.0, -3.5]), torch.ones(3))
-    gap.add(torch.tensor([-1.0, -9.0]), torch.tensor([-1.25, -1.0]), torch.tensor([1.0, 0.0]))
-    assert gap.figures() == pytest.approx({"logprob_diff_mean": 3.75 / 4, "logprob_diff_max": 3.0})
+    gap.add(torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -2.0, -3.5]), torch.ones(3), [3])
+    gap.add(torch.tensor([-1.0, -9.0]), torch.tensor([-1.25, -1.0]), torch.tensor([1.0, 0.0]), [2])
+    figures = gap.figures()
+    assert figures["logprob_diff_mean"] == pytest.approx(3.75 / 4)
+    assert figures["logprob_diff_max"] == pytest.approx(3.0)
     assert Gap().figures() == {}
 
 
@@ -115,6 +120,12 @@ def test_the_figure_is_near_zero_when_the_engine_samples_as_the_actor_scores(mod
     stats = train(actor(model_dir), rollout_samples(model_dir, 1.0))
     assert stats["updates"] > 1  # the figure is the first step's
     assert 0.0 <= stats["logprob_diff_mean"] <= stats["logprob_diff_max"] < 1e-4
+    # the figures the field logs, every step, with no correction on: no mismatch, none masked
+    assert stats["mismatch_k3"] == pytest.approx(0.0, abs=1e-8)
+    assert stats["mismatch_chi2_token"] == pytest.approx(0.0, abs=1e-5)
+    assert stats["mismatch_chi2_seq"] == pytest.approx(0.0, abs=1e-4)
+    assert stats["mismatch_ppl_ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert stats["mismatch_masked_token_frac"] == 0.0 == stats["mismatch_masked_seq_frac"]
 
 
 def test_the_figure_is_clearly_above_zero_at_another_temperature(model_dir: str):
