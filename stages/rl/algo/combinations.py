@@ -216,7 +216,8 @@ def check_correction(cfg: AlgorithmOptions, ctx: ResolveContext) -> list[Diagnos
         out.append(
             ctx.error(
                 where,
-                f"{c.mode} keeps the tokens whose ratio is within [tis_floor, tis_cap]: "
+                f"{c.mode} keeps the {'sequences' if c.per_sequence else 'tokens'} whose ratio "
+                "is within [tis_floor, tis_cap]: "
                 f"tis_floor {c.floor:.6g} ({ctx.source('tis_floor')}) is not below tis_cap "
                 f"{c.cap} ({ctx.source('tis_cap')}), so every token would leave the loss",
             )

@@ -30,7 +30,7 @@ ranks, and from them the step's figures (`Gap.figures`):
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, fields
 
 import torch
 
@@ -101,8 +101,14 @@ class Gap:
         }
 
     def as_sums(self) -> list[float]:
-        """Every field but `max`, in order: `Gap(*sums, max=...)` builds it back."""
+        """Every field but `max`, in order (`of` builds the Gap back)."""
         return list(astuple(self))[:-1]
+
+    @classmethod
+    def of(cls, sums: list[float], top: float) -> Gap:
+        """The Gap of `as_sums` and a largest difference (the ranks' reduction)."""
+        names = [f.name for f in fields(cls) if f.name != "max"]
+        return cls(**dict(zip(names, sums, strict=True)), max=top)
 
 
 def per_sequence(

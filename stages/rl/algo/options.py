@@ -140,6 +140,7 @@ class AlgorithmOptions(StageConfig):
         "1 / tis_cap, as verl's rollout_rs_threshold_lower and slime's tis_lower_bound).",
     )
 
+
 def per_token_returns(cfg: AlgorithmOptions) -> bool:
     """Whether advantages come from each token's return (ppo's GAE, reinforce_pp's returns)
     rather than from the group's rewards: the KL to the reference is then a term of each
@@ -168,7 +169,9 @@ class Correction:
 def correction_of(cfg: Any) -> Correction | None:
     """`tis_mode` with its thresholds (`tis_cap` alone: token_truncate, as before the modes);
     None when off. One rule for the plan (`stages.rl.algo.combinations`) and the run."""
-    mode = cfg.tis_mode or ("token_truncate" if cfg.tis_cap is not None else None)
+    mode: TisMode | None = cfg.tis_mode
+    if mode is None and cfg.tis_cap is not None:
+        mode = "token_truncate"
     if mode is None:
         return None
     cap = cfg.tis_cap

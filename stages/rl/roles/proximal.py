@@ -36,7 +36,7 @@ def gap_figures(gap: Gap, world: int, device: str) -> dict[str, float]:
         top = torch.tensor([gap.max], dtype=torch.float64, device=device)
         dist.all_reduce(sums)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        gap = Gap(*sums.tolist(), max=float(top[0]))
+        gap = Gap.of(sums.tolist(), float(top[0]))
     return gap.figures()
 
 
