@@ -1,8 +1,9 @@
 """The mismatch figure end to end (issue 38): a 2-step GRPO stage through the CLI with the
 fp32 local engine, its metrics rows and tracker events carrying `logprob_diff_mean` and
 `logprob_diff_max` (near 0: the engine samples as the actor scores), the warning past
-`logprob_diff_warn` logged and counted, and truncated importance sampling (`tis_cap`) run and
-accounted for in settings.json."""
+`logprob_diff_warn` logged and counted, the figures the field logs (`mismatch_k3`, chi-square,
+perplexity ratio, shares masked: issue 56) in every row, and truncated importance sampling
+(`tis_cap` alone: `tis_mode` token_truncate) run and accounted for in settings.json."""
 
 from __future__ import annotations
 
@@ -57,9 +58,14 @@ def test_every_step_records_the_mismatch_figure(tmp_path: Path, tis: str, warn: 
     assert [r["step"] for r in rows] == [1, 2] and updated, rows
     for r in updated:  # the fp32 engine samples as the actor scores
         assert 0.0 <= r["logprob_diff_mean"] <= r["logprob_diff_max"] < 1e-4, r
+        # the figures the field logs (issue 56), every step, a correction on or not
+        assert 0.0 <= r["mismatch_k3"] < 1e-8 and abs(r["mismatch_chi2_token"]) < 1e-4, r
+        assert abs(r["mismatch_chi2_seq"]) < 1e-3 and abs(r["mismatch_ppl_ratio"] - 1) < 1e-4, r
+        assert r["mismatch_masked_token_frac"] == 0.0 == r["mismatch_masked_seq_frac"], r
     assert "logprob diff " in proc.stderr  # on the progress line
     events = [json.loads(x) for x in (stage / "track.jsonl").read_text().splitlines()]
     assert any("logprob_diff_max" in e["metrics"] for e in events)  # to the trackers
+    assert any("mismatch_k3" in e["metrics"] for e in events)
     result = json.loads((stage / "rl_result.json").read_text())
     settings = json.loads((stage / "settings.json").read_text())
     assert settings["tis_cap"]["status"] == "applied"
@@ -72,8 +78,15 @@ def test_every_step_records_the_mismatch_figure(tmp_path: Path, tis: str, warn: 
         assert proc.stderr.count("the rollouts are not the policy the loss trains") == len(past)
         assert all(r["tis_weight_mean"] is None for r in rows)
         assert settings["tis_cap"]["how"].startswith("off")
+        assert settings["tis_mode"]["how"].startswith("off")
     else:
         assert result["logprob_diff_warnings"] == 0
         assert all(abs(r["tis_weight_mean"] - 1.0) < 1e-4 for r in updated)
         assert all(r["tis_capped_frac"] == 0.0 for r in updated)
         assert "min(exp(actor - engine), 2.0)" in settings["tis_cap"]["how"]
+        # the plan's rule made tis_cap alone token_truncate (`pipe plan --explain` says so)
+        assert settings["tis_mode"]["value"] == "token_truncate"
+        assert settings["tis_mode"]["how"].startswith(
+            "token_truncate: importance weights per token"
+        )
+        assert settings["tis_floor"]["status"] == "skipped"

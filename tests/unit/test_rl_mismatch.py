@@ -1,13 +1,14 @@
 """Rollouts are the policy the loss trains (issue 38): the truncated importance weight and
 loss by hand; the mismatch figure of the actor's `train` near 0 when the fp32 local engine
 samples as the actor scores, and clearly above 0 when it samples at another temperature;
-truncated importance sampling with no mismatch trains as without."""
+truncated importance sampling with no mismatch trains as without; a token a mask mode takes
+out leaves the loss's denominator as well as its numerator (issue 56)."""
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,8 +20,10 @@ from stages.lib.builders.recipe import TinyModel  # noqa: E402
 from stages.lib.builders.tiny import build_tiny_model  # noqa: E402
 from stages.lib.config import Verifier  # noqa: E402
 from stages.rl import RLConfig  # noqa: E402
-from stages.rl.algo.loss import masked_policy_terms, tis_weights  # noqa: E402
+from stages.rl.algo.correction import correct  # noqa: E402
+from stages.rl.algo.loss import masked_policy_terms  # noqa: E402
 from stages.rl.algo.mismatch import Gap  # noqa: E402
+from stages.rl.algo.options import Correction  # noqa: E402
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "vocab_size": 300}
 ROWS = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a in range(4) for b in range(3)]
@@ -34,7 +37,8 @@ def test_tis_weight_and_loss_by_hand():
     new = log(torch.tensor([0.5, 0.5, 0.2])).requires_grad_()
     pi_old = log(torch.tensor([0.5, 0.4, 0.2]))
     mu = log(torch.tensor([0.5, 0.1, 0.4]))
-    w = tis_weights(pi_old, mu, cap=2.0)
+    w, keep, _ = correct(pi_old, mu, torch.ones(3), [3], Correction("token_truncate", 2.0, None))
+    assert keep.tolist() == [1.0, 1.0, 1.0]
     assert w.tolist() == pytest.approx([1.0, 2.0, 0.5])  # 4.0 truncated to 2
     assert not w.requires_grad
     adv = torch.tensor([1.0, 1.0, -1.0])
@@ -53,9 +57,11 @@ def test_tis_weight_and_loss_by_hand():
 
 def test_gap_adds_up_the_masked_tokens():
     gap = Gap()
-    gap.add(torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -2.0, -3.5]), torch.ones(3))
-    gap.add(torch.tensor([-1.0, -9.0]), torch.tensor([-1.25, -1.0]), torch.tensor([1.0, 0.0]))
-    assert gap.figures() == pytest.approx({"logprob_diff_mean": 3.75 / 4, "logprob_diff_max": 3.0})
+    gap.add(torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -2.0, -3.5]), torch.ones(3), [3])
+    gap.add(torch.tensor([-1.0, -9.0]), torch.tensor([-1.25, -1.0]), torch.tensor([1.0, 0.0]), [2])
+    figures = gap.figures()
+    assert figures["logprob_diff_mean"] == pytest.approx(3.75 / 4)
+    assert figures["logprob_diff_max"] == pytest.approx(3.0)
     assert Gap().figures() == {}
 
 
@@ -115,6 +121,12 @@ def test_the_figure_is_near_zero_when_the_engine_samples_as_the_actor_scores(mod
     stats = train(actor(model_dir), rollout_samples(model_dir, 1.0))
     assert stats["updates"] > 1  # the figure is the first step's
     assert 0.0 <= stats["logprob_diff_mean"] <= stats["logprob_diff_max"] < 1e-4
+    # the figures the field logs, every step, with no correction on: no mismatch, none masked
+    assert stats["mismatch_k3"] == pytest.approx(0.0, abs=1e-8)
+    assert stats["mismatch_chi2_token"] == pytest.approx(0.0, abs=1e-5)
+    assert stats["mismatch_chi2_seq"] == pytest.approx(0.0, abs=1e-4)
+    assert stats["mismatch_ppl_ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert stats["mismatch_masked_token_frac"] == 0.0 == stats["mismatch_masked_seq_frac"]
 
 
 def test_the_figure_is_clearly_above_zero_at_another_temperature(model_dir: str):
@@ -131,6 +143,16 @@ def test_the_figure_is_clearly_above_zero_at_another_temperature(model_dir: str)
     assert with_tis["logprob_diff_max"] >= stats["logprob_diff_max"]
     assert 0.0 < with_tis["tis_capped_frac"] < 1.0
     assert 0.0 < with_tis["tis_weight_mean"] <= 1.05
+    # a mask mode on the same batch: the same figures (the same no-grad pass), some sequences
+    # out of the loss, whole, and out of the tokens the step counts
+    masked = train(actor(model_dir, temperature=1.0, tis_mode="sequence_mask"), samples)
+    for name in ("mismatch_k3", "mismatch_chi2_token", "mismatch_chi2_seq", "logprob_diff_mean"):
+        assert masked[name] == pytest.approx(with_tis[name]), name
+    assert masked["mismatch_k3"] > 1e-3 and masked["mismatch_ppl_ratio"] != pytest.approx(1.0)
+    total = sum(s.trained_len for s in samples)
+    assert masked["tokens"] == round(total * (1 - masked["mismatch_masked_token_frac"]))
+    assert 0.0 < masked["mismatch_masked_seq_frac"] <= 1.0
+    assert not math.isnan(masked["loss"])
 
 
 def test_tis_without_a_mismatch_trains_as_without(model_dir: str):
@@ -175,3 +197,60 @@ def test_tis_acts_in_async_mode_on_a_batch_sampled_a_version_behind(model_dir: s
         "; with async_train the engine sampled with weights up to async_queue_size versions "
         "behind the actor's, and the weight corrects that staleness too"
     )
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_a_masked_token_leaves_the_loss_and_its_denominator(model_dir: str, agg: str):
+    """Issue 56, slime's fix: a token that token_mask takes out leaves the token counts that
+    divide the loss, not only its numerator. The engine's log-probabilities are the actor's,
+    but 3 nats off on some tokens (a ratio of e^3 or e^-3: outside [0.5, 2]; a whole sample
+    among them); the step with token_mask is the step without a correction on the same
+    samples with those tokens out of the loss mask by hand: the same gradient, the same loss,
+    the same token count. With the masked tokens weighing 0 but still counted (the bug), the
+    token_mean gradient is smaller by the kept share exactly."""
+    from stages.rl.algo.logprobs import Sample, completion_logprobs
+
+    lengths = [4, 5, 3, 6]
+    base = [
+        Sample(ids=tuple(range(10 + 7 * i, 13 + 7 * i + n)), prompt_len=3, advantage=adv)
+        for i, (n, adv) in enumerate(zip(lengths, [1.0, -1.0, 0.5, -0.5], strict=True))
+    ]
+    a0 = actor(model_dir)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(a0.trainer.module, base, "cpu", 1.0, a0.pad_id, call=a0.trainer)
+    actual = [x.tolist() for x in lp]
+    out = {0: {1}, 1: {0, 3}, 3: set(range(6))}  # sample 3 out whole
+
+    def engine(i: int, t: int) -> float:
+        off = (3.0 if (i + t) % 2 else -3.0) if t in out.get(i, ()) else 0.0
+        return actual[i][t] + off
+
+    def by_hand(i: int, s: Any, **fields: Any) -> Any:
+        return replace(s, old_logprobs=tuple(actual[i]), **fields)
+
+    corrected = [
+        replace(s, old_logprobs=tuple(engine(i, t) for t in range(n)))
+        for i, (s, n) in enumerate(zip(base, lengths, strict=True))
+    ]
+    masks = [tuple(int(t not in out.get(i, ())) for t in range(n)) for i, n in enumerate(lengths)]
+    hand = [by_hand(i, s, mask=masks[i]) for i, s in enumerate(base)]
+    kept, total = sum(map(sum, masks)), sum(lengths)
+    a = train(actor(model_dir, tis_mode="token_mask", loss_agg=agg), corrected)
+    b = train(actor(model_dir, loss_agg=agg), hand)
+    assert a["updates"] == b["updates"] == 1
+    assert a["tokens"] == b["tokens"] == kept
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    assert a["mismatch_masked_token_frac"] == pytest.approx((total - kept) / total)
+    assert a["mismatch_masked_seq_frac"] == pytest.approx(3 / 4)
+    assert a["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)  # the kept tokens: r = 1
+    # the bug: the masked tokens' loss 0 (their advantage 0), their count still dividing
+    zero = [
+        by_hand(i, s, advantages=tuple(0.0 if m == 0 else s.advantage for m in masks[i]))
+        for i, s in enumerate(base)
+    ]
+    c = train(actor(model_dir, loss_agg=agg), zero)
+    if agg == "token_mean":
+        assert c["grad_norm"] == pytest.approx(a["grad_norm"] * kept / total, rel=1e-5)
+    else:  # each sequence's mean over all its tokens, the whole-masked sequence counted
+        assert c["grad_norm"] != pytest.approx(a["grad_norm"], rel=1e-3)

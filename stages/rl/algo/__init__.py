@@ -4,8 +4,11 @@ Input: samples (token ids, where the completion starts, behaviour log-probabilit
 rewards) and a model's logits. Output: log-probabilities, advantages and losses.
 
 - `options`: the loss and algorithm settings (estimator, loss aggregation, clips, DAPO,
-  GSPO, PPO's discount and GAE lambda, the KL, truncated importance sampling); `checks`: the
-  rules `pipe validate` applies to them.
+  GSPO, PPO's discount and GAE lambda, the KL, the mismatch corrections); `combinations`:
+  the rules `pipe validate` applies to them; `effects`: how each acts in a run.
+- `mismatch`: the engine against the actor on the sampled tokens (log-prob difference, k3
+  KL, chi-square per token and sequence, perplexity ratio, shares masked); `correction`:
+  `tis_mode`'s importance weights, truncated or masked, per token or per sequence.
 - `loss`: GRPO's group advantages, the clipped policy loss (per token or per sequence), k3
   KL, how per-token losses add up (`loss_agg`).
 - `advantage`: the estimators (grpo, dr_grpo, rloo, reinforce_pp), DAPO's overlong shaping.

@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.errors import Diagnostic
 from engine.stage import Derived, ResolveContext
-from stages.rl.algo.options import AlgorithmOptions
+from stages.rl.algo.options import GEOMETRIC_CAP, TOKEN_CAP, AlgorithmOptions, correction_of
 
 
 def one_update(cfg: Any) -> bool:
@@ -39,10 +39,44 @@ GSPO = "ratio_level sequence (GSPO, Zheng et al. 2025)"
 
 
 def derive_algorithm(cfg: Any) -> dict[str, Derived]:
-    """GSPO's loss as one choice (`gspo_defaults`); `pipe plan --explain` shows each rule, and
-    a value the user or a preset set is kept. Dynamic sampling needs no rule: it is off by
-    default for every estimator (issue 45: at equal cost it did not lead)."""
-    return gspo_defaults(cfg) if cfg.ratio_level == "sequence" else {}
+    """GSPO's loss as one choice (`gspo_defaults`) and the mismatch correction's thresholds
+    (`correction_defaults`); `pipe plan --explain` shows each rule, and a value the user or a
+    preset set is kept. Dynamic sampling needs no rule: it is off by default for every
+    estimator (issue 45: at equal cost it did not lead)."""
+    gspo = gspo_defaults(cfg) if cfg.ratio_level == "sequence" else {}
+    return gspo | correction_defaults(cfg)
+
+
+def correction_defaults(cfg: Any) -> dict[str, Derived]:
+    """`tis_mode` with its thresholds, as the run takes them (`correction_of`): tis_cap alone
+    is token_truncate, a mode without tis_cap takes its level's cap, a mask mode without
+    tis_floor takes 1 / tis_cap. Nothing while the correction is off (its default: to be
+    chosen by measurement)."""
+    c = correction_of(cfg)
+    if c is None:
+        return {}
+    out: dict[str, Derived] = {}
+    if cfg.tis_mode is None:
+        out["tis_mode"] = Derived(
+            c.mode,
+            "tis_cap set alone: token-level truncated importance sampling (verl's "
+            "tis_imp_ratio_cap), as tis_cap did before tis_mode",
+        )
+    if cfg.tis_cap is None:
+        why = (
+            f"{c.mode}: a sequence's ratio is the geometric mean of its tokens', so its cap is "
+            f"tight: {GEOMETRIC_CAP}, verl's geometric threshold (a mean of 1e-3 nats a token)"
+            if c.per_sequence
+            else f"{c.mode}: {TOKEN_CAP}, verl's rollout_is_threshold and slime's tis_upper_bound"
+        )
+        out["tis_cap"] = Derived(c.cap, why)
+    if c.masks and cfg.tis_floor is None:
+        out["tis_floor"] = Derived(
+            c.floor,
+            f"{c.mode}: 1 / tis_cap, as verl's rollout_rs_threshold_lower and slime's "
+            "tis_lower_bound",
+        )
+    return out
 
 
 def gspo_defaults(cfg: Any) -> dict[str, Derived]:
@@ -129,6 +163,7 @@ def check_algorithm(cfg: AlgorithmOptions, ctx: ResolveContext, with_env: bool) 
                 "a multi-turn episode's reward is the environment's over all its turns, and "
                 "each turn has its own max_output_tokens: leave overlong_buffer out",
             )
+    out += check_correction(cfg, ctx)
     wide = [
         p
         for p in ("eps_clip", "eps_clip_high")
@@ -156,6 +191,46 @@ def check_algorithm(cfg: AlgorithmOptions, ctx: ResolveContext, with_env: bool) 
                 "difference from the actor (logprob_diff_max), so the clip binds only there; "
                 "it acts on later updates with train_batch_size below the step's samples, "
                 "ppo_epochs > 1 or async_train",
+            )
+        )
+    return out
+
+
+def check_correction(cfg: AlgorithmOptions, ctx: ResolveContext) -> list[Diagnostic]:
+    """`tis_floor` without a mask mode, a mask whose bounds hold no ratio, and a sequence
+    mode's cap too wide to bind."""
+    out: list[Diagnostic] = []
+    c = correction_of(cfg)
+    explicit = ctx.explicit
+    if "tis_floor" in explicit and (c is None or not c.masks):
+        mode = "off" if c is None else c.mode
+        out.append(
+            ctx.error(
+                "tis_floor",
+                f"acts with tis_mode token_mask or sequence_mask only; tis_mode is {mode} "
+                f"({ctx.source('tis_mode')}): set a mask mode, or leave tis_floor out",
+            )
+        )
+    elif c is not None and c.masks and c.floor is not None and c.floor >= c.cap:
+        where = "tis_floor" if "tis_floor" in explicit else "tis_cap"
+        out.append(
+            ctx.error(
+                where,
+                f"{c.mode} keeps the {'sequences' if c.per_sequence else 'tokens'} whose ratio "
+                "is within [tis_floor, tis_cap]: "
+                f"tis_floor {c.floor:.6g} ({ctx.source('tis_floor')}) is not below tis_cap "
+                f"{c.cap} ({ctx.source('tis_cap')}), so every token would leave the loss",
+            )
+        )
+    if c is not None and c.per_sequence and "tis_cap" in explicit and c.cap > 1.1:
+        out.append(
+            ctx.warning(
+                "tis_cap",
+                f"{c.mode}: a sequence's ratio is the geometric mean of its tokens' (a mean "
+                f"log-ratio), so tis_cap {c.cap} binds only where the engine and the actor "
+                "differ by more than 0.1 nats a token on average, which seldom happens: "
+                f"verl's geometric thresholds are 1.0001 to {GEOMETRIC_CAP} (this mode's "
+                "default)",
             )
         )
     return out

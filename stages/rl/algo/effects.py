@@ -2,7 +2,8 @@
 and how, or skipped, and why; merged into `stages.rl.controller.applied.account`.
 
 Input: the resolved config. Output: `{field: (status, how)}` for the estimator, the loss's
-aggregation and clip, the ratio's level and DAPO's dynamic sampling and overlong shaping.
+aggregation and clip, the ratio's level, DAPO's dynamic sampling and overlong shaping, and
+the mismatch correction (`tis_mode` and its thresholds).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from stages.rl.algo.combinations import GSPO_CLIP, one_update, refills
+from stages.rl.algo.options import Correction, correction_of
 
 A, S = "applied", "skipped"
 
@@ -93,7 +95,72 @@ def account_algorithm(cfg: Any) -> dict[str, tuple[str, str]]:
         "overlong_penalty": (A, "the penalty at max_output_tokens")
         if cfg.overlong_buffer
         else (S, "overlong_buffer is empty"),
+        **account_correction(cfg),
     }
+
+
+FIGURES = (
+    "mismatch_k3, mismatch_chi2_token, mismatch_chi2_seq, mismatch_ppl_ratio in metrics.jsonl "
+    "every step"
+)
+STALE = (
+    "; with async_train the engine sampled with weights up to async_queue_size versions "
+    "behind the actor's, and the weight corrects that staleness too"
+)
+
+
+def account_correction(cfg: Any) -> dict[str, tuple[str, str]]:
+    """`tis_mode`, `tis_cap` and `tis_floor`: how the correction acts, or that it is off."""
+    c = correction_of(cfg)
+    if c is None:
+        off = (
+            A,
+            "off: the ratio is taken against the engine's log-probabilities, unweighted (the "
+            f"mismatch is measured all the same: {FIGURES})",
+        )
+        return {"tis_mode": off, "tis_cap": off, "tis_floor": (S, "tis_mode is off")}
+    stale = STALE if cfg.async_train else ""
+    alone = " (tis_cap set alone)" if cfg.tis_mode is None else ""
+    unit = "a sequence" if c.per_sequence else "a token"
+    r = "r (the geometric mean of its tokens' exp(actor - engine))" if c.per_sequence else "r"
+    if c.masks:
+        gone = "leaves the loss, its numerator and its denominator"
+        cap = f"{unit} whose {r} passes {c.cap} {gone}"
+        floor = (
+            A,
+            f"{unit} whose {r} is under {c.floor:.6g} {gone}"
+            + (" (1 / tis_cap)" if cfg.tis_floor is None else ""),
+        )
+        stats = "mismatch_masked_token_frac, mismatch_masked_seq_frac, tis_weight_mean"
+    else:
+        cap = f"each token's loss weighted by min(exp(actor - engine), {c.cap})"
+        if c.per_sequence:
+            cap = (
+                f"each token's loss weighted by min(g, {c.cap}), g the geometric mean of its "
+                "sequence's exp(actor - engine)"
+            )
+        floor = (S, f"{c.mode} truncates from above only: tis_floor acts with the mask modes")
+        stats = "tis_weight_mean, tis_capped_frac"
+    how = (
+        f"{c.mode}{alone}: {_mode(c)}; a no-grad pass of the actor over the batch at the "
+        f"step's start gives the ratio its log-probabilities ({stats} in metrics.jsonl)"
+    )
+    default = "" if cfg.tis_cap is not None else f" ({c.mode}'s default)"
+    return {
+        "tis_mode": (A, how + stale),
+        "tis_cap": (A, f"{cap}{default}" + stale),
+        "tis_floor": floor,
+    }
+
+
+def _mode(c: Correction) -> str:
+    level = "per sequence, the geometric mean of its tokens'" if c.per_sequence else "per token"
+    if c.masks:
+        return (
+            f"importance weights {level}, {'sequences' if c.per_sequence else 'tokens'} "
+            f"outside [{c.floor:.6g}, {c.cap}] out of the loss's numerator and denominator"
+        )
+    return f"importance weights {level}, truncated at {c.cap}"
 
 
 def _std(cfg: Any) -> tuple[str, str]:

@@ -19,11 +19,13 @@ reference. Output: advantages (and which groups carry a signal), and the loss te
   gives the per-sequence aggregations.
 - KL to the reference is the k3 estimator `exp(ref - new) - (ref - new) - 1` per token
   (unbiased, never negative), added with `kl_coef`.
-- Truncated importance sampling (`tis_cap`, optional), for engines whose log-probabilities
-  differ from the actor's by design: the decoupled form of verl's `tis_imp_ratio_cap`
-  and slime's TIS. The ratio is taken against the actor's own log-probabilities at the
-  step's start (`old` = pi_old), and each token's loss is weighted by
-  `min(exp(pi_old - mu), cap)`, mu the engine's, the weight held constant (`tis_weights`).
+- The mismatch corrections (`tis_mode`, optional; `stages.rl.algo.correction`), for engines
+  whose log-probabilities differ from the actor's by design: the decoupled form of verl's
+  rollout correction, slime's TIS and MIS and TRL's importance sampling modes. The ratio is
+  taken against the actor's own log-probabilities at the step's start (`old` = pi_old), and
+  each token's loss is weighted by its importance weight from pi_old / mu (mu the engine's),
+  truncated or masked, the weight held constant; a masked token is out of the loss mask, so
+  out of the token counts `token_scale` divides by.
 
 With one update per batch the ratio is 1 and its gradient is `grad(new)`, so the loss
 reduces to REINFORCE with a group-mean baseline (tests/unit/test_rl_loss.py shows it).
@@ -107,17 +109,6 @@ def kl_k3(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-def tis_weights(proximal: torch.Tensor, behaviour: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance-sampling weight per token, `min(exp(proximal - behaviour), cap)`,
-    with no gradient: `proximal` the actor's log-probabilities at the step's start (pi_old),
-    `behaviour` the engine's that sampled the token (mu). This is verl's
-    `tis_imp_ratio_cap` (`compute_policy_loss_vanilla`: `pg_losses *= clamp(exp(old_log_prob -
-    rollout_log_probs), max=cap)`, after Yao et al., "Your efficient RL framework secretly
-    brings you off-policy RL training", 2025): the correction for an engine that samples
-    from a slightly different distribution than the actor's forward computes."""
-    return torch.clamp(torch.exp(proximal - behaviour), max=cap).detach()
-
-
 def masked_policy_terms(
     new: torch.Tensor,
     old: torch.Tensor,
@@ -135,7 +126,7 @@ def masked_policy_terms(
     """A micro batch's summed loss (clipped surrogate plus `kl_coef` x k3 KL to `ref`), its
     summed KL and clipped-token count, over the tokens `mask` covers (1.0): a multi-turn
     episode's observation tokens (0.0) carry no loss, no KL and no gradient. `tis`: each
-    token's truncated importance weight on its surrogate loss (`tis_weights`; the KL term
+    token's importance weight on its surrogate loss (`stages.rl.algo.correction`; the KL term
     unweighted, as in verl), `old` then the actor's own log-probabilities at the step's start.
     `lengths` (each sequence's tokens in the flat tensors): GSPO's sequence-level ratio in
     place of the per-token one. `scale`: each token's weight in the returned loss (loss and
@@ -160,7 +151,8 @@ def token_scale(
     """How a step's per-token losses add up to its objective, verl's `agg_loss`: the
     per-token weights of one micro batch (`lengths`: each of its sequences' completion
     tokens and loss tokens; None: one weight for all) and what the micro batch's sum is
-    divided by, from the step's `sequences` and loss `tokens` (all ranks). token_mean:
+    divided by, from the step's `sequences` (those with a loss token) and loss `tokens` (all
+    ranks; a token a mask mode of `tis_mode` took out is no loss token). token_mean:
     sum / tokens (every token weighs the same: DAPO, Dr. GRPO, TRL's default);
     seq_mean_token_sum: each sequence's sum, averaged over sequences; seq_mean_token_mean:
     each sequence's mean, averaged over sequences (GRPO's paper: a short answer's tokens

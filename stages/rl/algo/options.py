@@ -8,12 +8,15 @@ Input: a stage's config values. Output: the fields of `AlgorithmOptions`, a base
 The names follow the frameworks users compare us with (docs/rl/algorithms.md):
 `advantage` is verl's `adv_estimator` / OpenRLHF's `advantage_estimator`, `loss_agg` is
 verl's `loss_agg_mode` (underscores for its dashes), `eps_clip_high` verl's
-`clip_ratio_high`, `ratio_level` TRL's `importance_sampling_level`.
+`clip_ratio_high`, `ratio_level` TRL's `importance_sampling_level`, `tis_mode` TRL's
+`vllm_importance_sampling_mode` (its four values), `tis_cap` and `tis_floor` slime's
+`tis_upper_bound` and `tis_lower_bound` (`stages.rl.algo.correction`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -21,6 +24,12 @@ from engine.stage import StageConfig
 
 Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+TisMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+# tis_cap's default per level: a token's ratio (verl's rollout_is_threshold default, slime's
+# tis_upper_bound), a sequence's geometric mean (verl's geometric rejection preset,
+# decoupled_geo_rs: a mean log-ratio of 1e-3 nats a token)
+TOKEN_CAP, GEOMETRIC_CAP = 2.0, 1.001
 
 
 class AlgorithmOptions(StageConfig):
@@ -103,14 +112,32 @@ class AlgorithmOptions(StageConfig):
     ppo_epochs: int = Field(1, gt=0, description="Updates over each rollout batch.")
     gamma: float = Field(1.0, ge=0, le=1, description="ppo: discount.")
     lambd: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda.")
+    tis_mode: TisMode | None = Field(
+        None,
+        description="The correction for the engine's mismatch with the actor (engines that "
+        "differ by design: bf16, other kernels; batches sampled versions behind: async_train), "
+        "as TRL's vllm_importance_sampling_mode names them. The ratio is taken against the "
+        "actor's own log-probabilities at the step's start (pi_old, a no-grad pass), and each "
+        "token's loss is weighted by r = exp(pi_old - engine): token_truncate min(r, tis_cap) "
+        "(verl's rollout_is token, slime's TIS); token_mask r, and a token whose r is outside "
+        "[tis_floor, tis_cap] leaves the loss, its numerator and its denominator (ICE-POP, "
+        "slime's MIS mask); sequence_truncate and sequence_mask the same with one r per "
+        "sequence, the geometric mean of its tokens' (exp of the mean log-ratio over its loss "
+        "tokens, verl's geometric level). Empty: off, or token_truncate when tis_cap is set.",
+    )
     tis_cap: float | None = Field(
         None,
         gt=0,
-        description="Truncated importance sampling, for engines that differ from the actor by "
-        "design (bf16, other kernels) and batches sampled versions behind (async_train): the "
-        "ratio taken against the actor's own log-probabilities at the step's start, each token's "
-        "loss weighted by min(exp(actor - engine), tis_cap), as verl's tis_imp_ratio_cap; "
-        "empty: off.",
+        description="tis_mode's upper threshold: the truncation cap, or the mask's upper bound "
+        "(empty: 2.0 for the token modes, as verl's rollout_is_threshold and slime's "
+        "tis_upper_bound; 1.001 for the sequence modes, verl's geometric threshold). Set alone, "
+        "it turns on token_truncate, verl's tis_imp_ratio_cap.",
+    )
+    tis_floor: float | None = Field(
+        None,
+        gt=0,
+        description="token_mask and sequence_mask: the lower bound, below tis_cap (empty: "
+        "1 / tis_cap, as verl's rollout_rs_threshold_lower and slime's tis_lower_bound).",
     )
 
 
@@ -120,3 +147,37 @@ def per_token_returns(cfg: AlgorithmOptions) -> bool:
     token's reward, not of the loss, and the baseline is not the group's (the critic's
     values, the batch's statistics), so a group whose rewards all agree still trains."""
     return cfg.algorithm == "ppo" or cfg.advantage == "reinforce_pp"
+
+
+@dataclass(frozen=True)
+class Correction:
+    """The mismatch correction a config asks for: its mode and thresholds, defaults filled."""
+
+    mode: TisMode
+    cap: float
+    floor: float | None  # the mask modes' lower bound; None for the truncate modes
+
+    @property
+    def masks(self) -> bool:
+        return self.mode.endswith("_mask")
+
+    @property
+    def per_sequence(self) -> bool:
+        return self.mode.startswith("sequence")
+
+
+def correction_of(cfg: Any) -> Correction | None:
+    """`tis_mode` with its thresholds (`tis_cap` alone: token_truncate, as before the modes);
+    None when off. One rule for the plan (`stages.rl.algo.combinations`) and the run."""
+    mode: TisMode | None = cfg.tis_mode
+    if mode is None and cfg.tis_cap is not None:
+        mode = "token_truncate"
+    if mode is None:
+        return None
+    cap = cfg.tis_cap
+    if cap is None:
+        cap = GEOMETRIC_CAP if mode.startswith("sequence") else TOKEN_CAP
+    floor = None
+    if mode.endswith("_mask"):
+        floor = cfg.tis_floor if cfg.tis_floor is not None else 1.0 / cap
+    return Correction(mode, cap, floor)

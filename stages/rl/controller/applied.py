@@ -168,7 +168,6 @@ def account(
         "num_threads": (A, "torch threads of the engine and of each actor rank"),
         "trainer": (A, f"{trainer} trains the actor"),
         "logprob_diff_warn": (A, _diff_warn(cfg.logprob_diff_warn)),
-        "tis_cap": _tis(cfg.tis_cap, cfg.async_train),
     }
     return how
 
@@ -178,22 +177,6 @@ def _diff_warn(nats: float) -> str:
         f"a warning in the stage's log when a sampled token's log-probability differs by more "
         f"than {nats} nats between the engine and the actor before the step's first update "
         "(logprob_diff_max in metrics.jsonl; the count in rl_result.json)"
-    )
-
-
-def _tis(cap: float | None, stale: bool) -> tuple[str, str]:
-    if cap is None:
-        return A, "off: the ratio is taken against the engine's log-probabilities, unweighted"
-    return A, (
-        "truncated importance sampling: a no-grad pass of the actor over the batch at the "
-        "step's start gives the ratio its log-probabilities, and each token's loss is weighted "
-        f"by min(exp(actor - engine), {cap}) (tis_weight_mean, tis_capped_frac in metrics.jsonl)"
-        + (
-            "; with async_train the engine sampled with weights up to async_queue_size "
-            "versions behind the actor's, and the weight corrects that staleness too"
-            if stale
-            else ""
-        )
     )
 
 

@@ -29,8 +29,19 @@ from stages.rl.controller.records import append_metrics, sample_records
 
 SYNC_PARTS = ("sync_gather_s", "sync_send_s", "sync_load_s")  # the sync's parts, per step
 ENGINE_FIELDS = ("in_flight", "in_flight_peak", "parallel_limit", "queue_wait_s")
-# the mismatch figure (`stages.rl.algo.mismatch`) and, with tis_cap, the truncated weights
-MISMATCH_FIELDS = ("logprob_diff_mean", "logprob_diff_max", "tis_weight_mean", "tis_capped_frac")
+# the mismatch figures (`stages.rl.algo.mismatch`), every step; with tis_mode, the weights
+MISMATCH_FIELDS = (
+    "logprob_diff_mean",
+    "logprob_diff_max",
+    "mismatch_k3",
+    "mismatch_chi2_token",
+    "mismatch_chi2_seq",
+    "mismatch_ppl_ratio",
+    "mismatch_masked_token_frac",
+    "mismatch_masked_seq_frac",
+    "tis_weight_mean",
+    "tis_capped_frac",
+)
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -245,7 +256,7 @@ def _warn_mismatch(c: Controller, row: dict[str, Any]) -> None:
     c.ctx.log.warning(
         "step %d: the engine's log-probability of a sampled token differs from the actor's by "
         "%.3g nats (mean %.3g, logprob_diff_warn %g, staleness %d): the rollouts are not the "
-        "policy the loss trains; check the engine's precision and temperature, or set tis_cap",
+        "policy the loss trains; check the engine's precision and temperature, or set tis_mode",
         row["step"],
         top,
         row["logprob_diff_mean"],

@@ -50,7 +50,8 @@ class Actor(TrainedRank):
         if self.resume("checkpoints"):
             log.info("resumed the actor from %s", brief.resume_tag)
         self.publisher: Any = None
-        self.pi_old: dict[int, Any] | None = None  # tis_cap: per sample, at the step's start
+        # tis_mode: per sample, its log-probabilities at the step's start and its weights
+        self.pi_old: dict[int, Any] | None = None
 
     # --- requests ----------------------------------------------------------------------
     def train(self, payload: dict[str, Any]) -> dict[str, float]:

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from stages.rl.algo.logprobs import Sample, completion_logprobs
-from stages.rl.algo.loss import masked_policy_terms, tis_weights, token_scale
+from stages.rl.algo.loss import masked_policy_terms, token_scale
 from stages.rl.algo.micro import epoch_steps, plan_micros
 from stages.rl.algo.mismatch import Gap
-from stages.rl.algo.options import per_token_returns
+from stages.rl.algo.options import correction_of, per_token_returns
 from stages.rl.roles.proximal import gap_figures, proximal
 
 STATS = ("loss", "kl", "clip_frac", "entropy")
@@ -33,9 +33,11 @@ STATS = ("loss", "kl", "clip_frac", "entropy")
 
 def train(actor: Any, payload: dict[str, Any]) -> dict[str, float]:
     """`ppo_epochs` passes over the batch; one optimizer step per `train_batch_size`.
-    Also the mismatch figure (`stages.rl.roles.proximal`): `|new - old|` on the loss's
-    tokens of the first optimizer step, from its forward before the update (with
-    `tis_cap`: over every sample, from the no-grad pass that gives the ratio its pi_old)."""
+    Also the mismatch figures (`stages.rl.algo.mismatch`): on the loss's tokens of the first
+    optimizer step, from its forward before the update (with a `tis_mode` correction: over
+    every sample, from the no-grad pass that gives the ratio its pi_old, and the weights; a
+    mask mode's tokens then train as the loss mask's 0s: out of the loss and of the token
+    counts that divide it)."""
     cfg = actor.cfg
     samples = [Sample(**s) for s in payload["samples"]]
     rng = random.Random(cfg.seed * 1_000_003 + payload["step"])
@@ -45,8 +47,11 @@ def train(actor: Any, payload: dict[str, Any]) -> dict[str, float]:
     norms = []
     figures: dict[str, float] = {}
     actor.pi_old = None
-    if cfg.tis_cap is not None:
-        actor.pi_old, figures = proximal(actor, samples, epochs[0], partial(micro_batches, actor))
+    if correction_of(cfg) is not None:
+        plan = partial(micro_batches, actor)
+        actor.pi_old, figures, corrected = proximal(actor, samples, epochs[0], plan)
+        swap = {id(s): c for s, c in zip(samples, corrected, strict=True)}
+        epochs = [[[swap[id(s)] for s in chunk] for chunk in epoch] for epoch in epochs]
     for chunks in epochs:
         for chunk in chunks:
             gap = Gap() if updates == 0 and actor.pi_old is None else None
@@ -79,13 +84,14 @@ def update(actor: Any, chunk: list[Any], gap: Any = None) -> tuple[dict[str, flo
     forward/backward passes as every other rank); `gap`: adds up `|new - old|` of its
     tokens before the update."""
     norm = sum(s.trained_len for s in chunk)  # the step's trained tokens, over all ranks
+    sequences = sum(1 for s in chunk if s.trained_len)  # those with a token in the loss
     micros = micro_batches(actor, chunk)
     sums = torch.zeros(4, dtype=torch.float64)
     divisor = norm
     for i, planned in enumerate(micros):
         micro = planned or chunk[:1]  # a dummy pass keeps the ranks in step: weight 0
         lengths = [(s.completion_len, s.trained_len) for s in micro]
-        per_token, divisor = token_scale(actor.cfg.loss_agg, lengths, len(chunk), norm)
+        per_token, divisor = token_scale(actor.cfg.loss_agg, lengths, sequences, norm)
         weight = actor.world / divisor if planned else 0.0
         actor.trainer.begin_micro(i == len(micros) - 1)
         loss, kl, clipped, ent, mask = _policy_terms(
@@ -133,9 +139,9 @@ def _policy_terms(
     new_t = torch.cat(new)
     old = torch.tensor([lp for s in micro for lp in s.old_logprobs], device=device)
     tis = None
-    if actor.pi_old is not None:  # the ratio against pi_old, weighted by pi_old / mu
-        behaviour, old = old, torch.cat([actor.pi_old[id(s)] for s in micro])
-        tis = tis_weights(old, behaviour, cfg.tis_cap)
+    if actor.pi_old is not None:  # the ratio against pi_old, weighted from pi_old / mu
+        old = torch.cat([actor.pi_old[id(s)][0] for s in micro])
+        tis = torch.cat([actor.pi_old[id(s)][1] for s in micro])
     adv = torch.tensor(
         [a for s in micro for a in (s.advantages or [s.advantage] * s.completion_len)],
         device=device,
@@ -146,7 +152,7 @@ def _policy_terms(
     with_kl = cfg.kl_coef > 0 and not per_token_returns(cfg)
     ref = _reference(actor, micro) if with_kl else None
     if gap is not None:
-        gap.add(new_t, old, mask)
+        gap.add(new_t, old, mask, [n for n, _ in lengths])
     scale = None if per_token is None else torch.tensor(per_token, device=device)
     seqs = [n for n, _ in lengths] if cfg.ratio_level == "sequence" else None  # GSPO
     loss, kl, clipped = masked_policy_terms(

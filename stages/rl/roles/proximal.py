@@ -1,39 +1,42 @@
-"""The actor's side of the mismatch figure and of truncated importance sampling.
+"""The actor's side of the mismatch figures and of the mismatch corrections (`tis_mode`).
 
 Input: a step's samples (with the engine's log-probabilities, the behaviour policy mu), the
 actor's model and trainer, and how the step cuts them into micro batches. Output: the
-figure reduced over the ranks (`gap_figures`); with `tis_cap`, the actor's own
-log-probabilities of every sample before the step's first update (pi_old, `proximal`), the
-figure over all of them, and the truncated importance weights' statistics.
+figures reduced over the ranks (`gap_figures`); with a correction, the actor's own
+log-probabilities of every sample before the step's first update (pi_old, `proximal`) and
+each token's importance weight, the figures over all of them, the weights' statistics, and
+the samples with the tokens a mask mode took out of the loss out of their loss mask.
 
-Which weights the figure sees: the first optimizer step's forward of the first ppo epoch
+Which weights the figures see: the first optimizer step's forward of the first ppo epoch
 runs on the weights the engine sampled with, in synchronous steps; so does the no-grad pass
 of `proximal`. With `async_train` the engine may have sampled a version behind, and the
-figure then includes that staleness (the step's row records it beside the figure).
+figures then include that staleness (the step's row records it beside them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from stages.rl.algo.correction import correct
 from stages.rl.algo.logprobs import Sample, completion_logprobs
-from stages.rl.algo.loss import tis_weights
 from stages.rl.algo.mismatch import Gap, tis_stats
+from stages.rl.algo.options import correction_of
 
 
 def gap_figures(gap: Gap, world: int, device: str) -> dict[str, float]:
-    """The figures over every rank's tokens: sum and count added, the largest kept."""
+    """The figures over every rank's tokens: the sums added, the largest kept."""
     if world > 1:  # NCCL reduces device tensors only
         import torch.distributed as dist
 
-        sums = torch.tensor([gap.total, gap.count], dtype=torch.float64, device=device)
+        sums = torch.tensor(gap.as_sums(), dtype=torch.float64, device=device)
         top = torch.tensor([gap.max], dtype=torch.float64, device=device)
         dist.all_reduce(sums)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        gap = Gap(float(sums[0]), float(sums[1]), float(top[0]))
+        gap = Gap.of(sums.tolist(), float(top[0]))
     return gap.figures()
 
 
@@ -42,14 +45,17 @@ def proximal(
     samples: Sequence[Sample],
     steps: Sequence[Sequence[Sample]],
     plan: Callable[[list[Any]], list[list[Any]]],
-) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
-    """Per sample (by `id`), the actor's log-probabilities of its completion before any
-    update of the step, without gradients; and the mismatch figure and the truncated weights'
-    statistics over every sample. This rank scores its micro batches (`plan`) of the first
-    epoch's optimizer `steps`, as many passes as every other rank (ZeRO-3 gathers weights in
-    each; an empty micro batch is a dummy pass), and the ranks add their shares up, so each
-    holds every sample's."""
+) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict[str, float], list[Sample]]:
+    """Per corrected sample (by `id`), the actor's log-probabilities of its completion before
+    any update of the step, without gradients, and its tokens' importance weights; the
+    figures and the weights' statistics over every sample; and the samples, each with the
+    tokens a mask mode took out of the loss out of its loss mask (the others as they were).
+    This rank scores its micro batches (`plan`) of the first epoch's optimizer `steps`, as
+    many passes as every other rank (ZeRO-3 gathers weights in each; an empty micro batch is
+    a dummy pass), and the ranks add their shares up, so each holds every sample's."""
     cfg, device = actor.cfg, actor.device
+    c = correction_of(cfg)
+    assert c is not None, "proximal runs with a mismatch correction only"
     offsets, at = {}, 0
     for s in samples:
         offsets[id(s)] = at
@@ -76,9 +82,18 @@ def proximal(
         dist.all_reduce(flat)  # each sample scored on exactly one rank
     mu = torch.tensor([x for s in samples for x in s.old_logprobs], device=device)
     mask = torch.tensor([m for s in samples for m in s.loss_mask()], device=device)
+    lengths = [s.completion_len for s in samples]
+    weights, keep, raw = correct(flat, mu, mask, lengths, c)
     gap = Gap()
-    gap.add(flat, mu, mask)
-    raw = torch.exp(flat - mu)
-    stats = gap.figures() | tis_stats(tis_weights(flat, mu, cfg.tis_cap), raw, cfg.tis_cap, mask)
-    by_sample = {id(s): flat[offsets[id(s)] : offsets[id(s)] + s.completion_len] for s in samples}
-    return by_sample, stats
+    gap.add(flat, mu, mask, lengths)
+    gap.mask_out(keep, mask, lengths)
+    stats = gap.figures() | tis_stats(weights, raw, c.cap, mask * keep, not c.masks)
+    by_sample, out = {}, []
+    for s in samples:
+        lo, hi = offsets[id(s)], offsets[id(s)] + s.completion_len
+        kept = keep[lo:hi]
+        if c.masks and bool((kept < 1.0).any()):
+            s = replace(s, mask=tuple(int(m) for m in (mask[lo:hi] * kept).tolist()))
+        by_sample[id(s)] = (flat[lo:hi], weights[lo:hi])
+        out.append(s)
+    return by_sample, stats, out
