@@ -142,8 +142,9 @@ def sequences(traces: Sequence[Any], tokenizer: Any, mode: str) -> dict[str, Any
     texts = []
     for t in traces:
         messages = t.episode.messages
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        answer = tokenizer.decode(list(t.answers[-1][0]), skip_special_tokens=True)
+        said = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        last = said[-1] if said else len(messages)
+        answer = tokenizer.decode(list(t.answers[-1][0]), skip_special_tokens=True) if said else ""
         texts.append((list(messages[:last]), answer))
     return {"texts": texts}
 
