@@ -9,7 +9,8 @@ Output: a `TrainingSet` (`reward_set`: each pair's chosen and rejected sequence 
 model scores them, `stages.lib.model.reward_model.score_ids`, and its margin), a micro batch's
 summed loss and its right-order count and summed gap (`reward_loss`), and the held-out
 pairwise accuracy (`HeldOutPairs`, with the final scores of every held-out pair in
-`<stage_dir>/heldout_scores.jsonl`).
+`<stage_dir>/heldout_scores.jsonl`), and the statistics `normalize_reward` divides by, from
+the final scores (`final_stats`).
 
 The score of a sequence is the head's output at its last token (its closing token), read
 from the head's per-position output, so packed rows (several sequences per row) score each

@@ -8,7 +8,9 @@ sequences as text, ids and loss mask, in the stage folder; from rank 0 the
 final Hugging Face checkpoint at the config's `output` in the resolved save dtype
 (written to a temporary sibling, then renamed into place: `stages.lib.model.save`) and
 `train_result.json`; a reward model (`algorithm: rm`) with held-out pairs also leaves
-`heldout_scores.jsonl`, each held-out pair's final scores.
+`heldout_scores.jsonl`, each held-out pair's final scores, and its checkpoint holds the
+statistics of its final scores (`stages.train.pairwise.final_stats`) and a tokenizer padding
+with its config's pad id.
 
 DeepSpeed keeps process-global state (its accelerator, communication
 backend, ZeRO hooks), so every run gets fresh processes: the stage launches
