@@ -20,9 +20,16 @@ def build_policy(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def build_reward_model(policy: Path, out: Path, scale: float = 50.0, seed: int = 1) -> Path:
+def build_reward_model(
+    policy: Path,
+    out: Path,
+    scale: float = 50.0,
+    seed: int = 1,
+    stats: dict[str, float] | None = None,
+) -> Path:
     """A scalar-head checkpoint of `policy`'s architecture and tokenizer, random weights, its
-    head multiplied by `scale`."""
+    head multiplied by `scale`; `stats`, the `mean` and `std` normalize_reward divides by, in
+    its config when given."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
 
@@ -31,6 +38,8 @@ def build_reward_model(policy: Path, out: Path, scale: float = 50.0, seed: int =
     config.num_labels = 1
     config.pad_token_id = tokenizer.pad_token_id
     config.architectures = ["LlamaForSequenceClassification"]
+    for key, value in (stats or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = LlamaForSequenceClassification(config)
     with torch.no_grad():

@@ -35,7 +35,7 @@ from stages.rl.algo.options import AlgorithmOptions
 from stages.rl.settings.distributed import DistributedSettings
 from stages.rl.settings.optim import OptimSettings
 from stages.rl.settings.rollout import RolloutSettings
-from stages.rl.settings.scoring import ScoringSettings, check_scoring
+from stages.rl.settings.scoring import ScoringSettings, check_scoring, derive_scoring
 
 
 # pydantic lists a model's fields from its last base to its first, then its own: `pipe plan
@@ -143,9 +143,10 @@ class RLConfig(
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """The vLLM engines from the `vllm` role's GPUs (engines x tensor-parallel size = the
         role's GPUs), prefix caching for groups, half a shared GPU left to training; GSPO's
-        loss and clip with ratio_level sequence (`derive_algorithm`)."""
+        loss and clip with ratio_level sequence (`derive_algorithm`); what the reward model
+        reads (`derive_scoring`)."""
         out = self.backend.derive(engine_context(ctx), self.num_repeats)
-        return out | derive_algorithm(self)
+        return out | derive_algorithm(self) | derive_scoring(self, ctx)
 
     def memory_needs(self) -> list[MemoryNeed]:
         """The engine (a vLLM share, or the local engine's copy of the weights), the actor as a

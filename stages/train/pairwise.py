@@ -9,7 +9,8 @@ Output: a `TrainingSet` (`reward_set`: each pair's chosen and rejected sequence 
 model scores them, `stages.lib.model.reward_model.score_ids`, and its margin), a micro batch's
 summed loss and its right-order count and summed gap (`reward_loss`), and the held-out
 pairwise accuracy (`HeldOutPairs`, with the final scores of every held-out pair in
-`<stage_dir>/heldout_scores.jsonl`).
+`<stage_dir>/heldout_scores.jsonl`), and the statistics `normalize_reward` divides by, from
+the final scores (`final_stats`).
 
 The score of a sequence is the head's output at its last token (its closing token), read
 from the head's per-position output, so packed rows (several sequences per row) score each
@@ -193,20 +194,35 @@ class HeldOutPairs:
     model as it trains: the share of pairs whose chosen response scores above the rejected
     one. The same interface as `stages.train.heldout.HeldOut`."""
 
-    def __init__(self, cfg: TrainConfig, tokenizer: Any, pad: int, device: str) -> None:
+    def __init__(
+        self, seqs: Sequence[tuple[Sequence[int], Sequence[int]]], pad: int, device: str
+    ) -> None:
+        self.seqs = list(seqs)  # each pair's (chosen, rejected) token ids
+        self.pad, self.device = pad, device
+        self.last: list[tuple[int, float, float]] = []  # this rank's (pair, chosen, rejected)
+
+    @classmethod
+    def held_out(cls, cfg: TrainConfig, tokenizer: Any, pad: int, device: str) -> HeldOutPairs:
+        """The pairs of `eval_input`, at most `eval_limit`."""
         from stages.lib.model.reward_model import score_ids
 
         assert cfg.eval_input is not None
         pairs = preference_pairs(read_rows(cfg.eval_input), 0.0, cfg.eval_input)[: cfg.eval_limit]
-        self.seqs = [
+        seqs = [
             (
                 score_ids(tokenizer, p, c, cfg.max_length),
                 score_ids(tokenizer, p, r, cfg.max_length),
             )
             for p, c, r, _ in pairs
         ]
-        self.pad, self.device = pad, device
-        self.last: list[tuple[int, float, float]] = []  # this rank's (pair, chosen, rejected)
+        return cls(seqs, pad, device)
+
+    @classmethod
+    def training(cls, data: TrainingSet, pad: int, device: str) -> HeldOutPairs:
+        """The training pairs (`reward_set`), to score once training is done."""
+        ex = data.examples
+        seqs = [(ex[c].input_ids, ex[r].input_ids) for c, r in data.units]
+        return cls(seqs, pad, device)
 
     def accuracy(self, module: Any, rank: int = 0, world: int = 1) -> tuple[int, int]:
         """Pairs in the right order and pairs scored by this rank of `world`: every world-th
@@ -226,18 +242,37 @@ class HeldOutPairs:
         self.last = [(i, scores[2 * k], scores[2 * k + 1]) for k, i in enumerate(mine)]
         return sum(c > r for _, c, r in self.last), len(mine)
 
-    def write_scores(self, path: str, rank: int, world: int) -> None:
-        """Rank 0 writes every held-out pair's last scores (`{"pair", "chosen", "rejected"}`,
-        in file order), gathered from the ranks."""
+    def gathered(self, world: int) -> list[tuple[int, float, float]]:
+        """Every pair's last (pair, chosen, rejected) scores, in order, from every rank (each
+        rank calls it)."""
         import torch.distributed as dist
-
-        from stages.lib.io.jsonl import atomic_write
 
         parts: list[Any] = [self.last]
         if world > 1:
             parts = [None] * world
             dist.all_gather_object(parts, self.last)
+        return sorted(t for part in parts for t in part)
+
+    def write_scores(self, path: str, rank: int, world: int) -> None:
+        """Rank 0 writes every held-out pair's last scores (`{"pair", "chosen", "rejected"}`,
+        in file order), gathered from the ranks."""
+        from stages.lib.io.jsonl import atomic_write
+
+        rows = self.gathered(world)
         if rank == 0:
-            rows = sorted(t for part in parts for t in part)
             lines = [json.dumps({"pair": i, "chosen": c, "rejected": r}) for i, c, r in rows]
             atomic_write(path, "".join(line + "\n" for line in lines))
+
+
+def final_stats(loop: Any, rank: int, world: int) -> dict[str, float]:
+    """The statistics `normalize_reward` divides by, once training is done
+    (`stages.lib.model.reward_model.reward_stats`): over the chosen and rejected scores of
+    every held-out pair as last scored (OpenRLHF's last evaluation), else of every training
+    pair, scored now. Every rank calls it."""
+    from stages.lib.model.reward_model import reward_stats
+
+    pairs = loop.held_out
+    if not (isinstance(pairs, HeldOutPairs) and pairs.last):
+        pairs = HeldOutPairs.training(loop.data, loop.pad_id, loop.device)
+        pairs.accuracy(loop.trainer.module, rank, world)
+    return reward_stats([x for _, c, r in pairs.gathered(world) for x in (c, r)])

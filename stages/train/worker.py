@@ -8,7 +8,9 @@ sequences as text, ids and loss mask, in the stage folder; from rank 0 the
 final Hugging Face checkpoint at the config's `output` in the resolved save dtype
 (written to a temporary sibling, then renamed into place: `stages.lib.model.save`) and
 `train_result.json`; a reward model (`algorithm: rm`) with held-out pairs also leaves
-`heldout_scores.jsonl`, each held-out pair's final scores.
+`heldout_scores.jsonl`, each held-out pair's final scores, and its checkpoint holds the
+statistics of its final scores (`stages.train.pairwise.final_stats`) and a tokenizer padding
+with its config's pad id.
 
 DeepSpeed keeps process-global state (its accelerator, communication
 backend, ZeRO hooks), so every run gets fresh processes: the stage launches
@@ -68,23 +70,41 @@ def _load(brief: WorkerBrief) -> tuple[Any, Any]:
     return tokenizer, model
 
 
-def _save_final(trainer: Any, brief: WorkerBrief, rank: int) -> None:
+def _save_final(
+    trainer: Any,
+    brief: WorkerBrief,
+    rank: int,
+    tokenizer: Any = None,
+    stats: dict[str, float] | None = None,
+) -> None:
     """Rank 0 writes the Hugging Face checkpoint at the config's `output` in the resolved
     save dtype, beside the input's files (`stages.lib.model.save`; with LoRA merged, or the
     adapter alone: `stages.lib.model.lora.output.write_output`); a reward model's config names its
-    head, one label and its pad id (`stages.lib.model.reward_model.reward_config`)."""
+    head, one label, its pad id and the statistics `stats` of its final scores
+    (`stages.lib.model.reward_model.reward_config`), and its tokenizer pads with that id
+    (`tokenizer_pad`)."""
     import torch.distributed as dist
 
     from stages.lib.model.lora.output import write_output
-    from stages.lib.model.reward_model import reward_config
+    from stages.lib.model.reward_model import reward_config, tokenizer_pad
     from stages.lib.model.save import write_checkpoint
 
     state = trainer.full_state_dict()  # every rank takes part under ZeRO-3
     if rank == 0:
         cfg, module = brief.config, trainer.module
         if cfg.algorithm == "rm":
-            fields = reward_config(module, int(module.config.pad_token_id))
-            write_checkpoint(module, state, brief.model_dir, cfg.output, brief.save_dtype, fields)
+            pad = int(module.config.pad_token_id)
+            token = str(tokenizer.convert_ids_to_tokens(pad))
+            fields = reward_config(module, pad, stats)
+            write_checkpoint(
+                module,
+                state,
+                brief.model_dir,
+                cfg.output,
+                brief.save_dtype,
+                fields,
+                finish=lambda folder: tokenizer_pad(folder, token, pad),
+            )
         else:
             write_output(module, state, cfg.lora, brief.model_dir, cfg.output, brief.save_dtype)
     if dist.is_initialized():
@@ -176,7 +196,7 @@ def _build_loop(
     pad = int(model.config.pad_token_id) if reward else pad_id(tokenizer, model.config)
     held_out: HeldOut | HeldOutPairs | None = None
     if cfg.eval_input and reward:
-        held_out = HeldOutPairs(cfg, tokenizer, pad, device)
+        held_out = HeldOutPairs.held_out(cfg, tokenizer, pad, device)
     elif cfg.eval_input:
         held_out = HeldOut(cfg, tokenizer)
     reference = None
@@ -229,8 +249,14 @@ def run(brief: WorkerBrief) -> None:
 
     if isinstance(loop.held_out, HeldOutPairs) and loop.held_out.last:
         loop.held_out.write_scores(f"{brief.stage_dir}/{HELDOUT_SCORES}", rank, world)
+    stats = None
+    if cfg.algorithm == "rm":
+        from stages.train.pairwise import final_stats
+
+        stats = final_stats(loop, rank, world)
+        log.info("reward statistics for normalize_reward: %s", stats)
     t = time.perf_counter()
-    _save_final(loop.trainer, brief, rank)
+    _save_final(loop.trainer, brief, rank, tokenizer, stats)
     log.info("wrote %s in %.2fs", cfg.output, time.perf_counter() - t)
     if rank == 0:
         with open(f"{brief.stage_dir}/train_result.json", "w", encoding="utf-8") as f:

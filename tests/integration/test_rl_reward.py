@@ -1,12 +1,12 @@
 """The rl stage with a reward model for real: the reward role's ranks score every sample
 (a tiny scalar-head Llama on the policy's tokenizer), and the rewards trained on are those
 scores, checked by scoring the logged samples again here; mixed with the verifier's,
-normalised by the running moments and clipped; under GRPO and PPO (asynchronous steps)."""
+normalised by the statistics in the reward model's config and clipped; under GRPO and PPO
+(asynchronous steps)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -21,6 +21,7 @@ from tests.reward_models import PROMPTS, build_policy, build_reward_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+STATS = {"mean": 2.0, "std": 1.0}  # what normalize_reward divides by
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 PIPELINE = """\
     name: rm
@@ -45,10 +46,13 @@ PIPELINE = """\
 """
 
 
-def rl_run(tmp_path: Path, extra: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Run the pipeline with `extra` config lines; its metrics and logged samples."""
+def rl_run(
+    tmp_path: Path, extra: str, stats: dict[str, float] | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run the pipeline with `extra` config lines (the reward model holding `stats`); its
+    metrics and logged samples."""
     policy = build_policy(tmp_path / "policy")
-    build_reward_model(policy, tmp_path / "rm")
+    build_reward_model(policy, tmp_path / "rm", stats=stats)
     rows = [{"prompt": p, "answer": str(sum(map(int, p[:-1].split("+"))))} for p in PROMPTS]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     extra = textwrap.indent(textwrap.dedent(extra), " " * 6)
@@ -68,11 +72,17 @@ def rl_run(tmp_path: Path, extra: str) -> tuple[list[dict[str, Any]], list[dict[
 
 
 def rescored(tmp_path: Path, samples: list[dict[str, Any]]) -> list[float]:
-    """The logged samples scored again, here, by the same reward model."""
-    from stages.lib.model.reward_model import load_reward_model, score
+    """The logged samples scored again, here, by the same reward model, each answer closed
+    as the reward role closes it (a cut one with the template's closing token)."""
+    from transformers import AutoTokenizer
+
+    from stages.lib.chat.tokens import answer_end, eos_ids
+    from stages.lib.model.reward_model import closed, load_reward_model, score
 
     model = load_reward_model(str(tmp_path / "rm"), False, "cpu")
-    sequences = [s["prompt_ids"] + s["completion_ids"] for s in samples]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "policy")
+    end, stops = answer_end(tokenizer).ids, eos_ids(tokenizer)
+    sequences = [closed(s["prompt_ids"] + s["completion_ids"], end, stops) for s in samples]
     return score(model, sequences, 3, model.config.pad_token_id)
 
 
@@ -107,24 +117,21 @@ def test_ppo_mixes_normalised_clipped_scores_with_the_verifiers_rewards(tmp_path
         normalize_reward: true
         reward_clip: {clip}
         """,
+        STATS,
     )
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["value_loss"] is not None for r in rows if r["updates"])
-    # step 1: the running moments are the step's own scores (16 of them)
-    first = rows[0]
-    n = 4 * 4
-    mean, std = first["rm_score_mean"], first["rm_score_std"] * math.sqrt(n / (n - 1))
-    logged = [s for s in samples if s["step"] == 1]
-    scores = rescored(tmp_path, logged)
-    for sample, raw in zip(logged, scores, strict=True):
+    # every step: the reward model's own statistics, as its training stored them
+    mean, std = STATS["mean"], STATS["std"]
+    every = rescored(tmp_path, samples)
+    for sample, raw in zip(samples, every, strict=True):
         shaped = min(max((raw - mean) / std, -clip), clip)
         verified = 1.0 if any(ch.isdigit() for ch in sample["completion"]) else 0.0
         assert sample["reward"] == pytest.approx(shaped + weight * verified, abs=1e-4)
     # the clip acts: every score's share of a reward is within it, some at its bound
-    every = rescored(tmp_path, samples)
     shares = [
         s["reward"] - weight * (1.0 if any(ch.isdigit() for ch in s["completion"]) else 0.0)
         for s in samples
     ]
     assert all(abs(x) <= clip + 1e-6 for x in shares)
-    assert max(abs(x) for x in every) > clip  # the raw scores go past it
+    assert max(abs(x - mean) / std for x in every) > clip  # the normalised scores pass it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def rm_config(tmp_path: Path, stage: Path, **settings: Any) -> Any:
 
 
 def test_rm_learns_easy_pairs_and_saves_a_reward_model_transformers_loads(tmp_path: Path):
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from stages.lib.model.reward_model import RewardScorer
 
@@ -76,6 +77,12 @@ def test_rm_learns_easy_pairs_and_saves_a_reward_model_transformers_loads(tmp_pa
         if line
     ]
     held = [json.loads(line) for line in (tmp_path / "held.jsonl").read_text().splitlines()]
+    # normalize_reward's statistics: the held-out pairs' final scores (OpenRLHF's last eval)
+    every = [x for t in trained for x in (t["chosen"], t["rejected"])]
+    stats = (statistics.fmean(every), statistics.stdev(every))
+    assert (fields["mean"], fields["std"]) == pytest.approx(stats, rel=1e-6)
+    # the tokenizer saved pads with the config's pad id
+    assert AutoTokenizer.from_pretrained(str(saved)).pad_token_id == fields["pad_token_id"]
     scorer = RewardScorer(str(saved))
     chosen = scorer([(r["prompt"], r["chosen"]) for r in held], max_length=256)
     rejected = scorer([(r["prompt"], r["rejected"]) for r in held], max_length=256)

@@ -635,6 +635,13 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "an earlier stage's checkpoint that is no reward model (a folder that exists is "
         "refused at plan time)"
     ),
+    ("stages/lib/model/reward_model.py", "reward statistics need two scores or mor"): internal(
+        "every pair gives two scores, and reward_set keeps at least one pair"
+    ),
+    ("stages/rl/roles/reward.py", "reward_model '{}': {}"): data(
+        "an earlier stage's or the hub's reward model without the statistics normalize_reward "
+        "divides by (a folder that exists is refused at plan time)"
+    ),
     ("stages/lib/distributed/trainer_choice.py", "trainer 'deepspeed' asked for"): environment(
         "deepspeed on the worker; plan may run where it is not installed"
     ),

@@ -3,6 +3,7 @@ its margin, filter's pairs from rollouts, dataset pairs, and evaluate's reward-m
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -99,7 +100,7 @@ def test_the_sequence_scored_is_what_training_on_rollouts_sees(tokenizer: Any) -
 
 
 def test_the_pad_id_is_never_the_token_the_score_reads(tokenizer: Any) -> None:
-    from stages.lib.chat.tokens import answer_end
+    from stages.lib.chat.tokens import answer_end, pad_id
     from stages.lib.model.reward_model import score_pad_id
 
     stop = answer_end(tokenizer).stop_id
@@ -108,7 +109,17 @@ def test_the_pad_id_is_never_the_token_the_score_reads(tokenizer: Any) -> None:
     class SameAsStop:  # a checkpoint whose pad is its end-of-turn token (Llama 3 style)
         pad_token_id = stop
 
-    assert score_pad_id(tokenizer, SameAsStop()) != stop
+    # its tokenizer pads with that token too, or has no pad and the config's is read: either
+    # way the next candidate (unk, then bos) pads, never the token the score reads
+    llama3 = copy.deepcopy(tokenizer)
+    llama3.pad_token = llama3.convert_ids_to_tokens(stop)
+    assert (llama3.pad_token_id, llama3.unk_token_id) == (stop, None)
+    assert score_pad_id(llama3, SameAsStop()) == tokenizer.bos_token_id != stop
+    no_pad = copy.deepcopy(tokenizer)
+    no_pad.pad_token = None
+    assert no_pad.pad_token_id is None
+    assert pad_id(no_pad, SameAsStop()) == stop  # the config is read
+    assert score_pad_id(no_pad, SameAsStop()) == tokenizer.bos_token_id
 
 
 def test_the_margin_moves_the_loss_as_defined() -> None:

@@ -1,16 +1,15 @@
-"""A reward model's scores made rewards: the running moments against the whole history's
-mean and sample deviation, the clip, the mix with the verifier's; and `score` in micro
-batches against the model's own pooled logits."""
+"""A reward model's scores made rewards: normalised by the statistics its training stored,
+the clip, the mix with the verifier's; and `score` in micro batches against the model's own
+pooled logits."""
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from stages.rl.algo.shaping import RunningMoments, mix, shape
+from stages.rl.algo.shaping import mix, shape
 from stages.rl.settings.scoring import RewardWeights
 
 
@@ -20,35 +19,15 @@ def settings(**kw: object) -> SimpleNamespace:
     )
 
 
-def test_running_moments_batch_by_batch_equal_the_whole_historys():
-    batches = [[1.0, 4.0, -2.0], [10.0], [0.5, 0.25, 3.0, 7.0]]
-    moments = RunningMoments()
-    seen: list[float] = []
-    for batch in batches:
-        moments.update(batch)
-        seen += batch
-        assert moments.mean == pytest.approx(statistics.fmean(seen))
-        if len(seen) > 1:
-            assert moments.std == pytest.approx(statistics.stdev(seen))
-    assert RunningMoments(**moments.state()).std == pytest.approx(moments.std)
-
-
-def test_normalised_then_clipped_then_mixed():
-    moments = RunningMoments()
+def test_normalised_by_the_models_statistics_then_clipped_then_mixed():
     cfg = settings(normalize_reward=True, reward_clip=1.0)
-    shaped = shape([0.0, 2.0, 4.0, 100.0], moments, cfg)
-    mean, std = statistics.fmean([0, 2, 4, 100]), statistics.stdev([0, 2, 4, 100])
-    assert shaped == pytest.approx([(x - mean) / std for x in (0, 2, 4)] + [1.0])
+    # the same score is the same reward whatever else is in the batch
+    assert shape([0.0, 2.0, 4.0, 100.0], (2.0, 4.0), cfg) == [-0.5, 0.0, 0.5, 1.0]
+    assert shape([4.0], (2.0, 4.0), cfg) == [0.5]
     weights = RewardWeights(reward_model=2.0, verifier=0.5)
     assert mix(0.25, 1.0, settings(reward_weights=weights)) == pytest.approx(1.0)
     assert mix(0.25, 1.0, settings()) == 0.25  # no weights: the score alone
-    assert shape([3.0, -7.0], RunningMoments(), settings()) == [3.0, -7.0]
-
-
-def test_a_single_score_normalises_against_a_unit_deviation():
-    moments = RunningMoments()
-    assert shape([5.0], moments, settings(normalize_reward=True)) == [0.0]
-    assert moments.std == 1.0
+    assert shape([3.0, -7.0], None, settings()) == [3.0, -7.0]
 
 
 def test_scores_in_micro_batches_equal_the_models_own_pooled_logits(tmp_path: Path):

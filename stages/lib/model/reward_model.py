@@ -8,7 +8,9 @@ model load as a reward model (`reward_config`), one score per sequence (`score_b
 `RewardScorer`; `score` for token ids already made, as the rl stage's reward role scores
 rollouts), the plan-time check that a checkpoint is one (`check_reward_model`, and
 `head_problem` for a folder: its `config.json` alone, no torch) and `load_reward_model`
-(frozen, in the compute dtype).
+(frozen, in the compute dtype); `closed` (a policy's token ids ended as `score_ids` ends an
+answer), the statistics `normalize_reward` divides by (`reward_stats`, `saved_stats`) and the
+pad its tokenizer saves (`tokenizer_pad`, `agree_pad`).
 
 One sequence, everywhere: the prompt through the chat template (`format_prompt`), the
 response, then the template's closing token(s) of an answer (`answer_end`), as training on
@@ -20,21 +22,41 @@ token. The score is the head's output at the last token that is not padding, as
 transformers' `...ForSequenceClassification` pools it: `pad_token_id` is saved in the
 config and is never the closing token (a pad equal to it would move the read one token
 back), so `AutoModelForSequenceClassification.from_pretrained(dir)` scores exactly what
-training computed. Nothing heavy is imported at module level.
+training computed. The saved tokenizer pads with that id too (`tokenizer_pad`: TRL sets
+the config's pad from the tokenizer; here the tokenizer's is set to the config's where the
+two would differ, since the config's is never the closing token), and a checkpoint whose two
+differ is repaired on load with a warning (`agree_pad`).
+
+An answer cut at `max_output_tokens` ends on a content token. `score_ids` (training,
+evaluate) closes every answer with `answer_end`'s ids, so the rl stage closes the policy's
+token ids the same way before scoring them (`closed`; OpenRLHF likewise puts the eos token
+at the end of every sequence it hands its reward model), and a reward model scores the same
+text the same, cut or not, wherever it is read.
+
+`normalize_reward`, as OpenRLHF's flag: the score less a fixed mean, over a fixed standard
+deviation, both written into the reward model's `config.json` (`mean`, `std`: OpenRLHF's
+keys) at the end of its training (`reward_stats`: over the chosen and rejected scores of the
+held-out pairs, as OpenRLHF's last evaluation sets them, else of the training pairs).
+Nothing heavy is imported at module level.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.errors import Diagnostic
     from engine.stage import ResolveContext
 
+log = logging.getLogger("pipe.reward_model")
 HEAD_SUFFIX = "ForSequenceClassification"
+STATS = ("mean", "std")  # config.json: what normalize_reward divides by (OpenRLHF's keys)
 
 
 def score_ids(
@@ -88,15 +110,109 @@ def score_pad_id(tokenizer: Any, config: Any = None) -> int:
     return next(int(c) for c in candidates if c is not None and int(c) != stop)
 
 
-def reward_config(module: Any, pad: int) -> dict[str, Any]:
+def reward_config(
+    module: Any, pad: int, stats: Mapping[str, float] | None = None
+) -> dict[str, Any]:
     """The config.json fields that make a saved checkpoint a reward model: its architecture
-    (`...ForSequenceClassification`), one label, and the pad id its scores were read with."""
+    (`...ForSequenceClassification`), one label, the pad id its scores were read with, and
+    the statistics `normalize_reward` divides by (`reward_stats`), when given."""
     return {
         "architectures": [type(module).__name__],
         "id2label": {"0": "LABEL_0"},
         "label2id": {"LABEL_0": 0},
         "pad_token_id": pad,
+        **(stats or {}),
     }
+
+
+def closed(ids: Sequence[int], end: Sequence[int], stops: Sequence[int]) -> list[int]:
+    """A policy's token ids (prompt and answer) ending as `score_ids` ends an answer: with
+    the closing ids `end` (`answer_end(tokenizer).ids`). Kept where they end with them; a last
+    id of `stops` (the answer stopped on another end-of-sequence id) replaced by them; else
+    (an answer cut at `max_output_tokens`) followed by them (module docstring)."""
+    out, end = list(ids), list(end)
+    if not end or out[-len(end) :] == end:
+        return out
+    if out and out[-1] in stops:
+        out = out[:-1]
+    return out + end
+
+
+def reward_stats(scores: Sequence[float]) -> dict[str, float]:
+    """`{"mean", "std"}` of `scores`, as OpenRLHF's reward-model training sets them: the
+    sample standard deviation, at least 1e-8."""
+    if len(scores) < 2:
+        raise ValueError(f"reward statistics need two scores or more, found {len(scores)}")
+    return {"mean": statistics.fmean(scores), "std": max(statistics.stdev(scores), 1e-8)}
+
+
+def saved_stats(config: Mapping[str, Any]) -> tuple[float, float] | None:
+    """(mean, std) a reward model's config.json holds (`reward_stats`), None without them."""
+    got = [config.get(k) for k in STATS]
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in got):
+        return None
+    mean, std = float(got[0]), float(got[1])  # type: ignore[arg-type]
+    return (mean, std) if math.isfinite(mean) and math.isfinite(std) and std > 0 else None
+
+
+NO_STATS = (
+    "its config.json holds no reward statistics ('mean' and 'std', which train with "
+    "algorithm rm writes at the end of training, as OpenRLHF's does), and normalize_reward "
+    "divides by them: retrain it with this version of pipe, add them to its config.json, or "
+    "leave normalize_reward out"
+)
+
+
+def read_config(model_dir: str) -> dict[str, Any]:
+    """A checkpoint folder's config.json as a mapping (empty when it cannot be read)."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def tokenizer_pad(folder: str, token: str, pad_id: int) -> None:
+    """Make the tokenizer files of checkpoint `folder` pad with `token`, id `pad_id` (the
+    config's `pad_token_id`): `tokenizer_config.json`'s and `special_tokens_map.json`'s
+    `pad_token`, and `tokenizer.json`'s padding where it sets one."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if name == "tokenizer.json":
+            if not isinstance(data.get("padding"), dict):
+                continue
+            data["padding"].update({"pad_id": pad_id, "pad_token": token})
+        elif name == "tokenizer_config.json" or "pad_token" in data:
+            data["pad_token"] = token
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+
+
+def agree_pad(tokenizer: Any, config: Any, where: str, log: logging.Logger) -> None:
+    """A loaded reward model's tokenizer made to pad with its config's `pad_token_id` (the
+    id transformers pools scores by), with a warning where the saved two differ. Scores here
+    are read by each sequence's length, so the repair changes none of them."""
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None or tokenizer.pad_token_id == pad:
+        return
+    token = tokenizer.convert_ids_to_tokens(int(pad))
+    log.warning(
+        "reward model '%s': its tokenizer pads with %r (id %s) and its config.json's "
+        "pad_token_id is %s (%r); padding with the config's, which transformers pools the "
+        "score by (a checkpoint pipe's train with algorithm rm saves has the two equal)",
+        where,
+        tokenizer.pad_token,
+        tokenizer.pad_token_id,
+        pad,
+        token,
+    )
+    tokenizer.pad_token = token
 
 
 def _config_problem(config: dict[str, Any]) -> str | None:
@@ -210,6 +326,7 @@ class RewardScorer:
         config = self.model.config
         if config.pad_token_id is None:  # transformers needs one to pool a batch
             config.pad_token_id = score_pad_id(self.tokenizer, config)
+        agree_pad(self.tokenizer, config, path, log)
         self.pad, self.device = int(config.pad_token_id), device
 
     def __call__(

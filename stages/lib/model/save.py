@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
@@ -46,10 +47,12 @@ def write_checkpoint(
     output: str,
     dtype: str,
     fields: dict[str, Any] | None = None,
+    finish: Callable[[str], None] | None = None,
 ) -> None:
     """Write `module` (its weights `state` when given: ZeRO-3's gathered dict) as a checkpoint
     at `output` in `dtype`, beside the input's files, its config the input's with `fields` set
-    (see the module docstring)."""
+    (see the module docstring); `finish`, when given, edits the folder before it is renamed
+    into place (a reward model's tokenizer pad: `stages.lib.model.reward_model.tokenizer_pad`)."""
     import torch
 
     tmp = f"{output.rstrip('/')}.tmp-{os.getpid()}"
@@ -63,6 +66,8 @@ def write_checkpoint(
         src = os.path.join(model_dir, name)
         if os.path.isfile(src) and not _is_weights_or_config(name):
             shutil.copy(src, os.path.join(tmp, name))
+    if finish is not None:
+        finish(tmp)
     shutil.rmtree(output, ignore_errors=True)
     os.replace(tmp, output)
 

@@ -263,7 +263,13 @@ def _scoring(cfg: RLConfig) -> dict[str, tuple[str, str]]:
     """The reward model's settings: each acts on its scores, or is skipped without one."""
     none = (S, "no reward_model: the verifier's rewards")
     if cfg.reward_model is None:
-        names = ("reward_model", "reward_weights", "normalize_reward", "reward_clip")
+        names = (
+            "reward_model",
+            "reward_weights",
+            "reward_sequences",
+            "normalize_reward",
+            "reward_clip",
+        )
         return {name: none for name in names}
     w = cfg.reward_weights
     return {
@@ -274,7 +280,8 @@ def _scoring(cfg: RLConfig) -> dict[str, tuple[str, str]]:
         )
         if w is not None
         else (S, "none: the reward is the model's score alone"),
-        "normalize_reward": (A, "scores normalised by their running mean and std")
+        "reward_sequences": (A, cfg.reward_sequences),  # the reading, once the role starts
+        "normalize_reward": (A, "scores less the mean, over the std, its config.json holds")
         if cfg.normalize_reward
         else (S, "off: the model's scores as they are"),
         "reward_clip": (A, f"scores clipped to [-{cfg.reward_clip:g}, {cfg.reward_clip:g}]")

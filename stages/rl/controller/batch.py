@@ -169,10 +169,10 @@ def _model_scores(c: Any, groups: list[list[Any]], raw: list[float]) -> list[lis
     if c.reward is None:
         return [None] * len(groups)
     ok = [[t for t in g if t.episode.error is None] for g in groups]
-    sequences = [t.ids for g in ok for t in g]
-    got = c.reward.score(sequences) if sequences else []
+    traces = [t for g in ok for t in g]
+    got = c.reward.score(traces, c.engine.tokenizer) if traces else []
     raw += got
-    shaped = shape(got, c.moments, c.cfg)
+    shaped = shape(got, c.reward.stats, c.cfg)
     out: list[list[float] | None] = []
     for g in ok:
         out.append(shaped[: len(g)])

@@ -24,7 +24,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.io.jsonl import write_json
-from stages.rl.algo.shaping import RunningMoments
 from stages.rl.controller.loop import Batch, run_steps
 from stages.rl.controller.records import plot, read_metrics, write_settings
 from stages.rl.roles.launch import Roles
@@ -65,7 +64,6 @@ class Controller:
         self.critic_thread: Any = None
         self.ref: Any = None  # kl_coef > 0, the ref role on devices of its own: its ranks
         self.reward: Any = None  # reward_model: the reward role's ranks (`RewardRanks`)
-        self.moments = RunningMoments()  # normalize_reward: every score so far
         self.engine: Any = None
         self.engine_sleeps = self.engine_asleep = False
         self.version = 0
@@ -212,7 +210,6 @@ class Controller:
             "step": step,
             "resume_key": self.resume_key,
             "version": self.version,
-            "reward_moments": self.moments.state(),
         }
         tag = f"step_{step:08d}"
         if self.critic is not None:  # first: the actor's `latest` marks a complete checkpoint

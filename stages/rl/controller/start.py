@@ -14,7 +14,6 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.distributed import resume
-from stages.rl.algo.shaping import RunningMoments
 from stages.rl.controller.applied import account
 from stages.rl.controller.records import resume_point
 from stages.rl.roles.launch import host_of
@@ -71,13 +70,6 @@ def _resume(c: Controller, resume_key: str) -> tuple[str | None, int]:
     """The checkpoint tag to resume from and its step (None, 0: a fresh start)."""
     tag, step, version = resume_point(c.dir, resume_key, c.ctx.log)
     c.version = version if tag else c.version
-    if tag:  # normalize_reward goes on from the moments of every score before the checkpoint
-        import json
-
-        with open(f"{c.dir}/checkpoints/{tag}/rl_state.json", encoding="utf-8") as f:
-            moments = json.load(f).get("reward_moments")
-        if moments:
-            c.moments = RunningMoments(**moments)
     return tag, step
 
 
@@ -172,6 +164,7 @@ def start(c: Controller) -> int:
         from stages.rl.roles.reward import RewardRanks
 
         c.reward = RewardRanks(c.roles, c.host, brief, cfg.reward_model)
+        c.ctx.log.info("the reward model reads %s: %s", c.reward.reading.mode, c.reward.reading.why)
     if cfg.algorithm == "ppo":  # the critic: its own ranks, on the critic role's devices
         c.critic = StageEnd(c.host)
         c_world = c.roles.devices("critic")[1]
@@ -228,3 +221,5 @@ def _vllm_engine(c: Controller, model_dir: str, sync_path: str) -> Any:
 
 def _account(c: Controller, trainer: str, device: str, world: int, saved: tuple[str, str]) -> None:
     c.how = account(c.cfg, trainer, device, world, c.sync_choice, c.engine.where, saved=saved)
+    if c.reward is not None:  # `auto` decided now, or as the plan derived it
+        c.how["reward_sequences"] = ("applied", f"{c.reward.reading.mode}: {c.reward.reading.why}")
