@@ -5,7 +5,8 @@ the cache key, and the stage's placement: its slots and which of its tasks this 
 pickles it, the config stays typed. Output: a `TaskResult` (metrics, worker, start and end).
 Models the config names by hub id are fetched on the worker first (`engine.run.snapshots`): the
 stage runs on their local snapshot folders. The stage's log goes to `<stage_dir>/log.txt` and,
-as Dask events on the topic `pipe-log`, to the driver. A stamp `<stage_dir>/.pipe-stage.json`
+as Dask events on the topic `pipe-log`, to the driver; what libraries log or warn meanwhile
+goes to `log.txt` alone (`engine.run.notices`). A stamp `<stage_dir>/.pipe-stage.json`
 holding the cache key is written only after the stage succeeded and removed before it starts,
 so a killed stage never looks complete.
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.fsio import atomic_write_text, exists, makedirs, remove
+from engine.run.notices import routed
 from engine.run.snapshots import local_models
 from engine.stage import DATE_ENV, STAGE_END, Slot, StageConfig, StageContext, StageKind
 
@@ -241,8 +243,10 @@ def run_stage(payload: StagePayload) -> TaskResult:
             payload.attempt,
             where,
         )
+        files = [h for h in handlers if isinstance(h, logging.FileHandler)]
         try:
-            metrics = payload.kind.call(config, ctx) or {}
+            with routed(files):  # libraries' notices and warnings: to log.txt, not the terminal
+                metrics = payload.kind.call(config, ctx) or {}
         except BaseException as exc:
             if link is not None:
                 link.abort(f"task {payload.node_rank} on {_address(worker)} failed: {exc}")

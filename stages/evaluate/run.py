@@ -195,7 +195,9 @@ def evaluate_checkpoints(
     generate = generate or Generator(cfg)
     paths = _with_baseline(checkpoints, baseline)
     names = checkpoint_names(paths, run_dir, producers, pipeline_dir)
-    served = _prepared(cfg, paths, run_dir)
+    ctx = getattr(generate, "ctx", None)
+    stage_log = ctx.log if ctx is not None else log  # where a conversion's lines go
+    served = _prepared(cfg, paths, run_dir, stage_log)
     precision = generate.set_precision(served)
     # the environment is loaded before any checkpoint: a bad one fails at once
     play = (
@@ -238,16 +240,19 @@ def evaluate_checkpoints(
     return out
 
 
-def _prepared(cfg: EvaluateConfig, paths: list[str], run_dir: str) -> list[str]:
-    """The folder each checkpoint is loaded or served from: a GGUF converted, the stage's
-    `chat_template:` applied (`stages.lib.model.prepared`); an openai backend's model as named."""
+def _prepared(
+    cfg: EvaluateConfig, paths: list[str], run_dir: str, logger: logging.Logger = log
+) -> list[str]:
+    """The folder each checkpoint is loaded or served from: a GGUF converted (its lines to
+    `logger`, the stage's log), the stage's `chat_template:` applied
+    (`stages.lib.model.prepared`); an openai backend's model as named."""
     if cfg.backend.SERVES_OWN_MODEL:
         return paths
     from stages.lib.model.prepared import prepare_model, stage_template
 
     dtype, template = cfg.backend.gguf_dtype(), stage_template(cfg)
     return [
-        prepare_model(p, run_dir=run_dir, dtype=dtype, template=template, log=log) for p in paths
+        prepare_model(p, run_dir=run_dir, dtype=dtype, template=template, log=logger) for p in paths
     ]
 
 

@@ -1,9 +1,10 @@
-"""Where a stage's in-process work runs: which torch device, and whether inside a Dask worker.
+"""Where a stage's in-process work runs: which torch device, how many cores, and whether
+inside a Dask worker.
 
-Input: the stage's context (its devices on this node). Output: a torch device
-string. A Dask worker sees the devices its `CUDA_VISIBLE_DEVICES` lists; the
-stage's device id is found in that list (or taken as the index when the worker
-sets none), so generation lands on the GPU the placement gave the stage.
+Input: the stage's context (its devices on this node). Output: a torch device string, or the
+cores the stage's processes may use (`free_cores`). A Dask worker sees the devices its
+`CUDA_VISIBLE_DEVICES` lists; the stage's device id is found in that list (or taken as the
+index when the worker sets none), so generation lands on the GPU the placement gave the stage.
 `in_dask_worker` says whether the body runs as a Dask task (so it may submit
 tasks of its own: collect's shards, filter's partitions).
 """
@@ -40,3 +41,36 @@ def in_dask_worker() -> bool:
     except (ImportError, ValueError):
         return False
     return True
+
+
+def free_cores(ctx: StageContext) -> tuple[int, str]:
+    """The cores this task's processes may use, at least 1, and how they were counted: those of
+    its CPU affinity, less the threads of the cluster's other Dask workers on this host (they
+    may run other stages meanwhile; the workers that run this stage's tasks are its own)."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:  # pragma: no cover (macOS)
+        cores = os.cpu_count() or 1
+    held = _held_by_other_workers(ctx)
+    how = f"{cores} core(s) here, {held} held by the threads of other Dask workers on this host"
+    return max(1, cores - held), how
+
+
+def _held_by_other_workers(ctx: StageContext) -> int:
+    """The threads of the Dask workers on this host that run none of the stage's tasks (0
+    outside a Dask worker)."""
+    try:
+        from distributed import get_client, get_worker
+        from distributed.comm.addressing import get_address_host
+
+        me = get_worker()
+    except (ImportError, ValueError):
+        return 0
+    ours = {worker for _, worker in ctx.tasks if worker} | {me.address}
+    host = get_address_host(me.address)
+    workers = get_client().scheduler_info(n_workers=-1)["workers"]
+    return sum(
+        int(info.get("nthreads", 1))
+        for address, info in workers.items()
+        if address not in ours and info.get("host") == host
+    )

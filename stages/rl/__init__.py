@@ -90,9 +90,9 @@ class RLConfig(
     log_samples_every: int = Field(
         10,
         ge=0,
-        description="Every this many steps, the first samples of the step's batch (text, ids, "
-        "loss mask, log-probabilities, reward, advantage) to samples.jsonl and the trackers; "
-        "0: none.",
+        description="At step 1 and every this many steps, the first samples of the step's batch "
+        "(text, ids, loss mask, log-probabilities, reward, advantage) to samples.jsonl and the "
+        "trackers; 0: none.",
     )
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     save_dtype: Dtype = Field("auto", description=SAVE_DTYPE_HELP)

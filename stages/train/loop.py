@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from stages.lib.io.metrics import Metrics
-from stages.lib.model.logits import scored_only
+from stages.lib.model.logits import flat_head
 from stages.train import ckpt as train_ckpt
 from stages.train.batch_plan import BatchPlan, Micro, Step
 from stages.train.data import TrainingSet
@@ -107,7 +107,7 @@ class Loop:
                 loss_sum, extra = reward_loss(self.trainer, micro, batch, self.data, self.device)
             else:
                 scored = batch.scored(self.device)  # logits only where the loss reads them
-                with scored_only(self.trainer.module, scored):
+                with flat_head(self.trainer.module, scored):
                     logits = self.trainer.forward(batch.model_inputs(self.device))
                 loss_sum, extra = self._loss(micro, batch, scored, logits)
             self.trainer.backward(loss_sum * (self.world / norm))
@@ -152,7 +152,7 @@ class Loop:
             if model is None:  # LoRA: the reference is the frozen base, the adapters off
                 model = self.trainer.module
                 frozen = model.disable_adapter()
-            with torch.no_grad(), frozen, scored_only(model, scored):
+            with torch.no_grad(), frozen, flat_head(model, scored):
                 logits = model(**batch.model_inputs(self.device)).logits
                 lp = sequence_logprobs(logits, batch.at(scored))[order].detach()
             for k, u in enumerate(micro.units):

@@ -50,7 +50,7 @@ class Batch:
 
     def at(self, scored: torch.Tensor) -> Batch:
         """This batch with targets and slots at the `scored` positions only, as one row: what
-        the logits of a forward under `scored_only(model, scored)` line up with."""
+        the logits of a forward under `flat_head(model, scored)` line up with."""
         mask = scored.cpu()
         return replace(self, targets=self.targets[mask][None], slots=self.slots[mask][None])
 

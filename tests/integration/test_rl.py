@@ -244,6 +244,11 @@ def test_every_resolved_setting_is_applied_or_skipped_with_a_reason(
     # every resolved setting, and the run's date, the one the plan fixed
     assert settings.pop("date")["value"] == date
     assert sorted(settings) == sorted(resolved)
+    assert resolved["num_threads"] == "auto"  # a count when the stage starts, and how
+    threads = settings.pop("num_threads")
+    assert isinstance(threads["value"], int) and threads["value"] >= 1
+    assert "; auto: " in threads["how"] and "free core(s)" in threads["how"]
+    resolved.pop("num_threads")
     for key, value in resolved.items():
         if not isinstance(value, str) or not value.startswith("runs/"):
             assert settings[key]["value"] == value, key

@@ -284,3 +284,52 @@ def test_a_missing_fetched_gguf_names_the_command_that_fetches_it(tmp_path: Path
         "(relative to the pipeline's folder): `make gemma3` fetches it (from the repository's "
         "root)"
     ]
+
+
+def test_one_conversion_per_file_and_dtype_in_a_run_folder_its_bars_in_the_log(
+    tiny: tuple[Path, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+):
+    """The shipped Gemma 3 pipeline: the SFT converts the GGUF in bf16, the dtype it computes
+    in; then evaluate (the local backend, `precision: auto`) loads the baseline from that
+    conversion instead of converting in float32 again. A stage that asks for float32 gets
+    one float32 conversion, once. transformers' bars go to the stage's log."""
+    import logging
+
+    from stages.evaluate import EvaluateConfig
+    from stages.evaluate.run import _prepared
+    from stages.lib.model.prepared import compute_dtype, prepare_model
+
+    path = str(tiny[0])
+    made: list[str] = []
+    real = gguf.convert
+
+    def counted(src: str, out: str, dtype: str) -> None:
+        made.append(dtype)
+        real(src, out, dtype)
+
+    monkeypatch.setattr(gguf, "convert", counted)
+    stage = logging.getLogger("pipe.stage.test")
+    caplog.set_level(logging.INFO, logger="pipe.stage.test")
+    run = str(tmp_path)
+    sft = prepare_model(path, run_dir=run, dtype=compute_dtype(True), template=None, log=stage)
+    assert made == ["bfloat16"]
+    cfg = EvaluateConfig.model_validate({"input": "x.jsonl", "checkpoints": [path]})
+    assert cfg.backend.gguf_dtype() == "auto"
+    assert _prepared(cfg, [path], run, stage) == [sft]  # the run folder's conversion, not a second
+    exact = prepare_model(path, run_dir=run, dtype="float32", template=None, log=stage)
+    again = prepare_model(path, run_dir=run, dtype="float32", template=None, log=stage)
+    assert exact == again != sft and made == ["bfloat16", "float32"]
+    assert _prepared(cfg, [path], run, stage) == [exact]  # auto: the most exact held
+    assert gguf.held_dtypes(run, _sha(tiny[0])) == ["float32", "bfloat16"]
+    assert made == ["bfloat16", "float32"]
+    assert _prepared(cfg, [path], str(tmp_path / "other-run"), stage) != [exact]  # a run of its own
+    assert made == ["bfloat16", "float32", "float32"]
+    bars = [
+        r.getMessage() for r in caplog.records if "Converting and de-quantizing" in r.getMessage()
+    ]
+    assert len(bars) == 3 and all("100%" in b for b in bars)  # one line per bar, its last frame
+    assert "de-quantizing" not in capfd.readouterr().err

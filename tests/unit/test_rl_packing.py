@@ -114,8 +114,11 @@ def test_packed_logits_need_no_2d_logits_to_keep_which_transformers_5_17_rejects
         completion_logprobs(model, batch, "cpu", 1.0, 0, call=call, packed=True)
     head.remove()
     scored = sum(s.completion_len for s in batch)
-    assert seen == [0, ((1, scored, TINY["hidden_size"]), (1, scored, TINY["vocab_size"]))]
-    assert model.get_output_embeddings()._forward_pre_hooks == {}  # the selection is gone
+    # the head projects 2-D hidden states (`flat_head`); the logits come out as one row
+    assert seen == [0, ((scored, TINY["hidden_size"]), (1, scored, TINY["vocab_size"]))]
+    head_module = model.get_output_embeddings()
+    assert head_module._forward_pre_hooks == {}  # the selection is gone
+    assert head_module._forward_hooks == {}
 
 
 def test_packed_and_padded_give_the_same_critic_values(model_dir: Path):

@@ -11,7 +11,7 @@ import pytest
 
 from stages.lib.io.audit import token_record
 from stages.rl.algo.logprobs import Sample
-from stages.rl.controller.records import SAMPLES_PER_STEP, sample_records
+from stages.rl.controller.records import SAMPLES_PER_STEP, logs_samples, sample_records
 
 
 class Chars:
@@ -46,6 +46,22 @@ def test_each_logged_sample_lines_up_ids_mask_and_logprobs():
         n = len(row["completion_ids"])
         assert len(row["loss_mask"]) == len(row["behaviour_logprobs"]) == n
         assert row["ref_logprobs"] == [] and row["advantages"] == []  # not in this step
+
+
+@pytest.mark.parametrize(
+    ("every", "steps", "logged"),
+    [
+        (10, 3, [1]),  # a 3-step run shows its first batch
+        (10, 25, [1, 10, 20]),
+        (2, 5, [1, 2, 4]),
+        (1, 3, [1, 2, 3]),
+        (0, 25, []),  # 0: none
+    ],
+)
+def test_samples_are_logged_at_step_1_and_every_log_samples_every_th_step(
+    every: int, steps: int, logged: list[int]
+):
+    assert [s for s in range(1, steps + 1) if logs_samples(s, every)] == logged
 
 
 def test_a_mask_that_does_not_match_the_completion_is_refused():

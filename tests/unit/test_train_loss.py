@@ -169,8 +169,8 @@ def test_every_batching_gives_the_same_step():
 def test_logits_only_where_the_loss_reads_give_the_full_vocabularys_loss_and_gradients(packed):
     """At a 150k-token vocabulary the projection at every position was the largest cost of a
     step (3.97 s against 1.36 s for 16 rows): the loss and every gradient are the same when
-    only the answer positions are projected (`stages.lib.model.logits.scored_only`)."""
-    from stages.lib.model.logits import scored_only
+    only the answer positions are projected (`stages.lib.model.logits.flat_head`)."""
+    from stages.lib.model.logits import flat_head
 
     micro = Micro(rows=((0, 1), (2,)) if packed else ((0,), (1,), (2,)), units=(0, 1, 2))
     batch = collate(micro, EXAMPLES, pad_id=0, packed=packed)
@@ -178,7 +178,7 @@ def test_logits_only_where_the_loss_reads_give_the_full_vocabularys_loss_and_gra
     for only_scored in (False, True):
         model = tiny_llama()
         scored = batch.scored("cpu")
-        with scored_only(model, scored if only_scored else None):
+        with flat_head(model, scored if only_scored else None):
             logits = model(**batch.model_inputs("cpu")).logits
         assert logits.shape[:2] == ((1, int(scored.sum())) if only_scored else batch.targets.shape)
         loss = sft_loss_sum(logits, batch.at(scored) if only_scored else batch)
@@ -199,7 +199,7 @@ def test_each_familys_model_gives_the_same_sft_loss_with_logits_only_at_the_answ
     it): the same loss and gradients on every architecture the test checkpoints cover."""
     from transformers import AutoModelForCausalLM
 
-    from stages.lib.model.logits import scored_only
+    from stages.lib.model.logits import flat_head
 
     micro = Micro(rows=((0, 1), (2,)), units=(0, 1, 2))
     batch = collate(micro, EXAMPLES, pad_id=0, packed=True)
@@ -207,7 +207,7 @@ def test_each_familys_model_gives_the_same_sft_loss_with_logits_only_at_the_answ
     results = []
     for only_scored in (False, True):
         model = AutoModelForCausalLM.from_pretrained(family_checkpoint(family), dtype=torch.float32)
-        with scored_only(model, scored if only_scored else None):
+        with flat_head(model, scored if only_scored else None):
             logits = model(**batch.model_inputs("cpu")).logits
         loss = sft_loss_sum(logits, batch.at(scored) if only_scored else batch)
         loss.backward()

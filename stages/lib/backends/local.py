@@ -58,8 +58,10 @@ class LocalBackend(BackendConfig):
         return out
 
     def gguf_dtype(self) -> str:
-        """Its `precision` (auto: float32, what transformers loads a quantized GGUF in)."""
-        return "float32" if self.precision == "auto" else str(self.precision)
+        """Its `precision`; auto: the conversion the run folder holds already (a trainer's of
+        this run, in the dtype it computed in), else float32, what transformers loads a
+        quantized GGUF in (`stages.lib.model.gguf.converted`)."""
+        return str(self.precision)
 
     def rl_engines_record(self, started: int, where: str, *, gpu: bool, async_train: bool) -> str:
         if started > 1:

@@ -5,7 +5,8 @@ Output: per prompt, `num_samples` `Generation`s (text, finish reason, token coun
 
 Prompts go through the shared chat template (`stages.lib.chat.prompt.format_prompt`),
 so generation sees exactly the format training used. Prompts are grouped by
-length and left-padded; each batch is prefilled once (logits at its last position only) and
+length and left-padded; each batch is prefilled once (logits at its last position only, the
+vocabulary projection on 2-D hidden states: `stages.lib.model.logits.flat_head`) and
 its KV cache repeated for the `num_samples` samples (they share the prompt), then decoded
 token by token with the cache, finished rows leaving the batch. Temperature 0 is
 greedy; otherwise nucleus sampling from a generator seeded with `seed`. The
@@ -220,9 +221,11 @@ def _decode(
     """
     import torch
 
+    from stages.lib.model.logits import flat_head
+
     # no_grad under lockstep: ZeRO-3 gathers parameters in the forward, and inference-mode
     # tensors must not become a trained parameter's storage
-    with torch.no_grad() if lockstep else torch.inference_mode():
+    with torch.no_grad() if lockstep else torch.inference_mode(), flat_head(model):
         cache_arg = _cache_arg(model)
         cache, logits, mask = _prefill(model, ids, pad, repeats)
         last = mask.sum(-1) - 1

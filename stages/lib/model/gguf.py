@@ -9,7 +9,11 @@ is read by `engine.gguf_header`, light: `pipe validate` reads it), the plan-time
 `<run-dir>/.pipe-models/gguf-<sha256 prefix>-<dtype>/`, a Hugging Face checkpoint (weights
 dequantized into `dtype`, config, the tokenizer and, where the file has one, its chat template;
 `<folder>.json` beside it names the file and its sha256), written once (to a temporary sibling,
-then renamed) and reused by every later stage and run keyed by the same content.
+then renamed) and reused by every later stage and run keyed by the same content: one
+conversion per file and dtype in a run folder. A stage with no dtype of its own (`auto`: the
+local backend's `precision: auto`, evaluate's and collect's) takes the conversion the run folder
+holds already, the one a trainer of the run made in the dtype it computes in, else converts in
+float32. transformers' progress bars of the conversion go to the stage's log, not the terminal.
 
 None of the RL frameworks takes a GGUF; transformers (with the `gguf` and `accelerate`
 packages: the `gguf` extra) dequantizes it into its architecture's model class and builds a
@@ -20,12 +24,14 @@ dequantize (`GgufConfig(dequantize=True)`) it is an ordinary model that saves as
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from engine.checkpoint import shown
@@ -108,13 +114,35 @@ def converted_path(run_dir: str, digest: str, dtype: str) -> str:
     return f"{run_dir.rstrip('/')}/{MODELS_DIR}/gguf-{digest[:16]}-{dtype}"
 
 
+AUTO_DTYPE = "float32"  # `auto` with no conversion held: what transformers loads a GGUF in
+HELD_FIRST = ("float32", "bfloat16", "float16")  # `auto` with several held: the most exact
+
+
+def held_dtypes(run_dir: str, digest: str) -> list[str]:
+    """The dtypes the run folder holds a finished conversion of the GGUF of sha256 `digest` in,
+    the most exact first."""
+    prefix = os.path.basename(converted_path(run_dir, digest, "")).rstrip("-") + "-"
+    root = f"{run_dir.rstrip('/')}/{MODELS_DIR}"
+    names = os.listdir(root) if os.path.isdir(root) else []
+    held = [
+        n[len(prefix) :]
+        for n in names
+        if n.startswith(prefix) and ".tmp-" not in n and os.path.isfile(f"{root}/{n}/config.json")
+    ]
+    rank = {d: i for i, d in enumerate(HELD_FIRST)}
+    return sorted(held, key=lambda d: (rank.get(d, len(rank)), d))
+
+
 def converted(path: str, dtype: str, run_dir: str, logger: logging.Logger | None = None) -> str:
-    """The checkpoint folder converted from the GGUF at `path` in `dtype` (module docstring),
-    made now unless the run folder already keeps it; beside it, `<folder>.json` records the
-    file and its sha256 (outside the folder: a checkpoint trained from it copies the folder's
-    files, and is not the GGUF)."""
+    """The checkpoint folder converted from the GGUF at `path` in `dtype` (`auto`: one the run
+    folder holds already, else float32; module docstring), made now unless the run folder
+    already keeps it; beside it, `<folder>.json` records the file and its sha256 (outside the
+    folder: a checkpoint trained from it copies the folder's files, and is not the GGUF)."""
     logger = logger or log
     digest = sha256_of(path)
+    if dtype == "auto":
+        held = held_dtypes(run_dir, digest)
+        dtype = held[0] if held else AUTO_DTYPE
     out = converted_path(run_dir, digest, dtype)
     if os.path.isfile(os.path.join(out, "config.json")):
         logger.info("%s (sha256 %s): converted already, %s", path, digest, out)
@@ -123,7 +151,8 @@ def converted(path: str, dtype: str, run_dir: str, logger: logging.Logger | None
     shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converting %s (sha256 %s) into a %s checkpoint: %s", path, digest, dtype, out)
     began = time.perf_counter()
-    convert(path, tmp, dtype)
+    with bars_to(logger):
+        convert(path, tmp, dtype)
     record = {"gguf": os.path.abspath(path), "sha256": digest, "dtype": dtype}
     with open(f"{out}.json", "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)
@@ -136,6 +165,46 @@ def converted(path: str, dtype: str, run_dir: str, logger: logging.Logger | None
             raise
     logger.info("converted %s in %.1f s", path, time.perf_counter() - began)
     return out
+
+
+class _BarLines:
+    """A stream for progress bars: each bar's last frame before its line ends (tqdm redraws
+    with carriage returns, and ends a bar with a newline) as one line of `logger`."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger, self.pending = logger, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        while "\n" in self.pending:
+            line, self.pending = self.pending.split("\n", 1)
+            self._emit(line)
+        return len(text)
+
+    def _emit(self, line: str) -> None:
+        frame = line.split("\r")[-1].strip() or line.replace("\r", " ").strip()
+        if frame:
+            self.logger.info("%s", frame)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._emit(self.pending)
+        self.pending = ""
+
+
+@contextlib.contextmanager
+def bars_to(logger: logging.Logger) -> Iterator[None]:
+    """While open, what is written to stderr (transformers' "Converting and de-quantizing GGUF
+    tensors" and "Writing model shards" bars, tqdm's) goes to `logger`, a line per bar. The
+    whole process's stderr: in a Dask worker, the stage's own while it converts."""
+    stream = _BarLines(logger)
+    try:
+        with contextlib.redirect_stderr(stream):  # type: ignore[type-var]
+            yield
+    finally:
+        stream.close()
 
 
 def convert(path: str, out: str, dtype: str) -> None:

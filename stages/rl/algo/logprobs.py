@@ -11,8 +11,10 @@ ZeRO optimizers' backward flags, and autocast applies only there. The vocabulary
 runs only where a loss reads: padded, over the positions from the batch's first completion
 token on (transformers' `logits_to_keep`, the last K positions); packed, over the scored
 positions alone, which a pre-hook on the output embeddings selects from the hidden states
-(`stages.lib.model.logits.scored_only`: the same on every transformers release, where a 2-D
-`logits_to_keep` is new in 5.24 and raises `IndexError` in 5.17). The actor (with gradients),
+(`stages.lib.model.logits.flat_head`: the same on every transformers release, where a 2-D
+`logits_to_keep` is new in 5.24 and raises `IndexError` in 5.17); either way the projection
+runs on 2-D hidden states (a frozen head on a 3-D slice goes through a batched matmul over
+its weight expanded along the batch). The actor (with gradients),
 the reference and the engine (for the probe after a sync) call the same code, so equal
 weights give equal numbers.
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from stages.lib.model.logits import scored_only, token_logprobs
+from stages.lib.model.logits import flat_head, token_logprobs
 from stages.rl.algo.loss import entropy
 from stages.rl.algo.packing import layout
 
@@ -75,7 +77,7 @@ def completion_logprobs(
     forward (a trainer: its engine or autocast); the module itself otherwise. `packed`: the
     samples packed into rows (`stages.rl.algo.packing`), the same numbers."""
     lay = layout(samples, device, pad_id, packed)
-    with scored_only(module, lay.keep_mask):
+    with flat_head(module, lay.keep_mask):
         out = (call or module)(**lay.inputs(), logits_to_keep=lay.keep)
     logits = lay.pick(out.logits)
     lp = token_logprobs(logits, lay.targets(), temperature)

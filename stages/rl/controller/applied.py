@@ -34,10 +34,12 @@ def account(
     engines: Sequence[Mapping[str, Any]] = (),
     *,
     saved: tuple[str, str],
+    threads_how: str = "",
 ) -> dict[str, tuple[str, str]]:
     """Every field of `cfg` with its status in a run with these decisions (`engines`: where
     each engine started; `saved`: the final checkpoint's dtype and why,
-    `stages.lib.model.dtypes.resolve_save_dtype`)."""
+    `stages.lib.model.dtypes.resolve_save_dtype`; `threads_how`: how `num_threads` was
+    chosen, `stages.rl.run.with_threads`)."""
     ds = trainer == "deepspeed"
     lora_vllm = cfg.lora is not None and cfg.backend.RL_ENGINE == "servers"
     adapter_files = (S, f"lora on vLLM: {LORA_SYNC}") if lora_vllm else None
@@ -114,8 +116,9 @@ def account(
         else (S, "no held-out prompts given"),
         "log_samples_every": (
             A,
-            f"every {cfg.log_samples_every} step(s), the first {SAMPLES_PER_STEP} samples of the "
-            "step's batch to samples.jsonl (uploaded to the trackers when the stage ends)",
+            f"at step 1 and every {cfg.log_samples_every} step(s), the first {SAMPLES_PER_STEP} "
+            "samples of the step's batch to samples.jsonl (uploaded to the trackers when the "
+            "stage ends)",
         )
         if cfg.log_samples_every
         else (S, "0: no samples logged"),
@@ -165,7 +168,11 @@ def account(
         "num_processes": (A, f"{world} actor rank(s) on the CPU")
         if device == "cpu"
         else (S, f"one actor rank per GPU: {world}"),
-        "num_threads": (A, "torch threads of the engine and of each actor rank"),
+        "num_threads": (
+            A,
+            "torch threads of the engine and of each actor rank"
+            + (f"; {threads_how}" if threads_how else ""),
+        ),
         "trainer": (A, f"{trainer} trains the actor"),
         "logprob_diff_warn": (A, _diff_warn(cfg.logprob_diff_warn)),
     }

@@ -37,13 +37,14 @@ if TYPE_CHECKING:
 class Controller:
     """The engine, the actor's ranks and channel, and the loop over steps."""
 
-    def __init__(self, cfg: RLConfig, ctx: StageContext) -> None:
+    def __init__(self, cfg: RLConfig, ctx: StageContext, threads_how: str = "") -> None:
         import torch
 
         from stages.lib.env.contract import environment_factory
 
-        torch.set_num_threads(cfg.num_threads)
+        torch.set_num_threads(cfg.threads)
         self.cfg, self.ctx = cfg, ctx
+        self.threads_how = threads_how  # how `num_threads` was chosen (`stages.rl.run`)
         self.dir = ctx.stage_dir.rstrip("/")
         if not cfg.input:
             raise ValueError(

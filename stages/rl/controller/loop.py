@@ -2,8 +2,8 @@
 
 Input: a started `Controller` (engine, actor, channel) and the step to start after.
 Output: one `metrics.jsonl` line per step, held-out accuracy every `eval_every` steps,
-a few samples of every `log_samples_every`-th step in `samples.jsonl`, a checkpoint every
-`save_steps`, a progress line per step (with its rate).
+a few samples of step 1 and of every `log_samples_every`-th step in `samples.jsonl`, a
+checkpoint every `save_steps`, a progress line per step (with its rate).
 
 Order of a step, synchronous: train on batch k -> sync (weights version k) -> sample
 batch k+1. Asynchronous (`async_train`, `async_queue_size` q > 0): the actor gets batch
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stages.lib.io.audit import SAMPLES, append_records
-from stages.rl.controller.records import append_metrics, sample_records
+from stages.rl.controller.records import append_metrics, logs_samples, sample_records
 
 SYNC_PARTS = ("sync_gather_s", "sync_send_s", "sync_load_s")  # the sync's parts, per step
 ENGINE_FIELDS = ("in_flight", "in_flight_peak", "parallel_limit", "queue_wait_s")
@@ -135,8 +135,7 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
                 from stages.rl.algo.advantage import reinforce_pp_samples
 
                 batch.samples = reinforce_pp_samples(c, batch.samples)
-            every = cfg.log_samples_every
-            if every and step % every == 0:
+            if logs_samples(step, cfg.log_samples_every):
                 rows = sample_records(step, batch.samples, c.engine.tokenizer)
                 append_records(f"{c.dir}/{SAMPLES}", rows)
             payload = {"step": step, "samples": [asdict(s) for s in batch.samples]}

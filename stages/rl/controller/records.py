@@ -3,11 +3,11 @@
 Input: per-step records, held-out scores, and what each setting did at run time.
 Output, in the stage's folder: `metrics.jsonl` (one line per step, appended as it
 ends; trimmed back to the checkpoint on resume), `samples.jsonl` (the first
-`SAMPLES_PER_STEP` samples of every `log_samples_every`-th step, as text and ids), `rl.png`
-(reward and held-out accuracy against step; with a reward model, its mean score beside the
-verifier's accuracy), and `settings.json`: every field of the
-resolved config with its value and whether it was applied (and how) or skipped (and why)
-in this run (`max_output_tokens` with the stop ids every answer could end at: `stop_ids`).
+`SAMPLES_PER_STEP` samples of step 1 and of every `log_samples_every`-th step, as text and
+ids), `rl.png` (reward and held-out accuracy against step; with a reward model, its mean
+score beside the verifier's accuracy), and `settings.json`: every field of the resolved
+config with its value and whether it was applied (and how) or skipped (and why) in this run
+(`max_output_tokens` with the stop ids every answer could end at: `stop_ids`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ def append_metrics(path: str, record: dict[str, Any]) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
     Metrics(os.path.dirname(path)).log(int(record.get("step", 0)), {**record, "step": None})
+
+
+def logs_samples(step: int, every: int) -> bool:
+    """Whether step `step` writes its first samples to `samples.jsonl`: step 1 (so a 3-step run
+    shows its first batch) and every `every`-th step; none with `every` 0."""
+    return every > 0 and (step == 1 or step % every == 0)
 
 
 def sample_records(step: int, samples: Sequence[Any], tokenizer: Any) -> list[dict[str, Any]]:

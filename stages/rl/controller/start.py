@@ -146,7 +146,7 @@ def start(c: Controller) -> int:
         ds_config=build_ds_config(cfg, world, pin_memory=device == "cuda", model_dir=model_dir)
         if trainer == "deepspeed"
         else None,
-        threads=cfg.num_threads,
+        threads=cfg.threads,
         channel=c.channel.address,
         authkey=c.channel.authkey.hex(),
         sync_backend=sync,
@@ -220,6 +220,15 @@ def _vllm_engine(c: Controller, model_dir: str, sync_path: str) -> Any:
 
 
 def _account(c: Controller, trainer: str, device: str, world: int, saved: tuple[str, str]) -> None:
-    c.how = account(c.cfg, trainer, device, world, c.sync_choice, c.engine.where, saved=saved)
+    c.how = account(
+        c.cfg,
+        trainer,
+        device,
+        world,
+        c.sync_choice,
+        c.engine.where,
+        saved=saved,
+        threads_how=c.threads_how,
+    )
     if c.reward is not None:  # `auto` decided now, or as the plan derived it
         c.how["reward_sequences"] = ("applied", f"{c.reward.reading.mode}: {c.reward.reading.why}")

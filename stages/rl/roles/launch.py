@@ -59,7 +59,7 @@ def start_ranks(
                 brief_path,
                 rendezvous(ctx, role, ranks),
                 device,
-                cfg.num_threads,
+                cfg.threads,
                 f"{stage_dir}/{role}_log{suffix}.txt",
                 ctx.log,
                 should_stop=should_stop,

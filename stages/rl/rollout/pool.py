@@ -179,7 +179,7 @@ def host_engine(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     from stages.rl.sync.transports import engine_autocast, make_receiver, wire_dtype
 
     assert ctx.link is not None
-    torch.set_num_threads(cfg.num_threads)
+    torch.set_num_threads(cfg.threads)
     node, worker = ctx.tasks[ctx.node_rank]
     brief = json.loads(ctx.link.lookup(f"engine-{node}-{worker}", timeout_s=BRIEF_TIMEOUT_S))
     device = torch_device(ctx, "vllm")

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field
 
 from engine.stage import StageConfig
+from stages.lib.block import CountOrAuto
 from stages.lib.distributed.trainer_fields import (
     AdamOffload,
     OverlapComm,
@@ -56,9 +57,20 @@ class DistributedSettings(StageConfig):
         "sending rank holds one bucket beyond its own shard.",
     )
     num_processes: Ranks = Field(1, description="Actor ranks on CPU (on GPU: one per actor GPU).")
-    num_threads: int = Field(
-        1, gt=0, description="Torch threads of each actor rank and of the engine."
+    num_threads: CountOrAuto = Field(
+        "auto",
+        description="Torch threads of each actor rank and of the engine; auto: the cores the "
+        "cluster's other Dask workers on the host leave free, shared among the ranks that "
+        "compute at once (the actor's, the critic's, and the engine under async_train), at "
+        "least 1; settings.json names the count.",
     )
     trainer: TrainerSetting = Field(
         "auto", description="auto: DeepSpeed when installed, plain torch otherwise."
     )
+
+    @property
+    def threads(self) -> int:
+        """`num_threads` as a count: the stage makes `auto` one when it starts
+        (`stages.rl.run.with_threads`), before anything reads it."""
+        assert isinstance(self.num_threads, int), "num_threads is resolved when the stage starts"
+        return self.num_threads
