@@ -94,7 +94,7 @@ class Stage:
     """What run_steps drives (the `Controller` protocol), with a recording channel per role."""
 
     def __init__(self, tmp: Path, sleeps: bool) -> None:
-        self.cfg = RLConfig(max_steps=3, eval_every=100, save_steps=100)
+        self.cfg = RLConfig(max_steps=3, eval_every=100, save_steps=100, log_samples_every=0)
         self.ctx: Any = type("Ctx", (), {"log": logging.getLogger("test")})()
         self.dir, self.total, self.version, self.sleeps = str(tmp), 3, 0, sleeps
         self.log: list[tuple[str, str]] = []
