@@ -22,7 +22,10 @@ TWO_DIGITS = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}
 def _run(tmp_path: Path, **fields: Any) -> tuple[dict[str, Any], list[Any], list[Any]]:
     ctx = StageContext("data", "dataset", str(tmp_path), str(tmp_path.parent), str(tmp_path))
     cfg = DatasetConfig(
-        output=ctx.path("train.jsonl"), test_output=ctx.path("test.jsonl"), **fields
+        output=ctx.path("train.jsonl"),
+        test_output=ctx.path("test.jsonl"),
+        val_output=ctx.path("val.jsonl"),
+        **fields,
     )
     metrics = run_dataset(cfg, ctx)
     return metrics, list(read_jsonl(cfg.output)), list(read_jsonl(cfg.test_output))

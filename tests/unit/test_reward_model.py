@@ -256,7 +256,11 @@ def run_dataset(tmp_path: Path, **fields: Any) -> tuple[list[Any], list[Any]]:
 
     ctx = StageContext("data", "dataset", str(tmp_path), str(tmp_path.parent), str(tmp_path))
     cfg = DatasetConfig(
-        output=ctx.path("train.jsonl"), test_output=ctx.path("test.jsonl"), pairs=True, **fields
+        output=ctx.path("train.jsonl"),
+        test_output=ctx.path("test.jsonl"),
+        val_output=ctx.path("val.jsonl"),
+        pairs=True,
+        **fields,
     )
     body(cfg, ctx)
     read = [
