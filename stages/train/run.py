@@ -27,6 +27,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from stages.lib.devices import slow_bf16
 from stages.lib.distributed import resume
 from stages.lib.distributed.ds_config import build_ds_config
 from stages.lib.distributed.spawn import Ranks, launch, rank_table
@@ -215,6 +216,9 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
     )
     brief.write(f"{stage_dir}/train_brief.json")
     engine = f"deepspeed zero {cfg.zero_stage}" if ds_config else "plain torch"
+    slow = slow_bf16(device, cfg.bf16)
+    if slow is not None:
+        ctx.log.warning("%s", slow)
     ctx.log.info(
         "train: %s on %d %s rank(s), %d thread(s) each, %s",
         cfg.algorithm,

@@ -77,3 +77,20 @@ def test_the_cores_other_workers_hold_are_not_free_and_the_stages_own_workers_ar
         f"{CORES} core(s) here, 1 held by the threads of other Dask workers on this host",
     ]
     assert [n for n, _ in got] == [max(1, CORES - 2), max(1, CORES - 1)]
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_warned_of(tmp_path):
+    """bf16 on a CPU whose flags lack avx512_bf16 and amx_bf16 gets the warning (8-50x slower
+    than fp32 there: bench/bf16_update.py); with either flag, in fp32, or on a GPU, none."""
+    from stages.lib.devices import slow_bf16
+
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    native = tmp_path / "native"
+    native.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    warned = slow_bf16("cpu", True, str(avx2))
+    assert warned is not None and "set bf16: false" in warned and "8-50x slower" in warned
+    assert slow_bf16("cpu", True, str(native)) is None
+    assert slow_bf16("cpu", False, str(avx2)) is None
+    assert slow_bf16("cuda:0", True, str(avx2)) is None
+    assert slow_bf16("cpu", True, str(tmp_path / "missing")) is None

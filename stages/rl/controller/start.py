@@ -90,11 +90,14 @@ def start(c: Controller) -> int:
     resume_key = _resume_key(c, world, trainer)
     tag, start = _resume(c, resume_key)
     c.resume_key = resume_key
-    from stages.lib.devices import torch_device
+    from stages.lib.devices import slow_bf16, torch_device
     from stages.lib.distributed.spawn import rank_table
     from stages.rl.sync.choice import choose_sync, shared_gpu
 
     engine_device = torch_device(c.ctx, "vllm")
+    slow = slow_bf16(device, cfg.bf16)
+    if slow is not None:
+        c.ctx.log.warning("%s", slow)
     vllm = cfg.backend.RL_ENGINE == "servers"  # its servers take the weights
     rank0 = next(((r["worker"], r["device"]) for r in rank_table(c.ctx, "actor")), None)
     c.sync_choice = choose_sync(
