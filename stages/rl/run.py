@@ -40,15 +40,17 @@ def with_threads(cfg: RLConfig, ctx: StageContext) -> tuple[RLConfig, str]:
     """`cfg` with `num_threads` a count, and how it was chosen: `auto` shares the cores the
     cluster's other Dask workers on this host leave free (`stages.lib.devices.free_cores`)
     among the processes that compute at once: the actor's ranks, the critic's beside them
-    (ppo), and the engine generating beside the update under `async_train`. In a synchronous
-    step the engine and the actor take turns, so each gets the whole share."""
+    (ppo), and the engine generating beside the update under `async_train` with a queue. In a
+    synchronous step (and with `async_queue_size: 0`) the engine and the actor take turns, so
+    each gets the whole share."""
     if cfg.num_threads != "auto":
         return cfg, "set in the config"
     from stages.lib.devices import free_cores
 
     cores, counted = free_cores(ctx)
     ranks = len(ctx.devices("actor")) or cfg.num_processes  # the actor's ranks on this node
-    busy = ranks * (2 if cfg.algorithm == "ppo" else 1) + (1 if cfg.async_train else 0)
+    beside = cfg.async_train and cfg.async_queue_size > 0  # queue 0 takes turns, as sync
+    busy = ranks * (2 if cfg.algorithm == "ppo" else 1) + (1 if beside else 0)
     threads = max(1, cores // busy)
     how = f"auto: {cores} free core(s) ({counted}) over {busy} process(es) computing at once"
     return cfg.model_copy(update={"num_threads": threads}), how

@@ -44,6 +44,11 @@ def build_ds_config(
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
     if cfg.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+        # torch's own linear, not DeepSpeed's replacement (`input.matmul(weight.t())`), which
+        # rounds differently in bf16: the rl engines compute with torch's linear, and the
+        # probe after a sync compares the two functions token for token (0.00109 nats apart
+        # at step 0 with the replacement; docs/rl/on-policy.md "The probe")
+        zero["memory_efficient_linear"] = False
     return {
         "train_batch_size": cfg.micro_train_batch_size
         * world_size

@@ -111,11 +111,30 @@ def load_model(
         with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = auto.from_config(config, dtype=dtype)
         model.tie_weights()  # init_weights, skipped, ties them otherwise
+        _rotary_as_transformers_makes_it(model)
         missing = _load_partitioned(model, model_dir)
         if reward and "score.weight" in missing:
             _init_head(model.score, config.initializer_range)
     model.config.use_cache = False
     return model
+
+
+def _rotary_as_transformers_makes_it(model: Any) -> None:
+    """Rotary embeddings' frequencies as transformers computes them (fp32), not as zero.Init
+    made them: it creates every floating tensor of a module's __init__ in the training dtype,
+    so a bf16 run's `inv_freq` was computed in bf16 (1.8e-4 off on the tiny Llama), and the
+    actor's RoPE was another function than the engines' (the probe after a sync saw 0.00109
+    nats at step 0). Each rotary module has no weights: it is built again here, outside
+    zero.Init, and its buffers replace the ones zero.Init made."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        rotary = type(module).__name__.endswith("RotaryEmbedding")
+        if not rotary or config is None or any(module.parameters()):
+            continue
+        fresh = type(module)(config)
+        for name, buffer in fresh.named_buffers(recurse=False):
+            old = getattr(module, name)
+            module.register_buffer(name, buffer.to(old.device), persistent=False)
 
 
 def _init_head(head: Any, std: float) -> None:
