@@ -73,6 +73,16 @@ def scored(module: Any, samples: list[Any], pad: int, each: bool = True) -> list
         return completion_logprobs(module, samples, "cpu", 1.0, pad)[0]
 
 
+def receive(module: Any, sent: dict[str, Any]) -> None:
+    """The actor's adapters into `module`, cast to its dtype, as a sync copies them."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name in sent:
+                p.copy_(sent[name])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=default_model())
@@ -105,10 +115,7 @@ def main() -> None:
             p.data.normal_(0.0, args.lora_std)
     engine = LocalEngine(folder, "cpu", True, lora)
     sent = dict(adapter_params(actor))
-    with torch.no_grad():
-        for name, p in engine.model.named_parameters():
-            if name in sent:
-                p.copy_(sent[name])
+    receive(engine.model, sent)
     tok = engine.tokenizer
     pad = engine.pad_id
     samples = []
@@ -170,10 +177,7 @@ def main() -> None:
         gap(behaviour, scored(actor, gen_samples, pad)),
     )
     merged = load_trained(folder, {"bf16": {"enabled": True}}, lora, True)
-    with torch.no_grad():
-        for name, p in merged.named_parameters():
-            if name in sent:
-                p.copy_(sent[name])
+    receive(merged, sent)
     merged = merged.merge_and_unload()
     row("merged adapters (bf16 W + BA) vs unmerged", gap(scored(merged, samples, pad), mine))
     del merged
@@ -183,19 +187,13 @@ def main() -> None:
     from stages.lib.model.lora.wrap import with_lora
 
     eager = with_lora(eager, lora, inference=True)
-    with torch.no_grad():
-        for name, p in eager.named_parameters():
-            if name in sent:
-                p.copy_(sent[name])
+    receive(eager, sent)
     row("eager attention vs sdpa", gap(scored(eager, samples, pad), mine))
     del eager
     fp32 = with_lora(
         AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), lora, inference=True
     )
-    with torch.no_grad():
-        for name, p in fp32.named_parameters():
-            if name in sent:
-                p.copy_(sent[name].float())
+    receive(fp32, sent)
     row("fp32 vs bf16 on the same weights", gap(scored(fp32, samples, pad), mine))
     print(f"# {time.perf_counter() - began:.0f} s in all")
 

@@ -4,7 +4,8 @@ Input: the resolved (absolute, or kept as written) path and the stage's `Resolve
 Output: located diagnostics: a folder that does not exist, or holds no `config.json`; a `.gguf`
 file that does not exist or is not one (`stages.lib.model.gguf.check_gguf`). An earlier
 stage's output (made when it runs), a remote URL and a hub id pass: the plan pins a hub id to
-a commit and names what is wrong with it (`engine.resolve.pins`).
+a commit and names what is wrong with it (`engine.resolve.pins`). `local_folder`: the folder a
+model value names on this machine (a checkpoint folder, or a hub id already in the cache).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from engine.errors import Diagnostic
 from engine.gguf_header import is_gguf
-from engine.hub import HUB_ID
+from engine.hub import HUB_ID, cached_file
 from engine.stage import ResolveContext
 from stages.lib.model.gguf import check_gguf
 
@@ -47,3 +48,16 @@ def check_checkpoint(ctx: ResolveContext, field: str, value: str) -> list[Diagno
 def check_model_ref(ctx: ResolveContext, field: str, model: Any) -> list[Diagnostic]:
     """`model` as a path (`check_checkpoint`); a tiny-model spec is built by the run."""
     return check_checkpoint(ctx, field, model) if isinstance(model, str) else []
+
+
+def local_folder(value: Any) -> str | None:
+    """The checkpoint folder `value` names on this machine: a folder with a config.json, or
+    a hub id's snapshot in the local cache; None otherwise."""
+    if not isinstance(value, str) or "://" in value:
+        return None
+    if os.path.isfile(os.path.join(value, "config.json")):
+        return value
+    if HUB_ID.match(value):
+        found = cached_file(value, "config.json")
+        return os.path.dirname(found) if found else None
+    return None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.checkpoint import chat_template
-from engine.hub import HUB_ID, cached_file
+from stages.lib.model.path import local_folder
 
 IDS, TEXT = "ids", "text"
 VOCABULARY = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
@@ -52,19 +52,6 @@ class Reading:
     mode: str
     why: str
     differs: str = ""
-
-
-def local_folder(value: Any) -> str | None:
-    """The checkpoint folder `value` names on this machine: a folder with a config.json, or
-    a hub id's snapshot in the local cache; None otherwise."""
-    if not isinstance(value, str) or "://" in value:
-        return None
-    if os.path.isfile(os.path.join(value, "config.json")):
-        return value
-    if HUB_ID.match(value):
-        found = cached_file(value, "config.json")
-        return os.path.dirname(found) if found else None
-    return None
 
 
 def tokenizer_folder(value: Any) -> str | None:

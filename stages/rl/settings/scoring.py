@@ -95,8 +95,9 @@ def derive_scoring(cfg: Any, ctx: ResolveContext) -> dict[str, Derived]:
 def _check_reads(cfg: Any, ctx: ResolveContext) -> list[Diagnostic]:
     """Ids only where the reward model reads the policy's; normalize_reward only with the
     statistics it divides by."""
+    from stages.lib.model.path import local_folder
     from stages.lib.model.reward_model import NO_STATS, read_config, saved_stats
-    from stages.lib.model.reward_tokens import TEXT, local_folder, reads
+    from stages.lib.model.reward_tokens import TEXT, reads
 
     out = []
     if cfg.reward_sequences == "ids":

@@ -9,14 +9,13 @@ where a refusal of the whole block points (`lora_path`). Light: no torch, no pef
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any
 
 from engine.errors import Diagnostic
-from engine.hub import cached_file
 from engine.stage import ResolveContext
 from stages.lib.model.lora import PROJECTIONS, LoraBlock
 from stages.lib.model.lora.targets import Modules, checkpoint_modules, refusal, unmatched
+from stages.lib.model.path import local_folder
 
 BNB_NEEDS_GPU = (
     "4-bit loading (QLoRA) is bitsandbytes' CUDA kernels: it has no 4-bit training path on the "
@@ -103,9 +102,7 @@ def plan_modules(model: Any, ctx: ResolveContext) -> Modules | None:
     in the local cache; None for what is known only once it loads."""
     if not isinstance(model, str) or ctx.is_produced(model) or "://" in model:
         return None
-    folder = (
-        model if os.path.isdir(model) else os.path.dirname(cached_file(model, "config.json") or "")
-    )
+    folder = local_folder(model)
     return checkpoint_modules(folder) if folder else None
 
 
