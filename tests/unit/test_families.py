@@ -143,8 +143,9 @@ def test_checkpoint_loads_as_its_family_and_renders_the_real_template(
 
 
 def test_templates_are_the_releases_text_unchanged():
-    got = {f.stem: hashlib.sha256(f.read_bytes()).hexdigest() for f in TEMPLATES.glob("*.jinja")}
-    assert got == TEMPLATE_SHA256
+    releases = {f.stem for f in TEMPLATES.glob("*.jinja")} - {"gemma_tools", "mistral_tools"}
+    got = {f: hashlib.sha256((TEMPLATES / f"{f}.jinja").read_bytes()).hexdigest() for f in releases}
+    assert got == TEMPLATE_SHA256  # the tool variants are ours (families/README.md)
 
 
 @pytest.mark.parametrize(

@@ -150,6 +150,26 @@ VLLM_ENGINES = Case(
 )
 TINY = "name: p\nstages:\n  t: {{kind: train, config: {{input: x.jsonl, {config}}}}}\n"
 
+# a model's tool call that does not parse: `parse_tool_calls` catches each (`CallError`) and
+# returns it as the turn's error, never raised further
+MODEL_CALLS = (
+    ("stages/lib/chat/pythonic.py", "'{}' is not a literal value"),
+    ("stages/lib/chat/pythonic.py", "'{}' is not a call of a function by name"),
+    ("stages/lib/chat/pythonic.py", "call '{}': arguments must be given by na"),
+    ("stages/lib/chat/pythonic.py", "call '{}': {}"),
+    ("stages/lib/chat/pythonic.py", "a tool_code block that does not parse as"),
+    ("stages/lib/chat/pythonic.py", "a tool_code block may hold calls only: {"),
+    ("stages/lib/chat/pythonic.py", "a call list that does not parse as Pytho"),
+    ("stages/lib/chat/tool_calls.py", "a call must be a JSON object, found {}"),
+    ("stages/lib/chat/tool_calls.py", "a call has no function name: {}"),
+    ("stages/lib/chat/tool_calls.py", "call '{}': arguments are not JSON ({}): "),
+    ("stages/lib/chat/tool_calls.py", "call '{}': arguments must be an object, "),
+    ("stages/lib/chat/tool_calls.py", "{} is not valid JSON ({}): {}"),
+    ("stages/lib/chat/tool_calls.py", "a <tool_call> block holds more than one "),
+    ("stages/lib/chat/tool_calls.py", "[TOOL_CALLS] must be followed by a list "),
+    ("stages/lib/chat/tool_calls.py", "[TOOL_CALLS] is followed by neither a li"),
+)
+
 REFUSALS: dict[tuple[str, str], Refusal] = {
     # --- collect ---------------------------------------------------------------------------
     ("stages/collect/inputs.py", "a message's 'content' must be"): data("a malformed prompt row"),
@@ -644,6 +664,19 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ),
     ("stages/lib/distributed/trainer_choice.py", "trainer 'deepspeed' asked for"): environment(
         "deepspeed on the worker; plan may run where it is not installed"
+    ),
+    **{
+        key: data("a model's tool call that does not parse: the turn's error")
+        for key in MODEL_CALLS
+    },
+    ("stages/lib/chat/pythonic.py", "'{}' cannot be written as a Python name"): data(
+        "a tool-use trace whose function or argument name is no Python name, written for Gemma"
+    ),
+    ("stages/lib/chat/tool_calls.py", "unknown tool-call parser '{}'; expected "): internal(
+        "callers pass a name of TOOL_CALL_PARSERS: a configured one is checked at plan"
+    ),
+    ("stages/lib/chat/tool_template.py", "jinja2.TemplateError(message)"): data(
+        "a chat template's own raise_exception: a conversation the template refuses"
     ),
 }
 

@@ -15,7 +15,8 @@ prompts with such a checkpoint names its template or is refused at validate:
 
 - a family name (`chatml`, `gemma`, `llama3`, `mistral`): the release's template, verbatim
   (`stages/lib/chat/families/`); its turn markers should be tokens of the vocabulary
-  (Gemma's base vocabulary holds `<start_of_turn>`);
+  (Gemma's base vocabulary holds `<start_of_turn>`); `gemma_tools` and `mistral_tools` render
+  as `gemma` and `mistral` do and also render tools (`stages.lib.chat.tool_template`);
 - `plain` with a `prompt_template` such as `"Question: {prompt}\\nAnswer:"` (OpenRLHF's
   `--input_template`, DeepSeek-R1-Zero's habit): the tokenizer's BOS (when it has one), each
   user turn written through the prompt template (a system message as its own line before it),
@@ -48,8 +49,9 @@ from engine.gguf_header import NotGGUF, is_gguf, read_header
 from engine.stage import ResolveContext
 from stages.lib.chat.jinja import string_literal
 
-FAMILIES = ("chatml", "gemma", "llama3", "mistral")
-TEMPLATES = Path(__file__).resolve().parent / "families"  # each family's release template
+RELEASES = ("chatml", "gemma", "llama3", "mistral")  # each a release's template, verbatim
+FAMILIES = (*RELEASES, "gemma_tools", "mistral_tools")  # and two that also render tools
+TEMPLATES = Path(__file__).resolve().parent / "families"  # each family's template
 PLAIN = "plain"
 SLOT = "{prompt}"
 CHAT_TEMPLATE_HELP = (
@@ -65,7 +67,7 @@ PROMPT_TEMPLATE_HELP = (
 ChatTemplate = Annotated[str | None, Field(description=CHAT_TEMPLATE_HELP)]
 PromptTemplate = Annotated[str | None, Field(description=PROMPT_TEMPLATE_HELP)]
 EXAMPLE = '"Question: {prompt}\\nAnswer:"'
-CHOICES = f"a family ({', '.join(FAMILIES)}), {PLAIN} with a prompt_template such as {EXAMPLE}"
+CHOICES = f"a family ({', '.join(RELEASES)}), {PLAIN} with a prompt_template such as {EXAMPLE}"
 
 
 def plain_template(prompt_template: str) -> str:
