@@ -115,3 +115,22 @@ for pid in ({os.getpid()}, os.getppid(), 1):
     assert secret not in result.stdout + result.stderr
     assert result.stdout.startswith("None\n")
     assert "refused" in result.stdout
+
+
+def test_the_python_environment_runs_a_block_then_scores_the_final_answer():
+    from stages.lib.env.python_env import python_env
+
+    env = python_env(lambda row, completion: float(completion.strip() == row["answer"]))
+    messages = env.reset({"prompt": "what is 123 * 457?", "answer": "56211"})
+    reward, observation, done = env.step(messages, "```python\nprint(123 * 457)\n```")
+    assert (reward, observation, done) == (0.0, [{"role": "user", "content": "56211\n"}], False)
+    assert env.step(messages, "56211") == (1.0, None, True)
+
+
+def test_the_python_tool_answers_with_stdout_or_the_error():
+    from stages.lib.env.python_env import call_python_tool, python_tool_schema
+
+    assert python_tool_schema()["function"]["name"] == "python"
+    assert call_python_tool({"code": "print(2 ** 10)"}) == "1024\n"
+    assert call_python_tool({"code": "1 / 0"}).endswith("ZeroDivisionError: division by zero")
+    assert call_python_tool({"cmd": "ls"}) == "error: the python tool takes {'code': '<program>'}"
