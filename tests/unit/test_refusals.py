@@ -505,6 +505,22 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/env/builtin.py", "unsupported: {}"): data(
         "the calculator's answer to the model's expression (an observation, not an error)"
     ),
+    ("stages/lib/env/sandbox_child.py", "{} {}: {}"): environment(
+        "the kernel refused a namespace call: caught in the sandbox's child, which falls back "
+        "to the audit hook (Result.fallback names it)"
+    ),
+    ("stages/lib/env/sandbox_child.py", "sandbox: {} is not allowed"): data(
+        "model-written code tried an escape: raised in its own process, its Result shows it"
+    ),
+    ("stages/lib/env/sandbox_child.py", "sandbox: reading {} is not allowed"): data(
+        "model-written code tried an escape: raised in its own process, its Result shows it"
+    ),
+    ("stages/lib/env/sandbox_child.py", "sandbox: writing {} outside the folder"): data(
+        "model-written code tried an escape: raised in its own process, its Result shows it"
+    ),
+    ("stages/lib/env/sandbox_child.py", "sandbox: {} outside the folder"): data(
+        "model-written code tried an escape: raised in its own process, its Result shows it"
+    ),
     ("stages/lib/env/builtin.py", "{}/{} answered HTTP {}: {}"): transient(
         "the environment's server: fails its episode, counted against max_failed_share"
     ),
