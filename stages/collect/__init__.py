@@ -22,7 +22,7 @@ from stages.lib.chat.template import (
     check_chat_template,
 )
 from stages.lib.config import Verifier, check_verifier
-from stages.lib.env.field import EnvironmentConfig, check_environment
+from stages.lib.env.field import EnvironmentConfig, check_environment, check_environment_tools
 
 
 class CollectConfig(BackendStageConfig):
@@ -114,6 +114,14 @@ class CollectConfig(BackendStageConfig):
         out = self.backend.check_model(ctx, wanted=True) + self.backend.check(ctx)
         out += check_verifier(self.verifier, ctx) + check_environment(self.environment, ctx)
         out += check_chat_template(
+            ctx,
+            self.chat_template,
+            self.prompt_template,
+            [("backend.model", self.backend.model)],
+            self.backend.served_elsewhere(),
+        )
+        out += check_environment_tools(
+            self.environment,
             ctx,
             self.chat_template,
             self.prompt_template,

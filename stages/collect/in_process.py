@@ -179,6 +179,7 @@ def _play_batch(
     from stages.collect.multiturn import episode_line
     from stages.lib.env.contract import max_turns
     from stages.lib.env.message_play import local_answer, play_batched
+    from stages.lib.env.messages import episode_parser
 
     assert cfg.environment is not None
     turns = max_turns(cfg.environment)
@@ -200,6 +201,7 @@ def _play_batch(
             max_turns=turns,
             timeout_s=cfg.environment.timeout_s,
             concurrency=cfg.environment.concurrency,
+            parser=episode_parser(cfg.environment.tool_call_parser, loaded[1]),
         )
     )
     took = time.perf_counter() - start

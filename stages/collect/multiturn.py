@@ -45,8 +45,9 @@ class _Turn:
     """A model turn to request (the client's `Request`): the conversation so far."""
 
     idx: int
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     text: str | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 def episode_line(
@@ -74,6 +75,7 @@ class EpisodeCollector(Collector):
         self.make_env = make_env
         self.max_turns = max_turns(environment)
         self.env_timeout = environment.timeout_s
+        self.parser = environment.tool_call_parser
         self.env_gate = asyncio.Semaphore(environment.concurrency)
         self.episodes_failed = 0
 
@@ -86,7 +88,9 @@ class EpisodeCollector(Collector):
         seed = _seed(self.seed, prompt.idx, sample_idx, self.num_repeats)
         tokens_in = tokens_out = 0
         while not episode.done:
-            url, prefix = self.client.prepare(_Turn(prompt.idx, episode.messages))
+            url, prefix = self.client.prepare(
+                _Turn(prompt.idx, episode.messages, tools=episode.tools)
+            )
             out, _, attempts = await self.request(url, f"{prefix}{seed}}}".encode())
             if isinstance(out, RequestError):
                 self.recorder.failure(prompt, sample_idx, out, attempts)
@@ -94,7 +98,7 @@ class EpisodeCollector(Collector):
             tokens_in += out.prompt_tokens
             tokens_out += out.completion_tokens
             async with self.env_gate:
-                await take_turn(episode, out.text, self.max_turns, self.env_timeout)
+                await take_turn(episode, out.answer, self.max_turns, self.env_timeout)
         took = time.perf_counter() - start
         self.sink.rollout(episode_line(prompt, sample_idx, episode, (tokens_in, tokens_out), took))
         stats = self.stats
@@ -118,7 +122,7 @@ class EpisodeCollector(Collector):
                 episode = Episode(row, None)  # type: ignore[arg-type]
                 episode.fail(f"building the environment raised {type(exc).__name__}: {exc}")
                 return episode
-            return await open_episode(env, row, self.env_timeout)
+            return await open_episode(env, row, self.env_timeout, self.parser)
 
 
 def episode_summary(output: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from stages.lib.chat.template import (
     check_chat_template,
 )
 from stages.lib.config import Verifier, check_verifier
-from stages.lib.env.field import EnvironmentConfig, check_environment
+from stages.lib.env.field import EnvironmentConfig, check_environment, check_environment_tools
 from stages.lib.model.path import check_checkpoint
 
 
@@ -107,6 +107,14 @@ class EvaluateConfig(BackendStageConfig):
             out.append(ctx.error(*problem))
         out += self._check_reward_model(ctx)
         out += check_chat_template(
+            ctx,
+            self.chat_template,
+            self.prompt_template,
+            [("checkpoints", c) for c in self.checkpoints],
+            backend.served_elsewhere(),
+        )
+        out += check_environment_tools(
+            self.environment,
             ctx,
             self.chat_template,
             self.prompt_template,

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 from stages.lib.env.contract import (
     Episode,
-    Messages,
     check_failures,
     environment_factory,
     max_turns,
@@ -103,20 +102,25 @@ class Play:
         return solved, self._fields(episodes, stats), self._records(name, rows, episodes)
 
     def _local(self, path: str, rows: list[dict[str, Any]]) -> list[Episode]:
+        from stages.lib.env.messages import episode_parser
+
+        answer, tokenizer = self._local_answer(path)
         return asyncio.run(
             play_batched(
                 self.make_env,
                 rows,
-                self._local_answer(path),
+                answer,
                 max_turns=self.max_turns,
                 num_samples=self.samples,
                 timeout_s=self.env.timeout_s,
                 concurrency=self.env.concurrency,
+                parser=episode_parser(self.env.tool_call_parser, tokenizer),
             )
         )
 
-    def _local_answer(self, path: str) -> Callable[[list[Messages]], list[Any]]:
-        """The checkpoint, loaded once, answering a turn's conversations in one call."""
+    def _local_answer(self, path: str) -> tuple[Callable[[list[Any]], list[Any]], Any]:
+        """The checkpoint, loaded once, answering a turn's conversations in one call; and
+        its tokenizer."""
         from stages.lib.devices import torch_device
 
         cfg, engine = self.cfg, self.cfg.backend.in_process()
@@ -130,7 +134,7 @@ class Play:
             max_new_tokens=cfg.max_output_tokens,
             seed=cfg.seed,
             batch_size=engine.batch_size,
-        )
+        ), tokenizer
 
     def _http(self, path: str, rows: list[dict[str, Any]]) -> list[Episode]:
         from stages.lib.backends.endpoint import make_client
@@ -150,12 +154,14 @@ class Play:
         async def one(i: int, s: int) -> Episode:
             turn = itertools.count()
 
-            async def answer(messages: Messages) -> str:
+            async def answer(prompt: Any) -> Any:
                 seed = sample_seed(self.cfg.seed, i, s * turns + next(turn), self.samples * turns)
-                return await _ask(client, i, messages, seed)
+                return await _ask(client, i, prompt, seed)
 
             async with gate:
-                episode = await open_episode(self.make_env(), rows[i], self.env.timeout_s)
+                episode = await open_episode(
+                    self.make_env(), rows[i], self.env.timeout_s, self.env.tool_call_parser
+                )
                 return await play_one(episode, answer, turns, self.env.timeout_s)
 
         async with client:
@@ -192,18 +198,21 @@ class Play:
 
 @dataclass(frozen=True)
 class _Conversation:
-    """A conversation as the client's `Request`: `idx` picks the engine."""
+    """A conversation as the client's `Request`: `idx` picks the engine; `tools` go with it."""
 
     idx: int
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     text: str | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
-async def _ask(client: OpenAIClient, idx: int, messages: Messages, seed: int) -> str:
-    """The model's answer to one conversation, retried with backoff while the failure is
-    retryable (`complete_all`'s rule); a request that fails for good fails the stage."""
+async def _ask(client: OpenAIClient, idx: int, prompt: Any, seed: int) -> Any:
+    """The model's answer to one conversation (its text, or its message with the calls the
+    server parsed), retried with backoff while the failure is retryable (`complete_all`'s
+    rule); a request that fails for good fails the stage."""
     from stages.lib.api.client import complete_retrying
+    from stages.lib.chat.prompt import as_messages, tools_of
 
-    url, head = client.prepare(_Conversation(idx, messages))
+    url, head = client.prepare(_Conversation(idx, as_messages(prompt), tools=tools_of(prompt)))
     body = f"{head}{seed}}}".encode()
-    return (await complete_retrying(client, url, body, None, MAX_RETRIES, BACKOFF_S)).text
+    return (await complete_retrying(client, url, body, None, MAX_RETRIES, BACKOFF_S)).answer

@@ -442,8 +442,29 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/env/contract.py", "{} raised {}: {}"): data(
         "a user's environment raising: fails its episode, counted against max_failed_share"
     ),
-    ("stages/lib/env/contract.py", "{} returned {}: expected a list of"): data(
-        "what a user's environment returns is known only when it runs: fails its episode"
+    ("stages/lib/env/messages.py", "{} returned the tool call {}: expected {"): data(
+        "an environment (a user's, or one over HTTP) or a model server answered messages or tools that are not OpenAI's: that episode fails, counted against max_failed_share"
+    ),
+    (
+        "stages/lib/env/messages.py",
+        "{} returned {}: expected {'role': str, 'content': str} messa",
+    ): data(
+        "an environment (a user's, or one over HTTP) or a model server answered messages or tools that are not OpenAI's: that episode fails, counted against max_failed_share"
+    ),
+    ("stages/lib/env/messages.py", "{} returned tool_calls {} on a {} message"): data(
+        "an environment (a user's, or one over HTTP) or a model server answered messages or tools that are not OpenAI's: that episode fails, counted against max_failed_share"
+    ),
+    ("stages/lib/env/messages.py", "{} returned a tool message without a 'tool_call_id'"): data(
+        "an environment (a user's, or one over HTTP) or a model server answered messages or tools that are not OpenAI's: that episode fails, counted against max_failed_share"
+    ),
+    ("stages/lib/env/messages.py", "{} returned {}: expected a list of messages"): data(
+        "an environment (a user's, or one over HTTP) or a model server answered messages or tools that are not OpenAI's: that episode fails, counted against max_failed_share"
+    ),
+    ("stages/lib/env/messages.py", "{}: tools {} is not a list of function schemas"): data(
+        "an environment (a user's, or one over HTTP) or a model server answered messages or tools that are not OpenAI's: that episode fails, counted against max_failed_share"
+    ),
+    ("stages/lib/env/messages.py", "{}: the tool {} is not a function schema"): data(
+        "an environment (a user's, or one over HTTP) or a model server answered messages or tools that are not OpenAI's: that episode fails, counted against max_failed_share"
     ),
     ("stages/lib/env/contract.py", "step returned {}: expected (reward"): data(
         "what a user's environment returns is known only when it runs: fails its episode"
@@ -499,10 +520,10 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/env/builtin.py", "the row has neither 'messages' nor"): data(
         "a prompt row without a prompt: fails its episode"
     ),
-    ("stages/lib/env/builtin.py", "exponent too large"): data(
+    ("stages/lib/env/tools.py", "exponent too large"): data(
         "the calculator's answer to the model's expression (an observation, not an error)"
     ),
-    ("stages/lib/env/builtin.py", "unsupported: {}"): data(
+    ("stages/lib/env/tools.py", "unsupported: {}"): data(
         "the calculator's answer to the model's expression (an observation, not an error)"
     ),
     ("stages/lib/env/sandbox_child.py", "{} {}: {}"): environment(

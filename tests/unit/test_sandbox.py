@@ -118,9 +118,9 @@ for pid in ({os.getpid()}, os.getppid(), 1):
 
 
 def test_the_python_environment_runs_a_block_then_scores_the_final_answer():
-    from stages.lib.env.python_env import python_env
+    from stages.lib.env.builtin import python
 
-    env = python_env(lambda row, completion: float(completion.strip() == row["answer"]))
+    env = python(lambda row, completion: float(completion.strip() == row["answer"]))
     messages = env.reset({"prompt": "what is 123 * 457?", "answer": "56211"})
     reward, observation, done = env.step(messages, "```python\nprint(123 * 457)\n```")
     assert (reward, observation, done) == (0.0, [{"role": "user", "content": "56211\n"}], False)
@@ -128,9 +128,9 @@ def test_the_python_environment_runs_a_block_then_scores_the_final_answer():
 
 
 def test_the_python_tool_answers_with_stdout_or_the_error():
-    from stages.lib.env.python_env import call_python_tool, python_tool_schema
+    from stages.lib.env.tools import TOOLS, call_python_tool
 
-    assert python_tool_schema()["function"]["name"] == "python"
+    assert TOOLS["python"].schema["function"]["name"] == "python"
     assert call_python_tool({"code": "print(2 ** 10)"}) == "1024\n"
     assert call_python_tool({"code": "1 / 0"}).endswith("ZeroDivisionError: division by zero")
     assert call_python_tool({"cmd": "ls"}) == "error: the python tool takes {'code': '<program>'}"

@@ -49,12 +49,21 @@ BACKOFF_CAP_S = 30.0
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """A generated answer and what it cost."""
+    """A generated answer and what it cost; `tool_calls`: the calls a server parsed (OpenAI's
+    `message.tool_calls`, where it was started with a tool-call parser)."""
 
     text: str
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    tool_calls: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def answer(self) -> Any:
+        """What an episode records: the text, or the structured message with its calls."""
+        if not self.tool_calls:
+            return self.text
+        return {"role": "assistant", "content": self.text, "tool_calls": list(self.tool_calls)}
 
 
 class RequestError(Exception):
@@ -170,6 +179,9 @@ class OpenAIClient:
         if chat:
             if prompt.messages is not None:
                 payload = f'"messages": {_dumps(prompt.messages)}'
+                tools = getattr(prompt, "tools", None)
+                if tools:  # rendered by the server's chat template, as OpenAI's API does
+                    payload += f', "tools": {_dumps(list(tools))}'
             else:
                 payload = (
                     f'"messages": [{{"role": "user", "content": {_dumps(prompt.text or "")}}}]'
@@ -203,11 +215,13 @@ def parse_completion(data: Any) -> Completion:
         message = choice.get("message")
         text = message.get("content") if message is not None else choice["text"]
         usage = data.get("usage") or {}
+        calls = (message or {}).get("tool_calls") or ()
         return Completion(
             text or "",
             choice.get("finish_reason") or "unknown",
             int(usage.get("prompt_tokens") or 0),
             int(usage.get("completion_tokens") or 0),
+            tuple(calls) if isinstance(calls, list) else (),
         )
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
         snippet = json.dumps(data)[:200] if not isinstance(data, str) else data[:200]

@@ -68,9 +68,16 @@ def dated(ctx: Any) -> dict[str, str]:
     return {"date": ctx.date} if getattr(ctx, "date", "") else {}
 
 
-def render(tokenizer: Any, messages: Sequence[dict[str, str]], **options: Any) -> str:
-    """`apply_chat_template(messages, tokenize=False, **options)`, the date the run's."""
+def render(tokenizer: Any, messages: Sequence[dict[str, Any]], **options: Any) -> str:
+    """`apply_chat_template(messages, tokenize=False, **options)`, the date the run's; tool
+    calls' arguments given to the template as objects, as templates read them (OpenAI's
+    messages carry them as JSON strings: `stages.lib.chat.tool_calls.template_messages`)."""
     template = template_for(tokenizer)
     if template is not None:
         options["chat_template"] = template
-    return str(tokenizer.apply_chat_template(list(messages), tokenize=False, **options))
+    shown = list(messages)
+    if any(m.get("tool_calls") for m in shown):
+        from stages.lib.chat.tool_calls import template_messages
+
+        shown = template_messages(shown)
+    return str(tokenizer.apply_chat_template(shown, tokenize=False, **options))

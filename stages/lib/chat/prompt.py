@@ -46,21 +46,40 @@ class TokenPrompt:
     ids: tuple[int, ...]
 
 
-Prompt = str | Sequence[dict[str, str]] | TokenPrompt
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages with the tools offered to the model (OpenAI function schemas), which
+    the chat template renders (`apply_chat_template(..., tools=...)`)."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()
 
 
-def as_messages(prompt: Prompt) -> list[dict[str, str]]:
+Prompt = str | Sequence[dict[str, Any]] | TokenPrompt | ChatPrompt
+
+
+def as_messages(prompt: Prompt) -> list[dict[str, Any]]:
     """A prompt as chat messages: a string becomes a single user message."""
     if isinstance(prompt, TokenPrompt):
         raise TypeError("a prompt of token ids has no messages")
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, ChatPrompt):
+        return [dict(m) for m in prompt.messages]
     return [dict(m) for m in prompt]
 
 
+def tools_of(prompt: Prompt) -> list[dict[str, Any]] | None:
+    """The tools a prompt offers (None: none, and the template renders no tool section)."""
+    return list(prompt.tools) if isinstance(prompt, ChatPrompt) and prompt.tools else None
+
+
 def format_prompt(tokenizer: Any, prompt: Prompt) -> str:
-    """The text a model sees before its answer, through the tokenizer's chat template."""
-    return render(tokenizer, as_messages(prompt), add_generation_prompt=True)
+    """The text a model sees before its answer, through the tokenizer's chat template (with
+    the prompt's tools, where it offers any)."""
+    tools = tools_of(prompt)
+    options: dict[str, Any] = {"tools": tools} if tools else {}
+    return render(tokenizer, as_messages(prompt), add_generation_prompt=True, **options)
 
 
 def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:

@@ -33,7 +33,7 @@ from stages.lib.chat.tokens import answer_end
 
 log = logging.getLogger("pipe.chat")
 _warned: set[str] = set()
-Messages = Sequence[dict[str, str]]
+Messages = Sequence[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -60,22 +60,29 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 
 def render_turns(
-    tokenizer: Any, conversations: Sequence[Messages], *, generation_prompt: bool = False
+    tokenizer: Any,
+    conversations: Sequence[Messages],
+    *,
+    generation_prompt: bool = False,
+    tools: Sequence[Sequence[dict[str, Any]] | None] | None = None,
 ) -> list[Turns]:
-    """Each conversation's `Turns` (module docstring); the tokenizer runs once, batched."""
+    """Each conversation's `Turns` (module docstring); the tokenizer runs once, batched.
+    `tools`: each conversation's tools (OpenAI function schemas) the template renders."""
     rest = answer_end(tokenizer).rest
     texts: list[str] = []
     plans: list[list[tuple[int, bool, bool]]] = []
-    for messages in conversations:
-        full = render(tokenizer, messages, add_generation_prompt=generation_prompt)
+    for n, messages in enumerate(conversations):
+        offered = tools[n] if tools is not None else None
+        options: dict[str, Any] = {"tools": list(offered)} if offered else {}
+        full = render(tokenizer, messages, add_generation_prompt=generation_prompt, **options)
         texts.append(full)
         turns = []
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            head = render(tokenizer, messages[:i], add_generation_prompt=True)
+            head = render(tokenizer, messages[:i], add_generation_prompt=True, **options)
             last = i == len(messages) - 1 and not generation_prompt
-            upto = full if last else render(tokenizer, messages[: i + 1])
+            upto = full if last else render(tokenizer, messages[: i + 1], **options)
             if rest and upto.endswith(rest):
                 upto = upto[: len(upto) - len(rest)]
             turns.append((len(texts), full.startswith(head), full.startswith(upto)))

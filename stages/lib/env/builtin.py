@@ -10,31 +10,35 @@ options. Output: one environment per episode (`stages.lib.env.contract` holds th
   correct (1.0) earns `-penalty` and gets `feedback` back as a user message, and the model
   answers again. A correct answer at any turn earns 1.0, so an episode solved at the
   first turn totals 1.0, at the second 1.0 - penalty, and never solved -penalty per turn.
-- `calculator` (max_turns 4): the model may call a calculator by writing a line
-  `calc: <expression>` (numbers, + - * / ** % and parentheses); the environment answers
-  `result: <value>` (or `error: ...`) as a user message and the turn earns 0. A turn with
-  no such line is the final answer, scored by the verifier, and ends the episode.
+- `calculator` (max_turns 4): offers the function tool `calculator` (`{"expression"}`:
+  numbers, + - * / ** % and parentheses). The model calls it as its chat template writes
+  tool calls; each call is answered by a `tool` message, `result: <value>` (or
+  `error: ...`), and the turn earns 0. With a template that has no tool-call format (the
+  tiny models' plain one) the model calls it by writing a line `calc: <expression>`,
+  answered by a user message. A turn with no call is the final answer, scored by the
+  verifier, and ends the episode.
+- `python` (max_turns 4): offers the function tool `python` (`{"code"}`), run in the
+  sandbox (`stages.lib.env.sandbox`); each call is answered by a `tool` message with what
+  the program printed (or its error). With a template that has no tool-call format, a
+  fenced ```python block is the call, answered by a user message. Otherwise as `calculator`.
 
 `HTTPEnvironment` speaks the same two calls to a server (docs/rl/environments.md):
-`POST {url}/reset` with `{"row"}` answers `{"messages"}`; `POST {url}/step` with
-`{"row", "messages", "completion"}` answers `{"reward", "observation", "done"}`.
+`POST {url}/reset` with `{"row"}` answers `{"messages"}` (and optionally `"tools"`);
+`POST {url}/step` with `{"row", "messages", "completion", "message"}` (`message`: the
+assistant message with its `tool_calls`) answers `{"reward", "observation", "done"}`, the
+observation OpenAI messages (`tool` messages with their `tool_call_id` included).
 """
 
 from __future__ import annotations
 
-import ast
-import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+from stages.lib.env.messages import EpisodeFailed, Messages
 
 Score = Callable[[dict[str, Any], str], float]
-Messages = list[dict[str, str]]
-
-
-class EpisodeFailed(Exception):
-    """The environment broke one episode (raised, hung, or answered nonsense)."""
 
 
 def opening(row: dict[str, Any]) -> Messages:
@@ -77,49 +81,59 @@ class retry(single_turn):
 
 
 _CALL = re.compile(r"^\s*calc:\s*(.+?)\s*$", re.MULTILINE)
-_OPS: dict[type, Callable[..., Any]] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-    ast.USub: operator.neg,
-    ast.UAdd: operator.pos,
-}
+_BLOCK = re.compile(r"```python[ \t]*\n(.*?)```", re.DOTALL)
 
 
-def calculate(expression: str) -> float | int:
-    """The value of an arithmetic expression (no names, no calls; exponents up to 100)."""
+class with_tools(single_turn):
+    """A one-answer task with tools: the model's tool calls are answered by `tool` messages
+    (`stages.lib.env.tools.answer_calls`) and the turn earns 0; a call that did not parse is
+    told so as a user message (the model's mistake: the episode goes on); a turn with no
+    call is the final answer, scored by the verifier. `text_call(completion)` is the
+    built-in's convention for a template with no tool-call format (None: no call)."""
 
-    def value(node: ast.AST) -> Any:
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 100:
-                raise ValueError("exponent too large")
-            return _OPS[type(node.op)](left, right)
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](value(node.operand))
-        raise ValueError(f"unsupported: {ast.dump(node)[:40]}")
+    offers: ClassVar[tuple[str, ...]] = ()
 
-    return value(ast.parse(expression, mode="eval").body)  # type: ignore[no-any-return]
+    def __init__(self, score: Score) -> None:
+        from stages.lib.env.tools import TOOLS
 
-
-class calculator(single_turn):
-    """A calculator the model calls with a `calc:` line (see the module docstring)."""
+        super().__init__(score)
+        self.tools = [TOOLS[name].schema for name in self.offers]
 
     def step(self, messages: Messages, completion: str) -> tuple[float, Messages | None, bool]:
-        call = _CALL.search(completion)
-        if call is None:
+        from stages.lib.env.tools import answer_calls
+
+        calls = getattr(completion, "tool_calls", [])
+        if calls:
+            return 0.0, answer_calls(calls, self.offers, self.run_tool), False
+        error = getattr(completion, "parse_error", None)
+        if error is not None:
+            return 0.0, [{"role": "user", "content": f"error: your tool call: {error}"}], False
+        answer = self.text_call(completion)
+        if answer is None:
             return float(self.score(self.row, completion)), None, True
-        try:
-            result = calculate(call.group(1))
-            answer = f"result: {int(result) if float(result).is_integer() else result}"
-        except (ValueError, SyntaxError, ZeroDivisionError, OverflowError) as exc:
-            answer = f"error: {exc}"
         return 0.0, [{"role": "user", "content": answer}], False
+
+    def text_call(self, completion: str) -> str | None:
+        return None
+
+    def run_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """The answer to a call of the offered tool `name` (the built-in tool's)."""
+        from stages.lib.env.tools import TOOLS
+
+        return TOOLS[name].run(arguments)
+
+
+class calculator(with_tools):
+    """The function tool `calculator`; with a template that has no tool-call format, a
+    `calc: <expression>` line (module docstring)."""
+
+    offers = ("calculator",)
+
+    def text_call(self, completion: str) -> str | None:
+        from stages.lib.env.tools import calculator_text
+
+        call = _CALL.search(completion)
+        return None if call is None else calculator_text(call.group(1))
 
 
 @dataclass(frozen=True)
@@ -128,10 +142,38 @@ class BuiltIn:
     max_turns: int
 
 
+class python(with_tools):
+    """The function tool `python`, run in the sandbox with the block's `config` as its
+    limits (`stages.lib.env.sandbox.Limits`: cpu_s, wall_s, memory_mb, processes,
+    output_bytes, file_mb); with a template that has no tool-call format, a fenced
+    ```python block (module docstring)."""
+
+    offers = ("python",)
+
+    def __init__(self, score: Score, **limits: Any) -> None:
+        from stages.lib.env.sandbox import Limits
+
+        super().__init__(score)
+        self.limits = Limits(**limits)
+
+    def run_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        from stages.lib.env.tools import call_python_tool
+
+        return call_python_tool(arguments, self.limits)
+
+    def text_call(self, completion: str) -> str | None:
+        from stages.lib.env.sandbox import run_python
+        from stages.lib.env.tools import tool_text
+
+        block = _BLOCK.search(completion)
+        return None if block is None else tool_text(run_python(block.group(1), self.limits))
+
+
 BUILT_IN: dict[str, BuiltIn] = {
     "single_turn": BuiltIn(single_turn, 1),
     "retry": BuiltIn(retry, 2),
     "calculator": BuiltIn(calculator, 4),
+    "python": BuiltIn(python, 4),
 }
 
 
@@ -158,9 +200,11 @@ class HTTPEnvironment:
     async def reset(self, row: dict[str, Any]) -> Any:
         self.row = row
         answer = await self._post("reset", {"row": row})
+        if isinstance(answer, dict) and answer.get("tools"):
+            return {"messages": answer.get("messages"), "tools": answer["tools"]}
         return answer.get("messages") if isinstance(answer, dict) else answer
 
     async def step(self, messages: Messages, completion: str) -> Any:
-        return await self._post(
-            "step", {"row": self.row, "messages": messages, "completion": completion}
-        )
+        message = getattr(completion, "message", {"role": "assistant", "content": completion})
+        body = {"row": self.row, "messages": messages, "completion": str(completion)}
+        return await self._post("step", {**body, "message": message})

@@ -13,6 +13,12 @@ The contract (docs/rl/environments.md), small on purpose:
   environment gives that turn's reward (a finite float), the messages it answers
   with (a list of `{"role", "content"}`, or None) and whether the episode is over.
 
+Messages are OpenAI's (`stages.lib.env.messages`): an environment that offers tools declares
+them (a `tools` attribute, or `reset` returning `{"messages", "tools"}`; else a row's `tools`
+apply), the chat template renders them, the model's text is parsed into `tool_calls` by the
+template's format, `completion.tool_calls` holds them (`completion` stays the text, a `str`,
+so text-only environments work unchanged) and the environment answers with `tool` messages.
+
 Either method may be a coroutine (an environment that waits on I/O does not hold up
 the others) or a plain function (run in a thread). One instance serves one episode;
 a user's class is built as `Class(**config)`. The episode also ends at `max_turns`,
@@ -26,8 +32,8 @@ the caller counts it, and only a failed share above `max_failed_share` ends a st
 (`check_failures`).
 
 Built-ins (`stages.lib.env.builtin`): `single_turn` (the verifier as a one-turn
-environment: what every stage runs when no environment is named), `retry` and
-`calculator`.
+environment: what every stage runs when no environment is named), `retry`, and
+`calculator` and `python`, which offer that tool (`stages.lib.env.tools`).
 """
 
 from __future__ import annotations
@@ -44,9 +50,10 @@ from typing import Any, Protocol
 
 from stages.lib.config import Verifier
 from stages.lib.env.builtin import BUILT_IN, HTTPEnvironment, single_turn
-from stages.lib.env.builtin import EpisodeFailed as EpisodeFailed  # re-exported: the contract
-from stages.lib.env.builtin import Messages as Messages
 from stages.lib.env.field import EnvironmentConfig
+from stages.lib.env.messages import EpisodeFailed as EpisodeFailed  # re-exported: the contract
+from stages.lib.env.messages import Messages as Messages
+from stages.lib.env.messages import completion_of, messages_of, tools_of
 
 FULL_REWARD = 1.0
 
@@ -71,6 +78,19 @@ class Episode:
     end: str = ""  # done | max_turns | length | failed
     error: str | None = None
     usage: list[int] = field(default_factory=lambda: [0, 0])  # prompt, completion tokens
+    tools: list[dict[str, Any]] | None = None  # OpenAI function schemas the template renders
+    parser: str | None = None  # the tool-call format model text is parsed with (with tools)
+    parse_errors: int = 0  # turns whose tool call did not parse
+
+    @property
+    def prompt(self) -> Any:
+        """The conversation so far as a prompt: its messages, with its tools when it has any
+        (`stages.lib.chat.prompt.ChatPrompt`, which the chat template renders them from)."""
+        if not self.tools:
+            return list(self.messages)
+        from stages.lib.chat.prompt import ChatPrompt
+
+        return ChatPrompt(tuple(self.messages), tuple(self.tools))
 
     @property
     def turns(self) -> int:
@@ -101,6 +121,8 @@ class Episode:
             "solved": self.solved,
             "end": self.end,
         }
+        if self.tools:
+            out["tools"] = self.tools
         if self.error is not None:
             out["error"] = self.error
         return out
@@ -154,19 +176,6 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__name__", "the environment")
 
 
-def messages_of(value: Any, what: str) -> Messages:
-    """`value` checked as chat messages (a list of dicts with string role and content)."""
-    if not isinstance(value, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
-    ):
-        raise EpisodeFailed(
-            f"{what} returned {_short(value)}: expected a list of "
-            "{'role': str, 'content': str} messages"
-        )
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -189,34 +198,54 @@ def parse_step(value: Any) -> tuple[float, Messages | None, bool]:
     return float(reward), obs or None, done
 
 
-async def open_episode(env: Environment, row: dict[str, Any], timeout_s: float) -> Episode:
-    """A new episode: `reset(row)` called and checked (a failure is recorded, not raised)."""
+async def open_episode(
+    env: Environment, row: dict[str, Any], timeout_s: float, parser: str | None = None
+) -> Episode:
+    """A new episode: `reset(row)` called and checked (a failure is recorded, not raised).
+    Its tools: those `reset` returned (`{"messages", "tools"}`), else the environment's
+    `tools` attribute, else the row's `tools` (OpenAI-format datasets carry them); `parser`
+    reads the model's tool calls where there are tools."""
     episode = Episode(row, env)
     try:
-        opening = messages_of(await _call(env.reset, row, timeout_s=timeout_s), "reset")
+        answer = await _call(env.reset, row, timeout_s=timeout_s)
+        tools = getattr(env, "tools", None) or row.get("tools")
+        if isinstance(answer, dict):
+            tools = answer.get("tools") or tools
+            answer = answer.get("messages")
+        opening = messages_of(answer, "reset")
         if not opening:
             raise EpisodeFailed("reset returned no messages")
         episode.messages, episode.opening = opening, len(opening)
+        if tools:
+            episode.tools, episode.parser = tools_of(tools, "reset"), parser
     except EpisodeFailed as exc:
         episode.fail(str(exc))
     return episode
 
 
 async def take_turn(
-    episode: Episode, completion: str, max_turns: int, timeout_s: float
+    episode: Episode, answer: Any, max_turns: int, timeout_s: float
 ) -> Messages | None:
-    """Record the model's `completion` as the episode's next turn and ask the environment;
-    returns the observation when the episode goes on (None once it ended)."""
+    """Record the model's `answer` (its text, or a server's structured message) as the
+    episode's next turn and ask the environment; returns the observation when the episode
+    goes on (None once it ended). The environment's `step` gets a `Completion`: the text,
+    carrying the assistant message with its tool calls (`stages.lib.env.messages`)."""
     try:
-        answer = await _call(
-            episode.env.step, list(episode.messages), completion, timeout_s=timeout_s
-        )
-        reward, observation, done = parse_step(answer)
-    except EpisodeFailed as exc:
-        episode.messages.append({"role": "assistant", "content": completion})
+        completion = completion_of(answer, episode.parser if episode.tools else None, episode.turns)
+    except EpisodeFailed as exc:  # a server's malformed message
         episode.fail(str(exc))
         return None
-    episode.messages.append({"role": "assistant", "content": completion})
+    episode.parse_errors += completion.parse_error is not None
+    try:
+        reply = await _call(
+            episode.env.step, list(episode.messages), completion, timeout_s=timeout_s
+        )
+        reward, observation, done = parse_step(reply)
+    except EpisodeFailed as exc:
+        episode.messages.append(completion.message)
+        episode.fail(str(exc))
+        return None
+    episode.messages.append(completion.message)
     episode.rewards.append(reward)
     if done or observation is None:
         episode.done, episode.end = True, "done"

@@ -8,7 +8,8 @@ environment is and does: `stages.lib.env.contract`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
@@ -16,7 +17,7 @@ from engine.errors import Diagnostic
 from engine.stage import ResolveContext
 from stages.lib.block import Block, check_callable, named_or_callable
 
-ENVIRONMENT_KINDS = ("single_turn", "retry", "calculator")
+ENVIRONMENT_KINDS = ("single_turn", "retry", "calculator", "python")
 
 
 def _environment_kind(value: Any) -> Any:
@@ -29,8 +30,9 @@ class EnvironmentConfig(Block):
 
     kind: Annotated[str | None, BeforeValidator(_environment_kind)] = Field(
         None,
-        description="single_turn, retry, calculator (built-ins, scored by the stage's verifier), "
-        "or your own 'module:Class' (scores itself).",
+        description="single_turn, retry, calculator, python (built-ins, scored by the stage's "
+        "verifier; calculator and python offer that tool), or your own 'module:Class' (scores "
+        "itself).",
     )
     url: str | None = Field(
         None,
@@ -41,7 +43,7 @@ class EnvironmentConfig(Block):
         None,
         gt=0,
         description="Model turns per episode at most; required for 'module:Class' and url "
-        "(built-ins: single_turn 1, retry 2, calculator 4).",
+        "(built-ins: single_turn 1, retry 2, calculator 4, python 4).",
     )
     config: dict[str, Any] = Field(
         default_factory=dict,
@@ -60,6 +62,12 @@ class EnvironmentConfig(Block):
     )
     concurrency: int = Field(
         64, gt=0, description="Environment calls in flight at once (episodes wait on I/O together)."
+    )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
+        None,
+        description="The format the model's tool calls are read in, in episodes with tools "
+        "(hermes, llama3_json, mistral, pythonic; as vLLM's --tool-call-parser). Default: "
+        "picked from the chat template; a server the stage starts parses with it too.",
     )
 
     @model_validator(mode="after")
@@ -97,7 +105,49 @@ def check_environment(
                 f"the environment ({ctx.source(f'{path}.kind' if env.kind else f'{path}.url')}) "
                 "scores the episodes itself, so this "
                 "verifier would be ignored: remove it (the built-in environments single_turn, "
-                "retry and calculator are the ones scored by the verifier)",
+                "retry, calculator and python are the ones scored by the verifier)",
             )
         )
+    return out
+
+
+TOOL_ENVIRONMENTS = ("calculator", "python")  # the built-ins that offer a tool
+
+
+def check_environment_tools(
+    env: EnvironmentConfig | None,
+    ctx: ResolveContext,
+    chat_template: str | None,
+    prompt_template: str | None,
+    models: Sequence[tuple[str, Any]],
+    served_elsewhere: str | None = None,
+) -> list[Diagnostic]:
+    """A built-in environment that offers a tool, in a stage that renders its prompts with a
+    chat template known before the run (the `chat_template` setting, else the checkpoints'
+    own), refused when that template cannot render tools (`check_tools_template`: the fix
+    names a family template that can). A server that renders (`served_elsewhere`), or a
+    checkpoint made by an earlier stage, is checked when it runs: its template is not known
+    here."""
+    import os
+
+    from stages.lib.chat.template import checkpoint_template, template_text
+    from stages.lib.chat.tool_template import check_tools_template
+
+    if env is None or env.kind not in TOOL_ENVIRONMENTS or served_elsewhere is not None:
+        return []
+    if chat_template is not None:
+        try:
+            text = template_text(chat_template, prompt_template)
+        except (ValueError, OSError):
+            return []  # `check_chat_template` says what is wrong with the setting
+        return check_tools_template(ctx, "chat_template", text, chat_template)
+    out: list[Diagnostic] = []
+    for path, value in models:
+        if not isinstance(value, str) or ctx.is_produced(value) or not os.path.exists(value):
+            continue
+        try:
+            own = checkpoint_template(value)
+        except (OSError, ValueError):
+            continue
+        out += check_tools_template(ctx, path, own, os.path.basename(value.rstrip("/")))
     return out

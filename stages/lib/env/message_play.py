@@ -26,7 +26,7 @@ import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from stages.lib.env.contract import Environment, Episode, Messages, open_episode, take_turn
+from stages.lib.env.contract import Environment, Episode, open_episode, take_turn
 
 MakeEnv = Callable[[], Environment]
 Answer = (
@@ -50,9 +50,11 @@ async def open_all(
     num_samples: int,
     timeout_s: float,
     concurrency: int,
+    parser: str | None = None,
 ) -> list[Episode]:
     """`num_samples` episodes per row, each with its own environment, reset concurrently
-    (an environment whose constructor raises fails its episode only)."""
+    (an environment whose constructor raises fails its episode only); `parser` reads the
+    model's tool calls in episodes with tools."""
 
     async def one(row: dict[str, Any]) -> Episode:
         try:
@@ -61,7 +63,7 @@ async def open_all(
             episode = Episode(row, None)  # type: ignore[arg-type]
             episode.fail(f"building the environment raised {type(exc).__name__}: {exc}")
             return episode
-        return await open_episode(env, row, timeout_s)
+        return await open_episode(env, row, timeout_s, parser)
 
     return await _bounded(concurrency, [one(row) for row in rows for _ in range(num_samples)])
 
@@ -69,21 +71,23 @@ async def open_all(
 async def play_batched(
     make_env: MakeEnv,
     rows: Sequence[dict[str, Any]],
-    answer: Callable[[list[Messages]], Sequence[Answer]],
+    answer: Callable[[list[Any]], Sequence[Answer]],
     *,
     max_turns: int,
     num_samples: int = 1,
     timeout_s: float = 60.0,
     concurrency: int = 64,
+    parser: str | None = None,
 ) -> list[Episode]:
-    """Episodes turn by turn: `answer(conversations) -> completions` for all that go on (a
-    completion with token counts adds them to its episode's `usage`)."""
-    episodes = await open_all(make_env, rows, num_samples, timeout_s, concurrency)
+    """Episodes turn by turn: `answer(prompts) -> completions` for all that go on, each
+    prompt its episode's conversation (with its tools: `Episode.prompt`); a completion with
+    token counts adds them to its episode's `usage`."""
+    episodes = await open_all(make_env, rows, num_samples, timeout_s, concurrency, parser)
     for _ in range(max_turns):
         going = [e for e in episodes if not e.done]
         if not going:
             break
-        replies = answer([list(e.messages) for e in going])
+        replies = answer([e.prompt for e in going])
         texts = []
         for e, reply in zip(going, replies, strict=True):
             texts.append(reply if isinstance(reply, str) else reply.text)
@@ -105,14 +109,14 @@ def local_answer(
     max_new_tokens: int,
     seed: int,
     batch_size: int,
-) -> Callable[[list[Messages]], list[Any]]:
+) -> Callable[[list[Any]], list[Any]]:
     """`play_batched`'s `answer` for a model in memory: a turn's conversations in one
     `generate_with` call, each rendered by the chat template with the generation prompt
     (`stages.lib.chat.prompt.format_prompt`); turn k samples with seed `seed + k`. Returns each
     conversation's `Generation` (its text and token counts)."""
     turn = itertools.count()
 
-    def answer(conversations: list[Messages]) -> list[Any]:
+    def answer(conversations: list[Any]) -> list[Any]:
         from stages.lib.model.generate import generate_with
 
         gens = generate_with(
@@ -133,32 +137,34 @@ def local_answer(
 
 async def play_one(
     episode: Episode,
-    answer: Callable[[Messages], Awaitable[str]],
+    answer: Callable[[Any], Awaitable[Any]],
     max_turns: int,
     timeout_s: float,
 ) -> Episode:
-    """One opened episode to its end; `answer(conversation)` gives the model's turn (its
-    errors propagate: the caller owns the model's retries and failures)."""
+    """One opened episode to its end; `answer(prompt)` gives the model's turn, its text or
+    a server's structured message (its errors propagate: the caller owns the model's retries
+    and failures). The prompt is the conversation with its tools (`Episode.prompt`)."""
     while not episode.done:
-        text = await answer(list(episode.messages))
-        await take_turn(episode, text, max_turns, timeout_s)
+        reply = await answer(episode.prompt)
+        await take_turn(episode, reply, max_turns, timeout_s)
     return episode
 
 
 async def play_each(
     make_env: MakeEnv,
     rows: Sequence[dict[str, Any]],
-    answer: Callable[[Messages], Awaitable[str]],
+    answer: Callable[[Any], Awaitable[Any]],
     *,
     max_turns: int,
     num_samples: int = 1,
     timeout_s: float = 60.0,
     concurrency: int = 64,
+    parser: str | None = None,
 ) -> list[Episode]:
     """Every episode on its own (reset, then turns until done), `concurrency` at once."""
 
     async def one(row: dict[str, Any]) -> Episode:
-        episode = await open_episode(make_env(), row, timeout_s)
+        episode = await open_episode(make_env(), row, timeout_s, parser)
         return await play_one(episode, answer, max_turns, timeout_s)
 
     return await _bounded(concurrency, [one(r) for r in rows for _ in range(num_samples)])

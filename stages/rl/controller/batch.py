@@ -141,6 +141,7 @@ def _play(c: Any, indices: list[int], step: int, round_: int) -> list[Any]:
     """The groups of episodes of `indices`' prompts; round 0 the step's own, later rounds
     dynamic sampling's refills (their own sampling seeds)."""
     from stages.lib.env.contract import max_turns
+    from stages.lib.env.messages import episode_parser
     from stages.rl.rollout.token_play import PlaySettings, play
 
     cfg, env = c.cfg, c.cfg.environment
@@ -154,6 +155,7 @@ def _play(c: Any, indices: list[int], step: int, round_: int) -> list[Any]:
         max_turns=max_turns(env),
         timeout_s=env.timeout_s if env else 60.0,
         concurrency=env.concurrency if env else 64,
+        parser=episode_parser(env.tool_call_parser if env else None, c.engine.tokenizer),
     )
     return play(
         c.engine, c.engine.tokenizer, c.make_env, [c.data.rows[i] for i in indices], sampling
@@ -217,6 +219,7 @@ def held_out(c: Any) -> float:
     """The share of held-out episodes solved within `max_turns`, greedy (one per prompt);
     the first-turn share goes to `c.first_turn` (the report puts the two side by side)."""
     from stages.lib.env.contract import check_failures, max_turns
+    from stages.lib.env.messages import episode_parser
     from stages.rl.rollout.token_play import PlaySettings, play
 
     cfg, env = c.cfg, c.cfg.environment
@@ -230,6 +233,7 @@ def held_out(c: Any) -> float:
         max_turns=max_turns(env),
         timeout_s=env.timeout_s if env else 60.0,
         concurrency=env.concurrency if env else 64,
+        parser=episode_parser(env.tool_call_parser if env else None, c.engine.tokenizer),
     )
     groups = play(c.engine, c.engine.tokenizer, c.make_env, c.evals.rows, sampling)
     episodes = [g[0].episode for g in groups]

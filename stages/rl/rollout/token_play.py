@@ -95,6 +95,7 @@ class PlaySettings:
     max_turns: int
     timeout_s: float
     concurrency: int
+    parser: str | None = None  # the tool-call format, in episodes with tools
 
 
 def play(
@@ -107,7 +108,7 @@ def play(
     """Every row's group of episodes played to its end (module docstring)."""
 
     async def episodes() -> list[list[Trace]]:
-        opened = await open_all(make_env, rows, s.num_samples, s.timeout_s, s.concurrency)
+        opened = await open_all(make_env, rows, s.num_samples, s.timeout_s, s.concurrency, s.parser)
         traces = [Trace(e) for e in opened]
         groups = [traces[i : i + s.num_samples] for i in range(0, len(traces), s.num_samples)]
         await _first_turn(engine, groups, s)
@@ -146,13 +147,13 @@ async def _first_turn(engine: Any, groups: list[list[Trace]], s: PlaySettings) -
     shared = [g for g in groups if _same_opening(g)]
     single = [t for g in groups if not _same_opening(g) for t in g if not t.episode.done]
     if shared:
-        opening = [g[0].episode.messages for g in shared]
+        opening = [g[0].episode.prompt for g in shared]
         answers = await _generate(engine, opening, s.num_samples, s, 1)
         for g, gens in zip(shared, answers, strict=True):
             for t, gen in zip(g, gens, strict=True):
                 _answered(t, gen, s, first=True)
     if single:
-        gens = await _generate(engine, [t.episode.messages for t in single], 1, s, 1)
+        gens = await _generate(engine, [t.episode.prompt for t in single], 1, s, 1)
         for t, g in zip(single, gens, strict=True):
             _answered(t, g[0], s, first=True)
 
@@ -188,7 +189,9 @@ async def _steps(tokenizer: Any, going: list[Trace], s: PlaySettings) -> None:
             t.episode.done, t.episode.end = True, "length"
             return
         try:
-            turns = render_turns(tokenizer, [t.episode.messages], generation_prompt=True)[0]
+            turns = render_turns(
+                tokenizer, [t.episode.messages], generation_prompt=True, tools=[t.episode.tools]
+            )[0]
         except Exception as exc:  # the template refuses the conversation (a role it lacks)
             t.episode.fail(f"the chat template cannot render the observation: {exc}")
             return

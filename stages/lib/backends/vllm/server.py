@@ -250,6 +250,7 @@ def vllm_servers(
     started = time.monotonic()
     with ExitStack() as stack:
         extra_args = [*extra_args, *dated_template_args(backend.model, stack)]
+        extra_args += tool_call_args(backend.model)
         servers = []
         for i, devices in enumerate(slices):
             port = backend.port + i if backend.port else free_port(host)
@@ -292,6 +293,18 @@ def dated_template_args(model: str | None, stack: ExitStack) -> list[str]:
         f.write(fixed_template(template, day))
     stack.callback(os.remove, path)
     return ["--chat-template", path]
+
+
+def tool_call_args(model: str | None) -> list[str]:
+    """`--enable-auto-tool-choice --tool-call-parser NAME` where the checkpoint's template
+    writes tool calls in a format pipe reads (`stages.lib.chat.tool_calls.parser_for`): the
+    server answers requests with `tools` with structured `tool_calls`, parsed as the local
+    engine parses them. Nothing for a template with no tool-call format."""
+    from stages.lib.chat.tool_calls import parser_for
+
+    template = _folder_template(model) if model is not None and os.path.isdir(model) else None
+    parser = parser_for(template) if template else None
+    return ["--enable-auto-tool-choice", "--tool-call-parser", parser] if parser else []
 
 
 def _folder_template(model: str) -> str | None:
