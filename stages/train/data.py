@@ -36,17 +36,22 @@ class DataError(ValueError):
     """A training row that cannot be used, named by its line in the input file."""
 
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class Sample:
     """One training text pair before tokenization; a conversation's later assistant turns,
-    each with the messages before it since the previous one, follow in `later`."""
+    each with the messages before it since the previous one, follow in `later`. A
+    conversation with tool calls keeps its messages as they are (`conversation`: assistant
+    turns with their `tool_calls`, `tool` messages), and `tools` are the function schemas the
+    chat template renders (a row's `tools`, as OpenAI-format datasets carry them)."""
 
     prompt: str | Messages
     target: str
     later: tuple[tuple[Messages, str], ...] = ()
+    conversation: tuple[dict[str, Any], ...] = ()
+    tools: tuple[dict[str, Any], ...] = ()
 
     def texts(self) -> list[str]:
         """Every text in the sample (to train a fresh tokenizer on)."""
@@ -54,6 +59,8 @@ class Sample:
         out.append(self.target)
         for between, turn in self.later:
             out += [m["content"] for m in between] + [turn]
+        out += [json.dumps(m["tool_calls"]) for m in self.conversation if m.get("tool_calls")]
+        out += [json.dumps(t) for t in self.tools]
         return out
 
 
@@ -90,7 +97,31 @@ def read_rows(path: str) -> list[Row]:
 
 
 def _messages(value: list[Any]) -> Messages:
-    return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+    """Chat messages checked, OpenAI's tool calls and tool messages kept
+    (`stages.lib.env.messages.message_of`); a malformed one raises DataError."""
+    from stages.lib.env.messages import EpisodeFailed, message_of
+
+    def shown(m: Any) -> Any:  # a number as content is its text, as before
+        if isinstance(m, dict) and m.get("content") is not None:
+            return {**m, "content": str(m["content"])}
+        return m
+
+    try:
+        return [message_of(shown(m), "the row") for m in value]
+    except EpisodeFailed as exc:
+        raise DataError(f"has a message that is not OpenAI's: {exc}") from None
+
+
+def _tools(row: Row) -> tuple[dict[str, Any], ...]:
+    """The row's `tools` (OpenAI function schemas), checked; none when it has none."""
+    from stages.lib.env.messages import EpisodeFailed, tools_of
+
+    if not row.get("tools"):
+        return ()
+    try:
+        return tuple(tools_of(row["tools"], "the row"))
+    except EpisodeFailed as exc:
+        raise DataError(f"has tools that are not OpenAI's function schemas: {exc}") from None
 
 
 def is_conversation(row: Row) -> bool:
@@ -136,11 +167,16 @@ def target_of(row: Row, target: str) -> str:
     raise DataError("has no 'completion' (target: completion; use target: answer for gold answers)")
 
 
-def conversation_sample(messages: list[Any]) -> Sample:
+def conversation_sample(messages: list[Any], tools: tuple[dict[str, Any], ...] = ()) -> Sample:
     """A conversation as a `Sample`: the messages before its first assistant turn are the
     prompt, that turn the target, and every later assistant turn follows with the messages
-    before it since the previous one."""
+    before it since the previous one; one with tools or tool calls keeps its messages whole
+    (`Sample.conversation`)."""
     first = next(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+    every = _messages(messages)
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in every):
+        plain = [m for m in every if m["role"] == "assistant"]
+        return Sample(every[:first], plain[0]["content"], (), tuple(every), tools)
     turns: list[tuple[Messages, str]] = []
     between: Messages = []
     for m in _messages(messages[first + 1 :]):
@@ -156,8 +192,8 @@ def conversation_sample(messages: list[Any]) -> Sample:
 def sample_of(row: Row, target: str) -> Sample:
     """The row as a `Sample` (a conversation, with target completion, with all its turns)."""
     if target == "completion" and is_conversation(row):
-        return conversation_sample(row["messages"])
-    return Sample(prompt_of(row), target_of(row, target))
+        return conversation_sample(row["messages"], _tools(row))
+    return Sample(prompt_of(row), target_of(row, target), tools=_tools(row))
 
 
 def samples_of(rows: Sequence[Row], target: str, path: str = "input") -> list[Sample]:
@@ -228,6 +264,8 @@ def conversation_of(sample: Sample) -> Messages:
     turn, then each later turn after the messages before it."""
     from stages.lib.chat.prompt import as_messages
 
+    if sample.conversation:
+        return [dict(m) for m in sample.conversation]
     messages = [*as_messages(sample.prompt), {"role": "assistant", "content": sample.target}]
     for between, turn in sample.later:
         messages += [*between, {"role": "assistant", "content": turn}]
@@ -255,13 +293,14 @@ def tokenize(samples: Sequence[Sample], tokenizer: Any, max_length: int) -> list
     if not samples:
         return []
     out = []
-    for sample, turns in zip(
-        samples, render_turns(tokenizer, [conversation_of(s) for s in samples]), strict=True
-    ):
+    rendered = render_turns(
+        tokenizer, [conversation_of(s) for s in samples], tools=[s.tools or None for s in samples]
+    )
+    for sample, turns in zip(samples, rendered, strict=True):
         ids = turns.ids[:max_length]
         spans = [s for s in turns.spans if s is not None]
         first = spans[0][0] if spans else len(turns.ids)
-        if not sample.later and len(spans) == 1:
+        if not sample.later and not sample.conversation and len(spans) == 1:
             out.append(Example(ids, min(first, len(ids))))
             continue
         cut = tuple((a, min(b, len(ids))) for a, b in spans if a < len(ids))

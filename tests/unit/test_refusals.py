@@ -660,6 +660,10 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/train/data.py", "has neither 'messages'"): data("a malformed training row"),
     ("stages/train/data.py", "has no 'completion'"): data("a malformed training row"),
     ("stages/train/data.py", "has no 'answer'"): data("a malformed training row"),
+    ("stages/train/data.py", "has a message that is not OpenAI's"): data(
+        "a malformed training row"
+    ),
+    ("stages/train/data.py", "has tools that are not OpenAI's"): data("a malformed training row"),
     ("stages/train/data.py", "row {} has no numeric 'reward'"): data("a malformed DPO row"),
     ("stages/train/data.py", "{}: row {} {}"): data("a malformed training row, named"),
     ("stages/train/data.py", "the tokenizer has no end-of-sequence"): data(

@@ -1,0 +1,109 @@
+"""Tool-use conversations as token ids, on the four families' real tokenizers: the ids are the
+template's rendering (tools, calls and results included), only the assistant turns are trained
+(the call text and the closing token too), tool outputs never; a row that is not OpenAI's
+shape is refused with its line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from stages.lib.chat.template import template_text
+from stages.lib.chat.tool_calls import format_tool_calls, parser_for, tool_call
+from stages.lib.env.tools import TOOLS
+from stages.train.data import DataError, samples_of, tokenize
+
+CALC = TOOLS["calculator"].schema
+TEMPLATES = {"chatml": None, "llama3": None, "gemma": "gemma_tools", "mistral": "mistral_tools"}
+
+
+def conversation(family: str) -> list[dict[str, Any]]:
+    ids = {"mistral": ("a1b2c3d4e", "f5g6h7i8j")}.get(family, ("call_0_0", "call_2_0"))
+    first = tool_call("calculator", {"expression": "123 + 456"}, ids[0])
+    second = tool_call("calculator", {"expression": "579 + 100"}, ids[1])
+    return [
+        {"role": "user", "content": "What is 123 + 456 + 100?"},
+        {"role": "assistant", "content": "", "tool_calls": [first]},
+        {"role": "tool", "tool_call_id": ids[0], "content": "result: 579"},
+        {"role": "assistant", "content": "", "tool_calls": [second]},
+        {"role": "tool", "tool_call_id": ids[1], "content": "result: 679"},
+        {"role": "assistant", "content": "679"},
+    ]
+
+
+@pytest.fixture(params=list(TEMPLATES))
+def family(request: Any) -> str:
+    return str(request.param)
+
+
+def tokenizer_of(family: str, family_checkpoint: Callable[..., Path]) -> Any:
+    from tests.families import family_tokenizer
+
+    tok = family_tokenizer(family_checkpoint, f"{family}-real")
+    if TEMPLATES[family]:
+        tok = type(tok).from_pretrained(tok.name_or_path)  # the cached one stays as it is
+        tok.chat_template = template_text(TEMPLATES[family])
+    return tok
+
+
+def test_sft_on_a_tool_use_row_trains_the_assistant_turns_and_never_the_tool_outputs(
+    family: str, family_checkpoint: Callable[..., Path]
+):
+    from stages.lib.chat.tool_calls import template_messages
+
+    tok = tokenizer_of(family, family_checkpoint)
+    messages = conversation(family)
+    row = {"messages": messages, "tools": [CALC]}
+    (sample,) = samples_of([row], "completion")
+    (example,) = tokenize([sample], tok, max_length=4096)
+
+    text = tok.apply_chat_template(template_messages(messages), tools=[CALC], tokenize=False)
+    whole = tok(text, add_special_tokens=False)["input_ids"]
+    assert (
+        list(example.input_ids) == whole[: len(example.input_ids)]
+    )  # the rendering, cut after the answer
+    assert CALC["function"]["description"] in tok.decode(example.input_ids)
+
+    trained = [tok.decode(example.input_ids[a:b]) for a, b in example.trained()]
+    parser = parser_for(tok.chat_template)
+    assert parser is not None and len(trained) == 3
+    for turn, message in zip(trained, [messages[1], messages[3], messages[5]], strict=True):
+        calls = message.get("tool_calls")
+        written = format_tool_calls(calls, parser) if calls else message["content"]
+        assert written.strip() in turn  # the call text (or the answer) is trained
+    closing = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>"}
+    assert all(t.endswith(closing.get(family, "</s>")) for t in trained)
+    assert not any("result: " in t for t in trained)  # tool outputs: never trained
+
+
+def test_a_row_whose_tool_messages_are_not_openais_is_refused_with_its_line():
+    broken = {"messages": [*conversation("chatml")[:2], {"role": "tool", "content": "579"}]}
+    broken["messages"].append({"role": "assistant", "content": "579"})
+    with pytest.raises(
+        DataError,
+        match=r"data.jsonl: row 2 has a message that is not OpenAI.s: .*without a .tool_call_id.",
+    ):
+        samples_of([{"prompt": "x", "completion": "y"}, broken], "completion", "data.jsonl")
+    with pytest.raises(
+        DataError, match=r"row 1 has tools that are not OpenAI.s function schemas: .*not a list"
+    ):
+        samples_of([{"prompt": "x", "completion": "y", "tools": {"a": 1}}], "completion")
+
+
+def test_collect_rows_with_tool_calls_read_back_as_the_conversation_they_were():
+    row = {
+        "messages": json.loads(json.dumps(conversation("chatml"))),
+        "tools": [CALC],
+        "rewards": [0.0, 0.0, 1.0],
+        "total_reward": 1.0,
+        "turns": 3,
+        "end": "done",
+    }
+    (sample,) = samples_of([row], "completion")
+    assert list(sample.conversation) == conversation("chatml") and sample.tools == (CALC,)
