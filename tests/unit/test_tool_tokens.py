@@ -107,3 +107,50 @@ def test_collect_rows_with_tool_calls_read_back_as_the_conversation_they_were():
     }
     (sample,) = samples_of([row], "completion")
     assert list(sample.conversation) == conversation("chatml") and sample.tools == (CALC,)
+
+
+def test_a_local_model_is_prompted_with_the_tools_and_its_calls_are_answered(
+    family_checkpoint: Callable[..., Path],
+):
+    """The calculator with a ChatML checkpoint in memory (evaluate's and collect's `local`
+    engine): every turn's prompt holds the rendered tools, and a reply in the hermes format
+    is read into a call the calculator answers with a `tool` message."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.lib.env.builtin import calculator
+    from stages.lib.env.message_play import local_answer, play_batched
+    from stages.lib.env.messages import episode_parser
+
+    path = family_checkpoint("chatml")
+    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    sampled = local_answer(
+        model, tok, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=0, batch_size=4
+    )
+    prompts: list[str] = []
+    call = format_tool_calls([tool_call("calculator", {"expression": "2 + 3"}, "x")], "hermes")
+
+    def answer(conversations: list[Any]) -> list[Any]:
+        from stages.lib.chat.prompt import format_prompt
+
+        gens = sampled(conversations)  # the model's own turn (random), then a scripted one
+        prompts.extend(format_prompt(tok, c) for c in conversations)  # what it was prompted with
+        return [call if len(prompts) <= len(gens) else "5" for _ in gens]
+
+    def exact(row: dict[str, Any], completion: str) -> float:
+        return float(completion.strip() == row["answer"])
+
+    rows = [{"prompt": "What is 2 + 3?", "answer": "5"}] * 2
+    episodes = asyncio.run(
+        play_batched(
+            lambda: calculator(exact), rows, answer, max_turns=3, parser=episode_parser(None, tok)
+        )
+    )
+    assert prompts and all(CALC["function"]["description"] in p for p in prompts)
+    for episode in episodes:
+        assert episode.messages[1]["tool_calls"][0]["function"]["name"] == "calculator"
+        assert episode.messages[2]["role"] == "tool" and episode.messages[2]["content"] == (
+            "result: 5"
+        )
+        assert episode.rewards == [0.0, 1.0] and episode.solved
