@@ -257,3 +257,14 @@ def test_text_is_parsed_into_tool_calls_by_the_episodes_format():
     assert broken.messages[1] == {"role": "assistant", "content": broken.messages[1]["content"]}
     assert broken.messages[2]["role"] == "user"
     assert broken.messages[2]["content"].startswith("error: your tool call:")
+
+
+def test_tools_offered_at_run_time_to_a_template_that_cannot_render_them_are_refused():
+    from types import SimpleNamespace
+
+    from stages.lib.chat.clock import render
+    from stages.lib.chat.template import template_text
+
+    gemma = SimpleNamespace(chat_template=template_text("gemma"))
+    with pytest.raises(ValueError, match="cannot render them; set the stage's chat_template: "):
+        render(gemma, [{"role": "user", "content": "hi"}], tools=[CALCULATOR_TOOL])

@@ -660,6 +660,10 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/train/data.py", "has neither 'messages'"): data("a malformed training row"),
     ("stages/train/data.py", "has no 'completion'"): data("a malformed training row"),
     ("stages/train/data.py", "has no 'answer'"): data("a malformed training row"),
+    ("stages/lib/chat/tool_template.py", "the episodes offer tools, and the chat t"): data(
+        "tools offered by a user's environment or by rows are known only at run time (the "
+        "built-in tool environments are refused at validate: check_environment_tools)"
+    ),
     ("stages/train/data.py", "has a message that is not OpenAI's"): data(
         "a malformed training row"
     ),

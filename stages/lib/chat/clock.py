@@ -75,6 +75,10 @@ def render(tokenizer: Any, messages: Sequence[dict[str, Any]], **options: Any) -
     template = template_for(tokenizer)
     if template is not None:
         options["chat_template"] = template
+    if options.get("tools"):
+        from stages.lib.chat.tool_template import require_tools
+
+        require_tools(options.get("chat_template") or getattr(tokenizer, "chat_template", None))
     shown = list(messages)
     if any(m.get("tool_calls") for m in shown):
         from stages.lib.chat.tool_calls import template_messages

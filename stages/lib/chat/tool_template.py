@@ -135,6 +135,26 @@ def tool_family(template: str) -> str | None:
     return TOOL_FAMILY[parser] if parser else None
 
 
+_CHECKED: dict[str, bool] = {}
+
+
+def require_tools(template: str | None) -> None:
+    """At run time, before tools are rendered with `template` (an environment of one's own,
+    or rows, that offer tools: not known at validate): ValueError when it cannot render
+    them, with the family template that can. Checked once per template."""
+    if template is None:
+        return
+    if template not in _CHECKED:
+        _CHECKED[template] = renders_tools(template)
+    if not _CHECKED[template]:
+        family = tool_family(template)
+        fix = family or "one of " + ", ".join(sorted(set(TOOL_FAMILY.values())))
+        raise ValueError(
+            f"the episodes offer tools, and the chat template cannot render them; set the "
+            f"stage's chat_template: {fix}"
+        )
+
+
 def check_tools_template(
     ctx: ResolveContext, path: str, template: str | None, name: str
 ) -> list[Diagnostic]:
