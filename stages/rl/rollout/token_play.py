@@ -51,7 +51,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from stages.lib.chat.prompt import TokenPrompt
 from stages.lib.chat.tokens import answer_end
@@ -95,7 +95,7 @@ class PlaySettings:
     max_turns: int
     timeout_s: float
     concurrency: int
-    tokens: str = "extend"  # multi_turn_tokens: extend | rerender (module docstring)
+    tokens: Literal["extend", "rerender"] = "extend"  # multi_turn_tokens (module docstring)
 
 
 def play(
