@@ -1,5 +1,6 @@
 """A multi-turn episode's tokens are the chat template's rendering of its conversation
-(issue 38), on every family: the rl episode (engine at the edge scripted as token ids), and
+(issue 38; rl's `multi_turn_tokens: rerender`, `test_episode_tokens_extend.py` the default), on
+every family: the rl episode (engine at the edge scripted as token ids), and
 the conversation evaluate's and collect's `local` backends render for the next turn.
 
 "Equal" here, exactly: with R = `apply_chat_template(final messages, tokenize=True)`, an
@@ -109,10 +110,16 @@ def answer_ids(tok: Any, text: str) -> list[int]:
     return full[len(head) : len(full) - len(end)]
 
 
-def play(tok: Any, answers: list[list[int]], role: str = "user", max_length: int = 512) -> Any:
+def play(
+    tok: Any,
+    answers: list[list[int]],
+    role: str = "user",
+    max_length: int = 512,
+    tokens: str = "rerender",
+) -> Any:
     from stages.rl.rollout.token_play import PlaySettings, play
 
-    s = PlaySettings(2, 1.0, 16, max_length, 0, 8, len(answers), 10.0, 4)
+    s = PlaySettings(2, 1.0, 16, max_length, 0, 8, len(answers), 10.0, 4, tokens)
     engine = Scripted(tok, answers)
     groups = play(engine, tok, lambda: Guess(len(answers), role), [{"prompt": QUESTION}], s)
     return groups[0], engine

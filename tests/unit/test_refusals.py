@@ -545,6 +545,10 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/lib/env/builtin.py", "{}/{} answered HTTP {}: {}"): transient(
         "the environment's server: fails its episode, counted against max_failed_share"
     ),
+    ("stages/lib/chat/turns.py", "it renders the conversation before the o"): data(
+        "a template that renders earlier turns differently once an observation follows: fails "
+        "its episode (rl, multi_turn_tokens extend), counted against max_failed_share"
+    ),
     ("stages/lib/chat/prompt.py", "a prompt of token ids has no messages"): internal(
         "token prompts are built by the rl stage's episodes, which never ask for messages"
     ),

@@ -154,3 +154,51 @@ def test_a_local_model_is_prompted_with_the_tools_and_its_calls_are_answered(
             "result: 5"
         )
         assert episode.rewards == [0.0, 1.0] and episode.solved
+
+
+@pytest.mark.parametrize("tokens", ["extend", "rerender"])
+def test_rl_episodes_with_tool_calls_keep_every_sampled_id_and_train_no_tool_output(
+    family: str, family_checkpoint: Callable[..., Path], tokens: str
+):
+    """rl's token-level episodes with the calculator, on each family's real tokenizer and a
+    template that renders tools: the prompt holds the tools, the model's call (its family's
+    format, as sampled) is read and answered by a `tool` message, each later prompt extends
+    the ids so far (`extend`), and the loss mask covers the sampled ids and nothing of the
+    tool's answer."""
+    from stages.lib.chat.tokens import answer_end
+    from stages.lib.env.builtin import calculator
+    from stages.lib.env.messages import episode_parser
+    from stages.rl.rollout.token_play import PlaySettings, play
+    from tests.unit.test_episode_tokens import Scripted, answer_ids, encode, runs
+
+    tok = tokenizer_of(family, family_checkpoint)
+    parser = episode_parser(None, tok)
+    assert parser is not None
+    end = list(answer_end(tok).ids)
+    written = format_tool_calls([tool_call("calculator", {"expression": "2 + 3"}, "x")], parser)
+    answers = [encode(tok, written) + end, answer_ids(tok, "5") + end]
+
+    def exact(row: dict[str, Any], completion: str) -> float:
+        return float(completion.strip() == row["answer"])
+
+    s = PlaySettings(2, 1.0, 64, 4096, 0, 8, 3, 10.0, 4, tokens, parser)  # type: ignore[arg-type]
+    engine = Scripted(tok, answers)
+    rows = [{"prompt": "What is 2 + 3?", "answer": "5"}]
+    (group,) = play(engine, tok, lambda: calculator(exact), rows, s)
+    assert CALC["function"]["description"] in tok.decode(engine.prompts[0])
+    for t in group:
+        messages = t.episode.messages
+        assert t.episode.error is None and t.episode.rewards == [0.0, 1.0], t.episode.error
+        assert messages[1]["tool_calls"][0]["function"]["name"] == "calculator"
+        assert messages[2] == {
+            "role": "tool",
+            "tool_call_id": messages[1]["tool_calls"][0]["id"],
+            "name": "calculator",
+            "content": "result: 5",
+        }
+        tail = t.ids[t.prompt_len :]
+        trained = [tok.decode(r) for r in runs(t.mask, tail)]
+        assert not any("result: 5" in r for r in trained)
+        if tokens == "extend":
+            assert runs(t.mask, tail) == answers  # every sampled id, as sampled
+            assert engine.prompts[1] == t.ids[: len(engine.prompts[1])]  # contiguous

@@ -19,6 +19,10 @@ piece that takes in the turn's first word) is trained with the turn. A turn whos
 in the whole conversation is not the one it was answered from (templates that drop earlier
 turns' reasoning) has no range: it stays in the ids, outside the loss (a warning says so
 once per template).
+
+`follow_ids(tokenizer, messages, closed)` is the other way to go on (the rl stage's
+token-in, token-out mode): the ids the template renders after the conversation's last
+assistant turn, up to the generation prompt, to be appended to the ids sampled so far.
 """
 
 from __future__ import annotations
@@ -118,3 +122,45 @@ def _warn(tokenizer: Any) -> None:
             "the chat template renders an earlier assistant turn differently once the "
             "conversation goes on: that turn is kept in the ids, outside the loss"
         )
+
+
+_ANSWER = "PIPEANSWERSENTINEL7"
+
+
+def follow_ids(
+    tokenizer: Any,
+    messages: Messages,
+    closed: bool,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The template's ids after the last assistant turn of `messages` (the observations that
+    follow it, then the generation prompt), for a sequence that holds that turn as sampled.
+
+    As NeMo RL, verl and SkyRL compute an observation's ids: the rendering of the whole
+    conversation with the generation prompt, less the rendering up to the assistant turn,
+    closing included (`answer_end`), tokenized alone. The turn's content is a fixed text in
+    both renderings, so the answer's own text, trimmed or rewritten (Llama 3's and Gemma's
+    `| trim`, a template dropping an earlier turn's reasoning), does not move the split.
+    `closed`: the sampled ids end with the template's closing ids, so the text after the
+    closing token (ChatML's and Gemma's newline) starts the result; otherwise (cut at the
+    answer's bound, stopped on another end-of-sequence id) the template's whole closing does.
+    A turn that called tools is a fixed text too, its calls left out (the sampled ids hold
+    them as the model wrote them); `tools`, the episode's, are rendered as the prompt was.
+    Raises ValueError where the rendering up to the turn is not where the whole one starts."""
+    last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+    plain = {"role": "assistant", "content": _ANSWER}
+    fixed = [*messages[:last], plain, *messages[last + 1 :]]
+    options: dict[str, Any] = {"tools": list(tools)} if tools else {}
+    full = render(tokenizer, fixed, add_generation_prompt=True, **options)
+    upto = render(tokenizer, fixed[: last + 1], **options)
+    end = answer_end(tokenizer)
+    closing = end.text[: len(end.text) - len(end.rest)]
+    head = upto[: len(upto) - len(end.text)] if upto.endswith(end.text) else ""
+    if not head.endswith(_ANSWER) or not full.startswith(head):
+        raise ValueError(
+            "it renders the conversation before the observation differently once it goes on"
+        )
+    text = full[len(head) :]
+    if closed and text.startswith(closing):
+        text = text[len(closing) :]
+    return _encode(tokenizer, [text])[0] if text else []

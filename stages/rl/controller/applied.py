@@ -59,6 +59,7 @@ def account(
         else (S, "chat_template is not plain"),
         "verifier": _verifier(cfg),
         "environment": _environment(cfg),
+        "multi_turn_tokens": _multi_turn(cfg),
         **_scoring(cfg),
         "backend": _backend(cfg, device, engines),
         "num_repeats": (A, "samples per prompt (the group)"),
@@ -308,6 +309,14 @@ def _environment(cfg: RLConfig) -> tuple[str, str]:
         f"each sample is an episode with {what}, at most {max_turns(env)} turns; the loss "
         "covers the model's own tokens only"
     )
+
+
+def _multi_turn(cfg: RLConfig) -> tuple[str, str]:
+    if cfg.environment is None:
+        return S, "no environment: each sample is one turn, there is no later turn to ask"
+    if cfg.multi_turn_tokens == "extend":
+        return A, "each later turn asked from the ids so far and the observation's ids"
+    return A, "each later turn asked from the chat template's rendering of the conversation"
 
 
 def _lora(cfg: RLConfig) -> tuple[str, str]:

@@ -156,6 +156,7 @@ def _play(c: Any, indices: list[int], step: int, round_: int) -> list[Any]:
         timeout_s=env.timeout_s if env else 60.0,
         concurrency=env.concurrency if env else 64,
         parser=episode_parser(env.tool_call_parser if env else None, c.engine.tokenizer),
+        tokens=cfg.multi_turn_tokens,
     )
     return play(
         c.engine, c.engine.tokenizer, c.make_env, [c.data.rows[i] for i in indices], sampling
@@ -217,7 +218,9 @@ def _score(cfg: Any, group: list[Any], model: list[float] | None = None) -> Scor
 
 def held_out(c: Any) -> float:
     """The share of held-out episodes solved within `max_turns`, greedy (one per prompt);
-    the first-turn share goes to `c.first_turn` (the report puts the two side by side)."""
+    the first-turn share goes to `c.first_turn` (the report puts the two side by side).
+    Later turns are asked from the template's rendering, as evaluate asks them, whatever
+    `multi_turn_tokens` trains with: the two modes' scores compare."""
     from stages.lib.env.contract import check_failures, max_turns
     from stages.lib.env.messages import episode_parser
     from stages.rl.rollout.token_play import PlaySettings, play
@@ -234,6 +237,7 @@ def held_out(c: Any) -> float:
         timeout_s=env.timeout_s if env else 60.0,
         concurrency=env.concurrency if env else 64,
         parser=episode_parser(env.tool_call_parser if env else None, c.engine.tokenizer),
+        tokens="rerender",
     )
     groups = play(c.engine, c.engine.tokenizer, c.make_env, c.evals.rows, sampling)
     episodes = [g[0].episode for g in groups]

@@ -14,37 +14,36 @@ turn run concurrently (`concurrency` at once). An episode ends when the environm
 done, at `max_turns`, or when its tokens reach `max_length` (what is past it is cut, as a
 one-turn rollout cuts it).
 
-Which ids are trained, when the template's rendering of a sampled answer differs from the
-ids sampled (a template that trims the answer's whitespace, Llama 3's and Gemma's; a cut
-answer the template closes; text that re-tokenises otherwise): the answer being sampled is
-trained as sampled, and the conversation before it is the template's rendering.
+How each later turn is asked (`multi_turn_tokens`), and so which ids are trained:
 
-- The next turn is asked from the chat template's rendering of the conversation so far with
-  the generation prompt (`stages.lib.chat.turns.render_turns`), as token ids: the prompt a
-  chat server, evaluate and collect give the model for that conversation. The sequence up
-  to the newest answer is therefore `apply_chat_template(messages)`, earlier turns included,
-  whatever whitespace was sampled.
-- The newest answer's ids are the engine's, as sampled, with its behaviour log-probs: the
-  policy gradient is taken on what the policy sampled (on-policy), as verl's and OpenRLHF's
-  token-in, token-out multi-turn rollouts do. A one-turn rollout is the engine's answer,
-  number for number.
-- An earlier answer's tokens in the rendering are trained, with the log-probs they were
-  sampled with, as far as they are the sampled ids: the longest prefix they share. That is
-  all of the answer when the template reproduces it (the usual case); its content without
-  the template's closing when the answer was cut at `max_new_tokens` or stopped on another
-  end-of-sequence id; what comes before the first token the template rewrote (whitespace it
-  trimmed, text that re-tokenises otherwise: a random model's broken UTF-8). A prefix of a
-  sampled answer, in the context it was sampled in, is on-policy on its own; the rest of the
-  rendering stays in the sequence, as the model is shown it on the next turn, outside the
-  loss (mask 0, behaviour log-prob 0.0). No token is trained that the engine did not
-  sample, and no token is in a sequence that the engine did not sample or the template did
-  not write.
+- `extend` (the default; token-in, token-out, as NeMo RL requires and verl's and SkyRL's
+  agent loops do): the next turn's prompt is the ids so far, the opening's, then each turn's
+  ids exactly as sampled (the closing token the engine stopped on included), then the
+  template's rendering of only what follows them: the observation messages and the
+  generation prompt (`stages.lib.chat.turns.follow_ids`; the text after the closing token,
+  ChatML's and Gemma's newline, opens it; an answer cut at `max_new_tokens` or stopped on
+  another end-of-sequence id gets the template's closing there). Every turn's prompt begins
+  with every id before it; every sampled id is trained with its behaviour log-prob; the
+  observation's and template's ids never are. The sequence is what the engine saw, which
+  need not be `apply_chat_template(messages)` where the template rewrites an answer (Llama 3's
+  and Gemma's `| trim`, text that re-tokenises otherwise).
+- `rerender`: the next turn is asked from the chat template's rendering of the conversation
+  so far with the generation prompt (`stages.lib.chat.turns.render_turns`): the prompt a chat
+  server, evaluate and collect give the model for that conversation, so the sequence up to
+  the newest answer is `apply_chat_template(messages)`, whatever whitespace was sampled. The
+  newest answer keeps the engine's ids and log-probs; an earlier answer's tokens in the
+  rendering are trained, with the log-probs they were sampled with, as far as they are the
+  sampled ids (the longest prefix they share: all of it when the template reproduces it;
+  its content without the closing when it was cut or stopped on another end-of-sequence id;
+  what comes before the first token the template rewrote); the rest of the rendering stays
+  in the sequence outside the loss (mask 0, behaviour log-prob 0.0). An episode whose
+  answers render as sampled is `apply_chat_template(messages)` token for token, less the
+  text after the last closing token.
 
-So an episode whose answers render as sampled (`answer_end` of `stages.lib.chat.tokens`
-closing them) is `apply_chat_template(messages)` token for token, less the text after the
-last closing token (ChatML's and Gemma's newline); otherwise it is so up to its last answer.
-An observation the template cannot render (Gemma and Mistral refuse a `system` message after
-the first turn) fails its episode with the template's message, as a broken environment does.
+In both, no token is trained that the engine did not sample in that context, and a one-turn
+rollout is the engine's answer, number for number. An observation the template cannot
+render (Gemma and Mistral refuse a `system` message after the first turn) fails its episode
+with the template's message, as a broken environment does.
 """
 
 from __future__ import annotations
@@ -52,10 +51,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from stages.lib.chat.prompt import TokenPrompt
-from stages.lib.chat.turns import Turns, common_prefix, render_turns
+from stages.lib.chat.tokens import answer_end
+from stages.lib.chat.turns import common_prefix, follow_ids, render_turns
 from stages.lib.env.contract import Environment, Episode, take_turn
 from stages.lib.env.message_play import open_all
 
@@ -95,6 +95,7 @@ class PlaySettings:
     max_turns: int
     timeout_s: float
     concurrency: int
+    tokens: Literal["extend", "rerender"] = "extend"  # multi_turn_tokens (module docstring)
     parser: str | None = None  # the tool-call format, in episodes with tools
 
 
@@ -177,7 +178,8 @@ def _answered(t: Trace, gen: Any, s: PlaySettings, first: bool = False) -> None:
 
 async def _steps(tokenizer: Any, going: list[Trace], s: PlaySettings) -> None:
     """The environment's step for every episode answered this turn, concurrently; the
-    episodes that go on become the template's rendering of their conversation."""
+    episodes that go on take the observation's ids (`extend`) or become the template's
+    rendering of their conversation (`rerender`)."""
     gate = asyncio.Semaphore(s.concurrency)
 
     async def one(t: Trace) -> None:
@@ -188,25 +190,44 @@ async def _steps(tokenizer: Any, going: list[Trace], s: PlaySettings) -> None:
         if t.cut:
             t.episode.done, t.episode.end = True, "length"
             return
+        go_on = retrace if s.tokens == "rerender" else extend
         try:
-            turns = render_turns(
-                tokenizer, [t.episode.messages], generation_prompt=True, tools=[t.episode.tools]
-            )[0]
+            ids, start, mask, logprobs = go_on(tokenizer, t)
         except Exception as exc:  # the template refuses the conversation (a role it lacks)
             t.episode.fail(f"the chat template cannot render the observation: {exc}")
             return
-        if len(turns.ids) >= s.max_length:  # no room left for the model's answer
+        if len(ids) >= s.max_length:  # no room left for the model's answer
             t.episode.done, t.episode.end = True, "length"
             return
-        retrace(t, turns)
+        t.ids, t.prompt_len, t.mask, t.logprobs = ids, start, mask, logprobs
 
     await asyncio.gather(*(one(t) for t in going))
 
 
-def retrace(t: Trace, turns: Turns) -> None:
-    """`t` as the template's rendering `turns` of its conversation so far, each earlier
-    answer trained on the longest prefix of its tokens there that are the ones sampled
-    (module docstring)."""
+Tokens = tuple[list[int], int, list[int], list[float]]  # ids, prompt_len, mask, logprobs
+
+
+def extend(tokenizer: Any, t: Trace) -> Tokens:
+    """`t`'s ids so far followed by the template's ids of what follows its newest answer, the
+    observation and the generation prompt, outside the loss (`extend`, module docstring)."""
+    end = tuple(answer_end(tokenizer).ids)
+    closed = bool(end) and t.answers[-1][0][-len(end) :] == end
+    follow = follow_ids(tokenizer, t.episode.messages, closed, t.episode.tools)
+    return (
+        [*t.ids, *follow],
+        t.prompt_len,
+        [*t.mask, *[0] * len(follow)],
+        [*t.logprobs, *[0.0] * len(follow)],
+    )
+
+
+def retrace(tokenizer: Any, t: Trace) -> Tokens:
+    """`t` as the template's rendering of its conversation so far with the generation prompt,
+    each earlier answer trained on the longest prefix of its tokens there that are the ones
+    sampled (`rerender`, module docstring)."""
+    turns = render_turns(
+        tokenizer, [t.episode.messages], generation_prompt=True, tools=[t.episode.tools]
+    )[0]
     ids = list(turns.ids)
     first = turns.spans[0] if turns.spans else None
     start = min(t.prompt_len, first[0]) if first is not None else t.prompt_len
@@ -219,4 +240,4 @@ def retrace(t: Trace, turns: Turns) -> None:
         keep = common_prefix(ids[a:b], sampled)
         for k in range(keep):
             mask[a - start + k], logprobs[a - start + k] = 1, lps[k]
-    t.ids, t.prompt_len, t.mask, t.logprobs = ids, start, mask, logprobs
+    return ids, start, mask, logprobs

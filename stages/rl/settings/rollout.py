@@ -6,6 +6,8 @@ Input: a stage's config values. Output: the fields of `RolloutSettings`, a base 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from engine.stage import StageConfig
@@ -28,6 +30,15 @@ class RolloutSettings(StageConfig):
         None,
         description="A multi-turn environment each episode talks to (docs/rl/environments.md); "
         "none: one turn scored by the verifier.",
+    )
+    multi_turn_tokens: Literal["extend", "rerender"] = Field(
+        "extend",
+        description="How an environment's later turns are asked, as token ids: extend (token-in, "
+        "token-out, as NeMo RL requires) appends the observation's and generation prompt's ids to "
+        "the ids so far, every sampled id kept and trained as sampled; rerender asks from the chat "
+        "template's rendering of the conversation so far, as evaluate and a chat server do, and "
+        "trains an earlier answer only where the rendering reproduces its sampled ids "
+        "(docs/rl/on-policy.md#tokens).",
     )
     backend: Backend = Field(
         default_factory=lambda: LocalBackend(kind="local", batch_size=256),
