@@ -154,7 +154,9 @@ def _collect_http(
     log_file = ctx.path(f"{os.path.basename(cfg.output)}.{cfg.backend.kind}.log")  # its servers'
     visible = ctx.device_env().get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else None
-    with cfg.backend.open_endpoint(Serving(ctx.log, ctx.gpus, devices, log_file)) as endpoint:
+    parser = cfg.environment.tool_call_parser if cfg.environment else None
+    serving = Serving(ctx.log, ctx.gpus, devices, log_file, parser)
+    with cfg.backend.open_endpoint(serving) as endpoint:
         run_async(_collect_async(cfg, endpoint, pairs(work), recorder, make_env))
     if cfg.num_samples_in_parallel == "auto":
         conc = recorder.stats.metrics()["concurrency"]

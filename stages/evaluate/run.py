@@ -152,7 +152,9 @@ class Generator:
         gpus = len(self.ctx.devices()) if self.ctx is not None else 0
         visible = self.ctx.device_env().get("CUDA_VISIBLE_DEVICES") if self.ctx else None
         devices = visible.split(",") if visible else None
-        with backend.open_endpoint(Serving(log, gpus, devices)) as endpoint:
+        env = self.cfg.environment
+        parser = env.tool_call_parser if env is not None else None
+        with backend.open_endpoint(Serving(log, gpus, devices, None, parser)) as endpoint:
             yield endpoint
 
     def _http(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:

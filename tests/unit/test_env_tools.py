@@ -193,6 +193,8 @@ def test_vllm_servers_start_with_the_templates_tool_call_parser(tmp_path):
         "hermes",
     ]
     assert tool_call_args(str(plain)) == [] and tool_call_args("Qwen/Qwen2.5-0.5B") == []
+    named = tool_call_args("Qwen/Qwen2.5-0.5B", "pythonic")  # the environment's setting wins
+    assert named == ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
 
 
 @pytest.mark.parametrize(

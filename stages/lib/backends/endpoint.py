@@ -36,12 +36,14 @@ class RequestSettings(Protocol):
 class Serving:
     """Where a backend that starts servers runs them: the GPUs the stage holds (`devices`:
     their ids, CUDA_VISIBLE_DEVICES), the log its progress goes to and the file its servers'
-    output goes to."""
+    output goes to; `tool_call_parser`, the format the servers read the model's tool calls
+    in (the environment's setting; None: the one the checkpoint's template shows)."""
 
     log: logging.Logger
     gpus: int = 0
     devices: Sequence[str] | None = None
     log_file: str | None = None
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,7 @@ class VLLMBackend(BackendConfig):
             log=serving.log,
             log_file=serving.log_file,
             secret=secret,
+            tool_call_parser=serving.tool_call_parser,
         ) as base_url:
             serving.log.info("vLLM server ready at %s", base_url)
             yield Endpoint(base_url, str(self.model), "chat", api_key=secret, vllm=True)

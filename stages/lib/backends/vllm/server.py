@@ -235,9 +235,11 @@ def vllm_servers(
     secret: str,
     host: str = HOST,
     extra_env: Mapping[str, str] | None = None,
+    tool_call_parser: str | None = None,
 ) -> Iterator[list[str]]:
     """Serve `backend` with `vllm_num_engines` servers (one per tensor-parallel group of
     `devices` when given) on `host`; yield their base URLs ("http://HOST:PORT/v1").
+    `tool_call_parser`: the format they read tool calls in (`tool_call_args`).
 
     Every request to them must bear `secret` (`vllm_auth.bearer(secret)`). Engine i logs
     to `log_file` (`vllm.log`, then `vllm.1.log`, ...; default a file in $TMPDIR named
@@ -250,7 +252,7 @@ def vllm_servers(
     started = time.monotonic()
     with ExitStack() as stack:
         extra_args = [*extra_args, *dated_template_args(backend.model, stack)]
-        extra_args += tool_call_args(backend.model)
+        extra_args += tool_call_args(backend.model, tool_call_parser)
         servers = []
         for i, devices in enumerate(slices):
             port = backend.port + i if backend.port else free_port(host)
@@ -295,15 +297,18 @@ def dated_template_args(model: str | None, stack: ExitStack) -> list[str]:
     return ["--chat-template", path]
 
 
-def tool_call_args(model: str | None) -> list[str]:
-    """`--enable-auto-tool-choice --tool-call-parser NAME` where the checkpoint's template
-    writes tool calls in a format pipe reads (`stages.lib.chat.tool_calls.parser_for`): the
-    server answers requests with `tools` with structured `tool_calls`, parsed as the local
-    engine parses them. Nothing for a template with no tool-call format."""
+def tool_call_args(model: str | None, parser: str | None = None) -> list[str]:
+    """`--enable-auto-tool-choice --tool-call-parser NAME`: `parser` (the environment's
+    `tool_call_parser`), else the format the checkpoint's template writes tool calls in
+    (`stages.lib.chat.tool_calls.parser_for`): the server answers requests with `tools` with
+    structured `tool_calls`, parsed as the local engine parses them. Nothing for a template
+    with no tool-call format."""
     from stages.lib.chat.tool_calls import parser_for
 
-    template = _folder_template(model) if model is not None and os.path.isdir(model) else None
-    parser = parser_for(template) if template else None
+    if parser is None:
+        local = model is not None and os.path.isdir(model)
+        template = _folder_template(model) if local else None  # type: ignore[arg-type]
+        parser = parser_for(template) if template else None
     return ["--enable-auto-tool-choice", "--tool-call-parser", parser] if parser else []
 
 
