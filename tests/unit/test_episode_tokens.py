@@ -250,12 +250,14 @@ def test_the_next_turns_prompt_is_the_same_in_rl_evaluate_and_collect(
     assert episodes[0].usage == [len(engine.prompts[0]) + len(rl_turn2), sum(map(len, answers))]
 
 
+@pytest.mark.parametrize("tokens", ["rerender", "extend"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_an_observation_the_template_refuses_fails_the_episode(family, family_checkpoint):
-    """Gemma's and Mistral's templates take user and assistant turns only, alternating."""
+def test_an_observation_the_template_refuses_fails_the_episode(family, family_checkpoint, tokens):
+    """Gemma's and Mistral's templates take user and assistant turns only, alternating: in
+    either multi-turn mode the episode fails with the template's reason."""
     tok = tokenizer(family, family_checkpoint)
     answers = [answer_ids(tok, "4") + list(answer_end(tok).ids)] * 2
-    group, _ = play(tok, answers, role="system")
+    group, _ = play(tok, answers, role="system", tokens=tokens)
     for t in group:
         if family in ("gemma", "mistral"):
             assert t.episode.end == "failed"
@@ -263,6 +265,9 @@ def test_an_observation_the_template_refuses_fails_the_episode(family, family_ch
                 "the chat template cannot render the observation: Conversation roles must "
                 "alternate user/assistant/user/assistant/..."
             )
+        elif tokens == "extend":
+            assert t.episode.end == "done"
+            assert runs(t.mask, t.ids[t.prompt_len :]) == answers
         else:
             assert t.episode.end == "done"
             assert (

@@ -22,7 +22,6 @@ from stages.lib.chat.clock import render
 from stages.lib.chat.tokens import answer_end
 from tests.unit.test_episode_tokens import (
     ALL,
-    FAMILIES,
     LOGPROB,
     QUESTION,
     answer_ids,
@@ -112,24 +111,6 @@ def test_an_answer_beginning_with_whitespace_keeps_every_token(family, family_ch
         assert kept == [answers[1]]
     else:
         assert kept == answers
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_an_observation_the_template_refuses_fails_the_episode(family, family_checkpoint):
-    """As in `rerender`: Gemma's and Mistral's templates take user and assistant turns only."""
-    tok = tokenizer(family, family_checkpoint)
-    answers = [answer_ids(tok, "4") + list(answer_end(tok).ids)] * 2
-    group, _ = play(tok, answers, role="system", tokens="extend")
-    for t in group:
-        if family in ("gemma", "mistral"):
-            assert t.episode.end == "failed"
-            assert t.episode.error == (
-                "the chat template cannot render the observation: Conversation roles must "
-                "alternate user/assistant/user/assistant/..."
-            )
-        else:
-            assert t.episode.end == "done"
-            assert runs(t.mask, t.ids[t.prompt_len :]) == answers
 
 
 @pytest.mark.parametrize("family", ["chatml", "llama3"])
