@@ -2,11 +2,15 @@
 on two-turn `retry` episodes of a Llama-3.1-like checkpoint (a template that trims answers).
 
     .venv/bin/python bench/multi_turn_tokens.py [--steps 10] [--prompts 16] [--seed 0]
+        [--model llama3|trim]
 
 Made once in bench/out/multi_turn_tokens/base: pipelines/grpo_retry.yaml's data and warm-up,
 with the warm-up's model a `family: llama3` checkpoint (Llama 3.1's special tokens and chat
 template, its `| trim` included; a small BPE) and its steps capped at --warmup-steps.
-Then:
+`--model trim`: the quickstart's tiny model (a 512-token BPE, fast enough on a CPU to warm up
+to grpo_retry's 40%) with its plain template changed only to `| trim` each answer, as Llama
+3's does (written to bench/out/multi_turn_tokens/trim.jinja); its random-weights twin is the
+warm-up's folder with fresh weights. Then:
 
 1. Tokens: on the warm-up and on the same model with random weights (an untrained model's
    answers: cut at 8 tokens, whitespace first among them), --prompts test prompts x 8
@@ -36,23 +40,48 @@ PIPE = [sys.executable, "-m", "engine.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 MODEL = "{family: llama3, dtype: float32, hidden_size: 128, num_layers: 2, num_heads: 16}"
 MODES = ("extend", "rerender")
+TINY = "{hidden_size: 128, num_layers: 2, num_heads: 16, vocab_size: 512}"
+TRIM = (  # the tiny models' template (stages.lib.chat.prompt), each answer trimmed
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['role'] == 'assistant' %}{{ message['content'] | trim }}{{ eos_token }}"
+    "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 
 
-def base(warmup_steps: int) -> Path:
-    """The data and the Llama-3.1-like warm-up, made once."""
-    run = OUT / "base"
+def base(warmup_steps: int, model: str = "llama3") -> Path:
+    """The data and the warm-up (Llama-3.1-like, or the tiny model trimming), made once."""
+    run = OUT / ("base" if model == "llama3" else f"base-{model}")
     if not (run / "warmup" / "checkpoint" / "config.json").exists():
         sets = {
             "stages.warmup.config.model": MODEL,
             "stages.warmup.config.max_steps": warmup_steps,
             "stages.data.config.size": 4000,
         }
+        if model == "trim":
+            (OUT / "trim.jinja").parent.mkdir(parents=True, exist_ok=True)
+            (OUT / "trim.jinja").write_text(TRIM)
+            sets["stages.warmup.config.model"] = TINY
+            sets["stages.warmup.config.chat_template"] = str(OUT / "trim.jinja")
         args = [*PIPE, "run", "pipelines/grpo_retry.yaml", "--run-dir", str(run)]
         args += ["--only", "data", "--only", "warmup"]
         for k, v in sets.items():
             args += ["--set", f"{k}={v}"]
         subprocess.run(args, cwd=ROOT, env=ENV, check=True)
     return run
+
+
+def fresh_weights(model: Path) -> Path:
+    """`model`'s folder (its tokenizer and template) with freshly initialised weights."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = OUT / f"random-{model.parent.parent.name}" / "checkpoint"
+    if not (folder / "config.json").exists():
+        shutil.copytree(model, folder, dirs_exist_ok=True)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).save_pretrained(folder)
+    return folder
 
 
 def random_checkpoint() -> Path:
@@ -139,7 +168,7 @@ def learning(
         args += ["--set", f"stages.grpo.config.{k}={v}"]
     subprocess.run(args, cwd=ROOT, env=ENV, check=True, capture_output=True)
     text = (b / "grpo/metrics.jsonl").read_text()
-    (OUT / f"grpo-{mode}.jsonl").write_text(text)
+    (OUT / f"grpo-{b.name}-{mode}.jsonl").write_text(text)
     result = json.loads((b / "grpo/rl_result.json").read_text())
     return [json.loads(x) for x in text.splitlines()], result
 
@@ -151,9 +180,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-steps", type=int, default=300)
     p.add_argument("--no-learning", action="store_true", help="part 1 only")
+    p.add_argument("--model", choices=("llama3", "trim"), default="llama3")
     a = p.parse_args()
-    b = base(a.warmup_steps)
-    for name, model in (("warm-up", b / "warmup/checkpoint"), ("random", random_checkpoint())):
+    b = base(a.warmup_steps, a.model)
+    warm = b / "warmup/checkpoint"
+    random = random_checkpoint() if a.model == "llama3" else fresh_weights(warm)
+    for name, model in (("warm-up", warm), ("random", random)):
         print(f"{name} checkpoint ({model}):")
         table(tokens(b, model, a.prompts, a.seed))
     if a.no_learning:
