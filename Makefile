@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: install gemma3 install-slurm stop-slurm install-vllm quickstart test test-fast test-vllm test-gpu wheelhouse gpu-check lint fmt schemas docs docs-reference bench bench-rl bench-rl-setup clean
+.PHONY: install gemma3 install-slurm stop-slurm install-vllm install-gym quickstart test test-fast test-vllm test-gpu wheelhouse gpu-check lint fmt schemas docs docs-reference bench bench-rl bench-rl-setup clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,11 @@ gemma3: install
 # and the engine starts its OpenAI server as a separate process (stages/collect/vllm_server.py)
 install-vllm:
 	bash scripts/install_vllm.sh
+
+# NeMo Gym 0.7.0 in its own venv, .venv-gym/ (Python 3.11, its declared >= 3.13 ignored, hydra and
+# omegaconf pinned): the environments' servers run from it (scripts/install_gym.sh says how)
+install-gym:
+	bash scripts/install_gym.sh
 
 # a one-node Slurm on this machine (Debian's slurm-wlm + munge, fake GPU gres gpu:2, daemons
 # started without systemd, PIDs in /run/pipe-slurm/) for `scheduler: slurm` and the `slurm` tests

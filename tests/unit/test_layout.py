@@ -146,7 +146,7 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
         before = after
 
 
-LIB_PACKAGES = ("api", "backends", "builders", "chat", "distributed", "env", "io", "model")
+LIB_PACKAGES = ("api", "backends", "builders", "chat", "distributed", "env", "io", "model", "serve")
 # file names every kind (or every role) has by design: the same job in each package
 PER_PACKAGE = {"__init__.py", "run.py", "brief.py", "cli.py"}
 # file names two packages share because they are the two sides of one concept; each

@@ -435,6 +435,73 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "a server that scores fewer tokens than it returns (not vLLM's V1 engine): the step "
         "fails naming it, rather than train tokens without their behaviour log-probability"
     ),
+    # --- the policy endpoint (a request's refusal is its HTTP answer, never the stage's) ---
+    ("stages/lib/serve/policy.py", "This model's maximum context length is {"): data(
+        "vLLM's own refusal of a prompt with no room left: NeMo Gym reads it as a turn cut for length"
+    ),
+    ("stages/lib/serve/policy.py", "BadRequest(str(e))"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/policy.py", "the chat template failed on these messag"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/policy.py", "the policy endpoint could not start on {"): environment(
+        "the port was taken or the host cannot be bound"
+    ),
+    ("stages/lib/serve/wire.py", "expected 'messages' (a list of chat mess"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "tools[{}]: expected {'type': 'function',"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}.role: expected one of 'system', 'deve"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}: a tool message needs its 'tool_call_"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}: expected {'id': str, 'type': 'functi"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "chat_template_kwargs: the chat template "): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "expected a JSON object, found {}"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "messages: expected a non-empty list of m"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "tools: expected a list of function schem"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}.content: expected a string or a list "): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}.content[{}]: only text parts are serv"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}.function.arguments: expected a JSON s"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}.function.arguments: not a JSON object"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}.tool_calls: a list on an assistant me"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}: expected a number in [{}, {}], found"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}: expected an integer >= {}, found {}"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}: expected true or false, found {}"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
+    ("stages/lib/serve/wire.py", "{}: {} is not supported: {}"): data(
+        "a client's request the policy endpoint refuses: answered 400 with the message, the server goes on"
+    ),
     # --- environments (an episode's failure is counted; only the share ends a stage) -------
     ("stages/lib/env/contract.py", "{} took longer than {} s"): data(
         "a user's environment hanging: fails its episode, counted against max_failed_share"
