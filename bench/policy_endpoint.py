@@ -48,31 +48,23 @@ def main() -> None:
     n, k = args.requests, args.tokens
 
     # min_new_tokens is not a setting: a random model may stop early, so tokens are counted
-    generate_with(
-        model,
-        tok,
-        prompts[:2],
-        num_samples=1,
-        temperature=0,
-        top_p=1,
-        max_new_tokens=k,
-        seed=0,
-        batch_size=64,
-        logprobs=True,
-    )  # warm-up
+    def generate(batch: list[Any]) -> Any:
+        return generate_with(
+            model,
+            tok,
+            batch,
+            num_samples=1,
+            temperature=0,
+            top_p=1,
+            max_new_tokens=k,
+            seed=0,
+            batch_size=64,
+            logprobs=True,
+        )
+
+    generate(prompts[:2])  # warm-up
     t = time.perf_counter()
-    gens = generate_with(
-        model,
-        tok,
-        prompts,
-        num_samples=1,
-        temperature=0,
-        top_p=1,
-        max_new_tokens=k,
-        seed=0,
-        batch_size=64,
-        logprobs=True,
-    )
+    gens = generate(prompts)
     direct = time.perf_counter() - t
     direct_tokens = sum(g[0].completion_tokens for g in gens)
 

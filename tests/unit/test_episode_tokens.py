@@ -110,6 +110,18 @@ def answer_ids(tok: Any, text: str) -> list[int]:
     return full[len(head) : len(full) - len(end)]
 
 
+TRIMS = ("llama3", "gemma")  # the families whose templates trim an answer
+
+
+def sampled_ids(tok: Any, family: str, text: str) -> list[int]:
+    """The ids of `text` as a model samples it: under a template that trims answers (Llama
+    3's, Gemma's), the trimmed whitespace as its own tokens after the answer's."""
+    core = text.rstrip()
+    if family.partition("-")[0] not in TRIMS:
+        return answer_ids(tok, text)
+    return answer_ids(tok, core) + encode(tok, text[len(core) :])
+
+
 def play(
     tok: Any,
     answers: list[list[int]],
@@ -177,13 +189,10 @@ def test_an_episode_with_sampled_whitespace_is_the_templates_rendering_up_to_its
     in the rendering are the sampled ones (the closing of a cut one outside the loss)."""
     tok = tokenizer(family, family_checkpoint)
     end = answer_end(tok)
-    trims = family.partition("-")[0] in ("llama3", "gemma")
+    trims = family.partition("-")[0] in TRIMS
 
-    def sampled(text: str) -> list[int]:  # the whitespace a template trims, as sampled
-        core = text.rstrip()
-        if not trims:
-            return answer_ids(tok, text)
-        return answer_ids(tok, core) + encode(tok, text[len(core) :])
+    def sampled(text: str) -> list[int]:
+        return sampled_ids(tok, family, text)
 
     texts = ["4\n ", "It is 4 and", "4 "]
     answers = [

@@ -24,11 +24,13 @@ from tests.unit.test_episode_tokens import (
     ALL,
     LOGPROB,
     QUESTION,
+    TRIMS,
     answer_ids,
     encode,
     play,
     rendered,
     runs,
+    sampled_ids,
     tokenizer,
 )
 
@@ -56,13 +58,10 @@ def test_every_sampled_id_is_trained_as_sampled(family, family_checkpoint):
     tok = tokenizer(family, family_checkpoint)
     end = answer_end(tok)
     texts = ["4\n ", "It is 4 and", "4 "]
-    trims = family.partition("-")[0] in ("llama3", "gemma")
+    trims = family.partition("-")[0] in TRIMS
 
     def sampled(text: str) -> list[int]:  # the whitespace a template trims, as sampled
-        core = text.rstrip()
-        if not trims:
-            return answer_ids(tok, text)
-        return answer_ids(tok, core) + encode(tok, text[len(core) :])
+        return sampled_ids(tok, family, text)
 
     answers = [
         sampled(texts[0]) + list(end.ids),

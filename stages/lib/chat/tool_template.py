@@ -147,12 +147,15 @@ def require_tools(template: str | None) -> None:
     if template not in _CHECKED:
         _CHECKED[template] = renders_tools(template)
     if not _CHECKED[template]:
-        family = tool_family(template)
-        fix = family or "one of " + ", ".join(sorted(set(TOOL_FAMILY.values())))
         raise ValueError(
             f"the episodes offer tools, and the chat template cannot render them; set the "
-            f"stage's chat_template: {fix}"
+            f"stage's chat_template: {_fix(template)}"
         )
+
+
+def _fix(template: str) -> str:
+    """The family template that renders tools in `template`'s format, else the choices."""
+    return tool_family(template) or "one of " + ", ".join(sorted(set(TOOL_FAMILY.values())))
 
 
 def check_tools_template(
@@ -164,8 +167,7 @@ def check_tools_template(
     the checkpoint whose own template it is."""
     if template is None or renders_tools(template):
         return []
-    family = tool_family(template)
-    fix = family or "one of " + ", ".join(sorted(set(TOOL_FAMILY.values())))
+    fix = _fix(template)
     return [
         ctx.error(path, f"the chat template '{name}' cannot render tools; use chat_template: {fix}")
     ]
