@@ -14,11 +14,12 @@ rises; workers retire after their current pair when it falls).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
 
 from stages.collect.inputs import ROLLOUT_FIELDS, Prompt
 from stages.collect.io import Key, Sink
@@ -28,6 +29,8 @@ from stages.lib.api.client import Completion, OpenAIClient, RequestError, backof
 from stages.lib.api.client import sample_seed as _seed
 from stages.lib.io.metrics import Metrics
 from stages.lib.verify import Score
+
+T = TypeVar("T")
 
 _dumps = json.JSONEncoder(ensure_ascii=False).encode
 _OVERLOAD = frozenset({"rate_limited", "timeout"})
@@ -268,3 +271,13 @@ class Collector:
         if isinstance(out, RequestError):
             return out
         return out, now - start
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run, or in a fresh thread when this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()

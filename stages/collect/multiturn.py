@@ -54,10 +54,22 @@ def episode_line(
     prompt: Prompt, sample_idx: int, episode: Episode, usage: tuple[int, int], took: float
 ) -> str:
     """One episode as a JSONL line; it starts with its key, as a rollout line does."""
+    return record_line(prompt, sample_idx, episode.record(), episode.total, usage, took)
+
+
+def record_line(
+    prompt: Prompt,
+    sample_idx: int,
+    record: dict[str, Any],
+    total: float,
+    usage: tuple[int, int],
+    took: float,
+) -> str:
+    """An episode's `record` (its messages, rewards, turns, end) as a JSONL line."""
     fields = {k: v for k, v in prompt.row.items() if k not in EPISODE_FIELDS}
-    fields.update(episode.record())
+    fields.update(record)
     fields.update(
-        reward=episode.total,
+        reward=total,
         usage={"prompt_tokens": usage[0], "completion_tokens": usage[1]},
         latency_s=round(took, 4),
     )

@@ -1,5 +1,6 @@
 """Collect one range of prompts into one output: resume what a killed run left, collect the
-rest (in-process `local` generation or an HTTP backend), publish atomically.
+rest (in-process `local` generation, an HTTP backend, or another ecosystem's agent playing
+against the backend: `stages.collect.agent_runs`), publish atomically.
 
 Input: a resolved CollectConfig (its `start_idx`/`end_idx` give the range) and the
 StageContext. Output: `cfg.output` and its failures sidecar (`stages.collect.io`),
@@ -9,16 +10,16 @@ shard task of `stages.collect.shard` for its piece.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import glob
 import os
-from collections.abc import Callable, Coroutine, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from stages.collect import io, publish
+from stages.collect.collector import run_async
 from stages.collect.inputs import Prompt, iter_lines, parse_row, row_range
 from stages.collect.stats import Stats
+from stages.lib.env.field import AGENT_KINDS
 from stages.lib.io.jsonl import count_lines
 from stages.lib.verify import make_verifier
 
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
     from stages.collect.collector import Recorder
     from stages.lib.backends.endpoint import Endpoint
     from stages.lib.env.message_play import MakeEnv
-
-T = TypeVar("T")
 
 
 def up_to_date(output: str, ctx: StageContext) -> dict[str, Any]:
@@ -70,7 +69,11 @@ def collect_range(
     recorder = Recorder(score, sink, stats, failed_runs, ctx.log, Metrics(ctx.stage_dir))
     try:
         work = pending(cfg.input, start, end, cfg.num_repeats, done)
-        if cfg.backend.in_process() is not None:
+        if cfg.environment is not None and cfg.environment.kind in AGENT_KINDS:
+            from stages.collect.agent_runs import collect_agent
+
+            collect_agent(cfg, ctx, pairs(work), recorder)  # another ecosystem's agent plays
+        elif cfg.backend.in_process() is not None:
             from stages.collect.in_process import collect_in_process
             from stages.lib.devices import torch_device
 
@@ -200,13 +203,3 @@ async def _collect_async(
         else:
             collector = Collector(client, recorder, **settings)
         await collector.run(work)
-
-
-def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run, or in a fresh thread when this thread already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()

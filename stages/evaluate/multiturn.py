@@ -14,9 +14,12 @@ the checkpoint, `prompt_idx`, `sample_idx` and the row's `answer`).
 one batched call (`play_batched`), each rendered with the shared chat template; `vllm` and
 `openai` send each conversation to the chat endpoint, every episode on its own,
 `environment.concurrency` at once, each request seeded per (row, sample, turn) and retried
-with backoff as the one-turn path's are. An episode the environment breaks is recorded
-with its reason; above `environment.max_failed_share` of a checkpoint's episodes the
-stage fails (`check_failures`).
+with backoff as the one-turn path's are. Another ecosystem's environment (kind `nemo_gym`)
+plays each episode itself: its agent's `/run` against the checkpoint served over HTTP (the
+`local` backend's by pipe, `stages.lib.backends.local`), `environment.concurrency` runs at
+once, scored by the agent's reward (`solved`: the full reward). An episode the environment
+breaks is recorded with its reason; above `environment.max_failed_share` of a checkpoint's
+episodes the stage fails (`check_failures`).
 
 One name, two sides of one concept (a kind's multi-turn path, episodes against the stage's
 environment: collect's; this file: evaluate's; `stages/collect/multiturn.py` the other side).
@@ -39,6 +42,7 @@ from stages.lib.env.contract import (
     max_turns,
     open_episode,
 )
+from stages.lib.env.field import AGENT_KINDS
 from stages.lib.env.message_play import local_answer, play_batched, play_one, summary
 
 if TYPE_CHECKING:
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
     from stages.evaluate import EvaluateConfig
     from stages.lib.api.client import OpenAIClient
     from stages.lib.backends.endpoint import Endpoint
+    from stages.lib.env.responses import AgentEpisode
 
 log = logging.getLogger("pipe.stages.evaluate")
 
@@ -71,8 +76,10 @@ class Play:
             raise ValueError(f"evaluate: {problem[0]}: {problem[1]}")
         self.cfg, self.env, self.ctx, self.endpoint = cfg, cfg.environment, ctx, endpoint
         self.dtype = dtype
-        self.make_env = environment_factory(cfg.environment, cfg.verifier)
-        self.max_turns = max_turns(cfg.environment)
+        self.agent = cfg.environment.kind in AGENT_KINDS  # its agent plays each episode
+        if not self.agent:
+            self.make_env = environment_factory(cfg.environment, cfg.verifier)
+            self.max_turns = max_turns(cfg.environment)
         self.samples = 1 if cfg.temperature == 0 else cfg.num_samples
         if cfg.temperature == 0 and cfg.num_samples > 1:
             log.warning("temperature 0 gives %d identical episodes; playing one", cfg.num_samples)
@@ -81,7 +88,11 @@ class Play:
         """Solved per row and sample, the report's episode fields and the generations rows;
         raises above the failed share."""
         local = self.cfg.backend.in_process() is not None
-        episodes = self._local(path, rows) if local else self._http(path, rows)
+        episodes: list[Any]
+        if self.agent:
+            episodes = self._agent(path, rows)
+        else:
+            episodes = self._local(path, rows) if local else self._http(path, rows)
         stats = summary(episodes)
         for reason in stats["failure_reasons"]:
             log.warning("%s: an episode failed: %s", name, reason)
@@ -169,7 +180,41 @@ class Play:
                 *(one(i, s) for i in range(len(rows)) for s in range(self.samples))
             )
 
-    def _fields(self, episodes: list[Episode], stats: dict[str, Any]) -> dict[str, Any]:
+    def _agent(self, path: str, rows: list[dict[str, Any]]) -> list[AgentEpisode]:
+        """Every episode played by NeMo Gym's agent against the checkpoint, served for the
+        block (the local backend's too), `concurrency` runs at once; a run that fails for
+        good fails its episode."""
+        import tempfile
+
+        from stages.lib.env.gym import nemo_gym
+
+        work_dir = self.ctx.stage_dir if self.ctx is not None else tempfile.mkdtemp()
+        sampling = {"temperature": self.cfg.temperature, "top_p": 1.0}
+        sampling["max_output_tokens"] = self.cfg.max_output_tokens
+        with self.endpoint(path) as endpoint, nemo_gym(self.env, endpoint, work_dir, log) as url:
+            return asyncio.run(self._run_all(f"{url}/run", rows, sampling))
+
+    async def _run_all(
+        self, url: str, rows: list[dict[str, Any]], sampling: dict[str, Any]
+    ) -> list[AgentEpisode]:
+        from stages.lib.api.client import RequestError, complete_retrying
+        from stages.lib.env.responses import AgentClient, agent_episode, failed_episode, run_body
+
+        gate = asyncio.Semaphore(self.env.concurrency)
+        client = AgentClient(self.env.timeout_s, self.env.concurrency)
+
+        async def one(row: dict[str, Any]) -> AgentEpisode:
+            try:
+                body = run_body(row, sampling)
+                out = await complete_retrying(client, url, body, gate, MAX_RETRIES, BACKOFF_S)
+                return agent_episode(row, out)
+            except (RequestError, ValueError) as exc:
+                return failed_episode(row, str(exc))
+
+        async with client:
+            return await asyncio.gather(*(one(r) for r in rows for _ in range(self.samples)))
+
+    def _fields(self, episodes: list[Any], stats: dict[str, Any]) -> dict[str, Any]:
         """Accuracy: solved within max_turns; mean reward: a model turn's."""
         rewards = [r for e in episodes for r in e.rewards]
         return {
@@ -182,7 +227,7 @@ class Play:
         }
 
     def _records(
-        self, name: str, rows: list[dict[str, Any]], episodes: list[Episode]
+        self, name: str, rows: list[dict[str, Any]], episodes: list[Any]
     ) -> list[dict[str, Any]]:
         return [
             {

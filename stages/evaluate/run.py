@@ -154,7 +154,10 @@ class Generator:
         devices = visible.split(",") if visible else None
         env = self.cfg.environment
         parser = env.tool_call_parser if env is not None else None
-        with backend.open_endpoint(Serving(log, gpus, devices, None, parser)) as endpoint:
+        from stages.lib.devices import torch_device
+
+        serving = Serving(log, gpus, devices, None, parser, torch_device(self.ctx))
+        with backend.open_endpoint(serving) as endpoint:
             yield endpoint
 
     def _http(self, path: str, prompts: list[Any], num_samples: int) -> list[list[Answer]]:

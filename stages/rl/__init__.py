@@ -25,7 +25,7 @@ from stages.lib.config import (
     check_verifier,
 )
 from stages.lib.distributed.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
-from stages.lib.env.field import check_environment, check_environment_tools
+from stages.lib.env.field import AGENT_KINDS, check_environment, check_environment_tools
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.model.gguf import memory_model
@@ -228,6 +228,15 @@ class RLConfig(
         if self.verifier is not None:
             out += check_verifier(self.verifier, ctx)
         out += check_environment(self.environment, ctx)
+        if self.environment is not None and self.environment.kind in AGENT_KINDS:
+            out.append(
+                ctx.error(
+                    "environment.kind",
+                    "rl does not train on NeMo Gym's agent episodes yet (collect and evaluate "
+                    "run them): collect its episodes with a collect stage, or give rl an "
+                    "environment pipe drives (a built-in, module:Class or url)",
+                )
+            )
         out += check_environment_tools(
             self.environment, ctx, self.chat_template, self.prompt_template, [("model", self.model)]
         )

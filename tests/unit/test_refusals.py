@@ -435,6 +435,42 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "a server that scores fewer tokens than it returns (not vLLM's V1 engine): the step "
         "fails naming it, rather than train tokens without their behaviour log-probability"
     ),
+    # --- NeMo Gym's agents (stages.lib.env.gym, responses; stages.collect.agent_runs) ---
+    ("stages/lib/env/responses.py", "status_error(resp.status, text, resp.hea"): transient(
+        "the agent's /run answered an HTTP error: retried with backoff when a retry may help, "
+        "then the pair goes to the failures sidecar"
+    ),
+    ("stages/lib/env/responses.py", "bad_response not JSON: {}"): transient(
+        "the agent answered something that is not JSON: retried, then the failures sidecar"
+    ),
+    ("stages/lib/env/responses.py", "the agent's answer is not a run result ("): transient(
+        "the agent answered JSON that is not a run result: retried, then the failures sidecar"
+    ),
+    ("stages/lib/env/responses.py", "a NeMo Gym row needs 'responses_create_p"): data(
+        "an input row NeMo Gym cannot run: a bad row in the failures sidecar"
+    ),
+    ("stages/lib/env/gym.py", "environment kind nemo_gym: NeMo Gym is n"): environment(
+        "NeMo Gym is installed where the stage runs (make install-gym), or it is not"
+    ),
+    ("stages/lib/env/gym.py", "environment.config_paths: no NeMo Gym co"): environment(
+        "the configs are files of the NeMo Gym installed where the stage runs"
+    ),
+    ("stages/lib/env/gym.py", "environment.head: the NeMo Gym servers a"): environment(
+        "servers already running, configured outside pipe: what their model server calls is "
+        "known only by asking their head"
+    ),
+    ("stages/lib/env/gym.py", "environment.agent: the NeMo Gym head at "): environment(
+        "servers already running: which agents they serve is known only by asking their head"
+    ),
+    ("stages/lib/env/gym.py", "environment.agent: NeMo Gym's servers st"): environment(
+        "the agents the configs start are NeMo Gym's to name: known once its servers run"
+    ),
+    ("stages/lib/env/gym.py", "nemo_gym: ng_run exited with {} before i"): environment(
+        "NeMo Gym's own start failed (its log's end is in the message)"
+    ),
+    ("stages/lib/env/gym.py", "nemo_gym: servers not ready after {} s; "): transient(
+        "NeMo Gym's servers did not come up in time (its log's end is in the message)"
+    ),
     # --- the policy endpoint (a request's refusal is its HTTP answer, never the stage's) ---
     ("stages/lib/serve/policy.py", "This model's maximum context length is {"): data(
         "vLLM's own refusal of a prompt with no room left: NeMo Gym reads it as a turn cut for length"

@@ -289,7 +289,7 @@ def test_the_retry_environment_is_planned_with_grpo_only(tmp_path: Path):
             "{kind: retri}",
             "",
             "p.yaml:7:27: stages.s.config.environment.kind: expected 'single_turn', 'retry', "
-            "'calculator', 'python' or 'module:Class', found 'retri'; did you mean 'retry'?",
+            "'calculator', 'python', 'nemo_gym' or 'module:Class', found 'retri'; did you mean 'retry'?",
         ),
     ],
 )

@@ -26,7 +26,7 @@ import asyncio
 import json
 import random
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
@@ -265,14 +265,23 @@ async def complete_all(
     return [list(flat[i * num_samples : (i + 1) * num_samples]) for i in range(len(prompts))]
 
 
+R_co = TypeVar("R_co", covariant=True)
+
+
+class Sends(Protocol[R_co]):
+    """A client that posts one request body to a URL (`OpenAIClient`: a `Completion`)."""
+
+    async def complete(self, url: str, body: bytes) -> R_co: ...
+
+
 async def complete_retrying(
-    client: OpenAIClient,
+    client: Sends[R_co],
     url: str,
     body: bytes,
     gate: asyncio.Semaphore | None = None,
     max_retries: int = 4,
     backoff_s: float = 0.5,
-) -> Completion:
+) -> R_co:
     """One request, retried with backoff while it fails in a retryable way (the gate held
     only while it is in flight); a failure for good raises its RequestError."""
     for attempt in range(max_retries + 1):

@@ -37,13 +37,15 @@ class Serving:
     """Where a backend that starts servers runs them: the GPUs the stage holds (`devices`:
     their ids, CUDA_VISIBLE_DEVICES), the log its progress goes to and the file its servers'
     output goes to; `tool_call_parser`, the format the servers read the model's tool calls
-    in (the environment's setting; None: the one the checkpoint's template shows)."""
+    in (the environment's setting; None: the one the checkpoint's template shows); `device`,
+    the torch device a backend that serves from the stage's own process loads on."""
 
     log: logging.Logger
     gpus: int = 0
     devices: Sequence[str] | None = None
     log_file: str | None = None
     tool_call_parser: str | None = None
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Endpoint:
     endpoint: str
     api_key: str | None = None
     vllm: bool = False  # a vLLM server the stage started: it takes vLLM's sampling fields
+    tokenizes: bool = False  # it answers /tokenize and returns token ids (vLLM's, pipe's own)
 
     def __repr__(self) -> str:  # the key never reaches a log line
         return f"Endpoint({self.base_url!r}, model={self.model!r}, endpoint={self.endpoint!r})"

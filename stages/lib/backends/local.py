@@ -4,7 +4,9 @@ Input: the block (`model`, `batch_size`, `precision`). Output: its rules (it loa
 checkpoint: a folder, a GGUF or a hub id; as the rl stage's engine it computes in the actor's
 dtype) and the in-process generator (`in_process`): answers from `stages.lib.model.generate`,
 a checkpoint loaded once per process in the one precision a stage gives all its checkpoints
-(`load_dtype`: `stages.lib.model.dtypes.resolve_precision`).
+(`load_dtype`: `stages.lib.model.dtypes.resolve_precision`); and, for what calls a model
+over HTTP (NeMo Gym's model server), that generator served as an OpenAI-compatible endpoint
+(`open_endpoint`: `stages.lib.serve.policy.PolicyServer`, on 127.0.0.1 with a fresh key).
 
 One name, two sides of one concept (the `local` engine, generation in the stage's own process:
 the backend collect and evaluate generate with; `stages/rl/rollout/local.py`: rl's rollout
@@ -13,7 +15,8 @@ engine).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
@@ -24,6 +27,7 @@ from stages.lib.backends.protocol import BackendConfig, InProcess
 from stages.lib.model.dtypes import PRECISION_HELP, Dtype
 
 if TYPE_CHECKING:
+    from stages.lib.backends.endpoint import Endpoint, Serving
     from stages.lib.model.generate import Generation
 
 
@@ -73,6 +77,34 @@ class LocalBackend(BackendConfig):
 
     def in_process(self) -> InProcess | None:
         return self
+
+    @contextmanager
+    def open_endpoint(self, serving: Serving) -> Iterator[Endpoint]:
+        """The checkpoint, loaded once in this process, served over HTTP for the block: chat
+        completions with tools and token ids, `/tokenize` (`docs/policy_endpoint.md`),
+        batched up to `batch_size`, the tool calls read with `serving.tool_call_parser`."""
+        import secrets
+
+        from stages.lib.backends.endpoint import Endpoint
+        from stages.lib.serve.batcher import local_engine
+        from stages.lib.serve.policy import PolicyServer, model_len
+
+        assert self.model is not None  # the stage's checks
+        loaded = self.load_dtype([self.model])
+        model, tokenizer = self.load(self.model, serving.device, loaded[0] if loaded else None)
+        key, name = secrets.token_hex(16), self.model.rstrip("/").rsplit("/", 1)[-1]
+        server = PolicyServer(
+            local_engine(model, tokenizer, self.batch_size),
+            tokenizer,
+            name=name,
+            parser=serving.tool_call_parser,
+            api_key=key,
+            max_model_len=model_len(model, tokenizer),
+            max_batch=self.batch_size,
+        )
+        with server:
+            serving.log.info("local: %s served at %s", self.model, server.base_url)
+            yield Endpoint(server.base_url, name, "chat", key, tokenizes=True)
 
     def load_dtype(self, paths: Sequence[str]) -> tuple[str, str] | None:
         from stages.lib.model.dtypes import resolve_precision

@@ -18,10 +18,14 @@ from engine.stage import ResolveContext
 from stages.lib.block import Block, check_callable, named_or_callable
 
 ENVIRONMENT_KINDS = ("single_turn", "retry", "calculator", "python")
+# another ecosystem's environments, which run whole episodes against the stage's model served
+# over HTTP and score them (`stages.lib.env.agent`: NeMo Gym's agent servers)
+AGENT_KINDS = ("nemo_gym",)
+_AGENT_FIELDS = ("config_paths", "agent", "head")
 
 
 def _environment_kind(value: Any) -> Any:
-    return named_or_callable(value, ENVIRONMENT_KINDS, "module:Class")
+    return named_or_callable(value, (*ENVIRONMENT_KINDS, *AGENT_KINDS), "module:Class")
 
 
 class EnvironmentConfig(Block):
@@ -31,8 +35,8 @@ class EnvironmentConfig(Block):
     kind: Annotated[str | None, BeforeValidator(_environment_kind)] = Field(
         None,
         description="single_turn, retry, calculator, python (built-ins, scored by the stage's "
-        "verifier; calculator and python offer that tool), or your own 'module:Class' (scores "
-        "itself).",
+        "verifier; calculator and python offer that tool), nemo_gym (NeMo Gym's servers: "
+        "config_paths and agent), or your own 'module:Class' (scores itself).",
     )
     url: str | None = Field(
         None,
@@ -70,6 +74,24 @@ class EnvironmentConfig(Block):
         "picked from the chat template; a server the stage starts parses with it too.",
     )
 
+    config_paths: list[str] | None = Field(
+        None,
+        description="kind nemo_gym: the environment's NeMo Gym config files, as NeMo Gym's docs "
+        "write them (relative to its package folder) or absolute; pipe adds the model server, "
+        "pointed at the stage's backend, and starts the servers from .venv-gym/.",
+    )
+    agent: str | None = Field(
+        None,
+        description="kind nemo_gym: the agent server each row is sent to (its /run), as the "
+        "configs name it.",
+    )
+    head: str | None = Field(
+        None,
+        description="kind nemo_gym: host:port of NeMo Gym's head server, for servers already "
+        "running (instead of config_paths); their model server must point at the stage's "
+        "backend.",
+    )
+
     @model_validator(mode="after")
     def _one_source(self) -> EnvironmentConfig:
         if (self.kind is None) == (self.url is None):
@@ -88,9 +110,19 @@ def check_environment(
     out: list[Diagnostic] = []
     verifier_set = sorted(p for p in ctx.explicit if p == "verifier" or p.startswith("verifier."))
     user = env.url is not None or (env.kind is not None and env.kind not in ENVIRONMENT_KINDS)
+    if env.kind in AGENT_KINDS:
+        out += _check_agent(env, ctx, path)
+    else:
+        out += [
+            ctx.error(
+                f"{path}.{name}", f"'{name}' is for kind nemo_gym (this is {env.kind or 'a url'})"
+            )
+            for name in _AGENT_FIELDS
+            if f"{path}.{name}" in ctx.explicit
+        ]
     if env.kind is not None:
         out += check_callable(ctx, f"{path}.kind", "environment", env.kind, noun="class")
-    if user and env.max_turns is None:
+    if user and env.max_turns is None and env.kind not in AGENT_KINDS:
         out.append(
             ctx.error(
                 f"{path}.kind" if env.kind else f"{path}.url",
@@ -106,6 +138,47 @@ def check_environment(
                 "scores the episodes itself, so this "
                 "verifier would be ignored: remove it (the built-in environments single_turn, "
                 "retry, calculator and python are the ones scored by the verifier)",
+            )
+        )
+    return out
+
+
+def _check_agent(env: EnvironmentConfig, ctx: ResolveContext, path: str) -> list[Diagnostic]:
+    """NeMo Gym's environment: an agent, and configs to start or a head to connect to; its
+    agent bounds the turns, so `max_turns` would act on nothing."""
+    out: list[Diagnostic] = []
+    if env.agent is None:
+        out.append(
+            ctx.error(
+                f"{path}.kind",
+                "kind nemo_gym needs 'agent': the agent server "
+                "each row is sent to, as its configs name it",
+            )
+        )
+    if (env.config_paths is None) == (env.head is None):
+        out.append(
+            ctx.error(
+                f"{path}.kind",
+                "kind nemo_gym needs exactly one of "
+                "'config_paths' (pipe starts NeMo Gym's servers) or 'head' (they "
+                "run already: host:port of the head server)",
+            )
+        )
+    if env.max_turns is not None:
+        out.append(
+            ctx.error(
+                f"{path}.max_turns",
+                "NeMo Gym's agent decides when an episode "
+                "ends (its config's max_steps): remove max_turns, or set the agent's "
+                "max_steps through 'config'",
+            )
+        )
+    if env.head is not None and env.config:
+        out.append(
+            ctx.error(
+                f"{path}.config",
+                "'config' overrides the configs of servers pipe "
+                "starts; with 'head' they run already: remove it",
             )
         )
     return out

@@ -170,7 +170,7 @@ async def play_each(
     return await _bounded(concurrency, [one(r) for r in rows for _ in range(num_samples)])
 
 
-def summary(episodes: Sequence[Episode]) -> dict[str, Any]:
+def summary(episodes: Sequence[Any]) -> dict[str, Any]:
     """What a report says of a set of episodes: solved within the bound, solved at the first
     turn, mean turns, mean total reward, failures (with the first reasons)."""
     n = len(episodes)

@@ -186,7 +186,9 @@ class VLLMBackend(BackendConfig):
             tool_call_parser=serving.tool_call_parser,
         ) as base_url:
             serving.log.info("vLLM server ready at %s", base_url)
-            yield Endpoint(base_url, str(self.model), "chat", api_key=secret, vllm=True)
+            yield Endpoint(
+                base_url, str(self.model), "chat", api_key=secret, vllm=True, tokenizes=True
+            )
 
 
 def vllm_block(backend: BackendConfig) -> VLLMBackend:
