@@ -7,12 +7,14 @@
 #      omegaconf and `ng_run` fails on `from omegaconf import MISSING` (antlr4's runtime 4.9.3,
 #      which omegaconf 2.3 requires, is published as an sdist only: pure Python);
 #   2. then nemo-gym with --ignore-requires-python and wheels only, the pins kept;
-#   3. then checked: `import nemo_gym` and `from omegaconf import MISSING`.
+#   3. then the requirements of the resources servers in GYM_SERVERS (default: math_with_judge
+#      reasoning_gym; example_single_tool_call needs none), the pins kept;
+#   4. then checked: `import nemo_gym` and `from omegaconf import MISSING`.
 # `ng_run` builds a venv per server with uv, which cannot fetch an interpreter offline: pipe
 # points every server at this one venv (`+skip_venv_if_present=true +uv_venv_dir=...`).
 # Idempotent: a venv whose marker file is newer than this script is left as is.
 # Environment: PYTHON (interpreter for the venv, default python3),
-# GYM_VENV (default <repo>/.venv-gym), NEMO_GYM_VERSION (default 0.7.0).
+# GYM_VENV (default <repo>/.venv-gym), NEMO_GYM_VERSION (default 0.7.0), GYM_SERVERS.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -35,6 +37,13 @@ test -x "$PY" || "$PYTHON" -m venv "$VENV"
 "$PY" -m pip install -q "${PINS[@]}"
 "$PY" -m pip install -q --ignore-requires-python --only-binary=:all: \
     "nemo-gym==$VERSION" "${PINS[@]}"
+# the resources servers pipe runs and tests need their own requirements in the one venv (each
+# server's requirements.txt, its `-e nemo-gym` line left out: installed above)
+SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+for server in ${GYM_SERVERS:-math_with_judge reasoning_gym}; do
+    grep -v '^-e ' "$SITE/resources_servers/$server/requirements.txt" > "$VENV/req-$server.txt"
+    "$PY" -m pip install -q -r "$VENV/req-$server.txt" "${PINS[@]}"
+done
 "$PY" -c "$CHECK; from importlib.metadata import version; print('nemo-gym', version('nemo-gym'))"
 touch "$MARKER"
 echo "nemo-gym $VERSION installed in $VENV in $(($(date +%s) - start)) s ($(du -sh "$VENV" | cut -f1))"

@@ -114,3 +114,93 @@ def test_evaluate_scores_with_the_agents_reward(tmp_path, family_checkpoint):
     (result,) = report["results"]
     assert (result["accuracy"], result["mean_turns"], result["failed_episodes"]) == (1.0, 2.0, 0)
     assert left_in(Path(stage.stage_dir)) == []
+
+
+class Oracle:
+    """A policy at the edge that answers each question it finds in its prompt with the text
+    given for it (right for some rows, wrong for others)."""
+
+    def __init__(self, tokenizer: Any, answers: dict[str, str]) -> None:
+        self.tok, self.answers = tokenizer, answers
+        self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def __call__(self, prompts: list[Any], sampling: Any) -> list[Any]:
+        from stages.lib.model.generate import Generation
+
+        out = []
+        for p in prompts:
+            seen = self.tok.decode(p.ids)
+            text = next((a for q, a in self.answers.items() if q in seen), "no idea")
+            ids = [*self.tok.encode(text, add_special_tokens=False), self.end]
+            lps = (-0.5,) * len(ids)
+            out.append(Generation(text, "stop", len(p.ids), len(ids), tuple(ids), lps, p.ids))
+        return out
+
+
+def math_rows() -> list[tuple[dict[str, Any], str, float]]:
+    """math_with_judge's own example rows (its judge off: math-verify decides): the boxed
+    answer for even rows, a wrong one for odd rows."""
+    path = SITE / "resources_servers/math_with_judge/data/example.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()[:4]]
+    out = []
+    for i, row in enumerate(rows):
+        right = i % 2 == 0
+        answer = row["expected_answer"] if right else "-12345"
+        out.append((row, f"The answer is \\boxed{{{answer}}}.", float(right)))
+    return out
+
+
+def chain_sum_rows() -> list[tuple[dict[str, Any], str, float]]:
+    """reasoning_gym's chain_sum, generated here as its create_dataset script does."""
+    import reasoning_gym
+
+    out = []
+    for i, entry in enumerate(reasoning_gym.create_dataset("chain_sum", size=4, seed=3)):
+        question = entry["question"]
+        row = {
+            "responses_create_params": {"input": [{"role": "user", "content": question}]},
+            "question": question,
+            "answer": entry["answer"],
+            "metadata": entry["metadata"],
+        }
+        answer = entry["answer"] if i % 2 == 0 else str(int(entry["answer"]) + 1)
+        out.append((row, f"<answer>{answer}</answer>", float(i % 2 == 0)))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("server", "made"),
+    [("math_with_judge", math_rows), ("reasoning_gym", chain_sum_rows)],
+)
+def test_nemo_gyms_verifiers_score_the_episodes(tmp_path, family_checkpoint, server, made):
+    from transformers import AutoTokenizer
+
+    needs = {"math_with_judge": "math_verify", "reasoning_gym": "reasoning_gym"}[server]
+    if not (SITE / needs).exists():
+        pytest.skip(f"{needs} not in .venv-gym (make install-gym installs it)")
+    cases = made()
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r, _, _ in cases))
+    tok = AutoTokenizer.from_pretrained(family_checkpoint("chatml"))
+    answers = {r["responses_create_params"]["input"][-1]["content"][-60:]: a for r, a, _ in cases}
+    environment = {
+        "kind": "nemo_gym",
+        "config_paths": [f"resources_servers/{server}/configs/{server}.yaml"],
+        "agent": f"{server}_simple_agent",
+    }
+    with PolicyServer(Oracle(tok, answers), tok, name="oracle") as policy:
+        cfg = EvaluateConfig.model_validate(
+            {
+                "input": str(tmp_path / "rows.jsonl"),
+                "backend": {"kind": "openai", "base_url": policy.base_url, "model": "oracle"},
+                "environment": environment,
+                "temperature": 0.0,
+                "output": str(tmp_path / "report.json"),
+            },
+            strict=False,
+        )
+        report = run_evaluate(cfg, ctx(tmp_path, "evaluate"))
+    (result,) = report["results"]
+    assert result["accuracy"] == sum(s for _, _, s in cases) / len(cases) == 0.5
+    generations = tmp_path / "generations.jsonl"
+    rewards = [json.loads(x)["total_reward"] for x in generations.read_text().splitlines()]
+    assert rewards == [s for _, _, s in cases]
