@@ -294,7 +294,9 @@ def _task_devices(payload: StagePayload) -> tuple[int, ...]:
     if payload.node_rank >= len(tasks):
         return ()
     mine = tasks[payload.node_rank]
-    return tuple(sorted({d for s in payload.slots if (s.node, s.worker) == mine for d in s.devices}))
+    return tuple(
+        sorted({d for s in payload.slots if (s.node, s.worker) == mine for d in s.devices})
+    )
 
 
 def _add_usage(

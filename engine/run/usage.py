@@ -14,8 +14,8 @@ What is measured: the worker process and every process it started (training rank
 servers, collect shards), the way `top` counts them: `cpu_util` in percent of one core (200
 is two busy cores), `rss_gb` their resident memory summed. Two stages sharing a worker at
 once (a CPU stage beside another) both see the worker's whole use. A sample every
-`PIPE_USAGE_INTERVAL_S` seconds (2 by default), one at the start and one at the end, so a
-stage shorter than the interval still writes its rows. The sampler is a daemon thread that
+`PIPE_USAGE_INTERVAL_S` seconds (2 by default) and one at the end, so a stage shorter than
+the interval still writes its row. The sampler is a daemon thread that
 sleeps between samples; its cost is measured by `bench/usage_sampler.py` (BENCHMARKS.md).
 A sampler that fails stops itself with one warning in the stage's log: it never fails a
 stage. A stage folder on remote storage (`s3://...`) gets its rows once, at the end.
@@ -106,36 +106,66 @@ class Sampler:
         self.samples = 0
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
-        self._cpu()  # the baseline: psutil measures CPU between two calls
+        self.me.cpu_percent(None)  # the baseline: psutil measures CPU between two calls
+        self.procs = {self.me.pid: self.me}
+
+    def _descendants(self) -> list[int]:
+        """The pids under this process: Linux's `/proc/PID/task/TID/children` walked from
+        here (the cost follows the tree), else psutil's scan of every process."""
+        found: list[int] = []
+        todo = [self.me.pid]
+        try:
+            while todo:
+                pid = todo.pop()
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+                        with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                            kids = [int(k) for k in f.read().split()]
+                        found.extend(kids)
+                        todo.extend(kids)
+            return found
+        except OSError:  # not Linux, or a kernel without the children files
+            with contextlib.suppress(self.psutil.Error):
+                return [c.pid for c in self.me.children(recursive=True)]
+            return []
 
     def _cpu(self) -> tuple[float, float]:
-        """CPU % of one core and RSS (GB) of this process and its descendants."""
-        try:
-            children = self.me.children(recursive=True)
-        except self.psutil.Error:
-            children = []
-        alive = {self.me.pid: self.me, **{c.pid: c for c in children}}
-        self.procs = {pid: self.procs.get(pid, proc) for pid, proc in alive.items()}
+        """CPU % of one core and RSS (GB) of this process and its descendants. A process seen
+        for the first time counts its CPU time since it started (psutil measures between
+        two calls)."""
         cpu = rss = 0.0
-        for proc in self.procs.values():
+        procs = {self.me.pid: self.me}
+        for pid in self._descendants():
+            proc = self.procs.get(pid)
+            if proc is None:
+                with contextlib.suppress(self.psutil.Error):
+                    proc = self.psutil.Process(pid)
+                    times = proc.cpu_times()
+                    age = max(time.time() - proc.create_time(), 1e-3)
+                    cpu += 100.0 * (times.user + times.system) / age
+            if proc is not None:
+                procs[pid] = proc
+        for pid, proc in procs.items():
             with contextlib.suppress(self.psutil.Error):
-                cpu += proc.cpu_percent(None)
+                used = proc.cpu_percent(None)
+                cpu += used if pid in self.procs else 0.0
                 rss += proc.memory_info().rss
+        self.procs = procs
         return cpu, rss / GB
 
     def sample(self) -> list[dict[str, Any]]:
         """One sample: a CPU row, then one row per GPU; appended to the files when local."""
         cpu, rss = self._cpu()
-        base = {"time": round(time.time(), 3), "worker": self.worker}
-        rows = [{**base, "cpu_util": round(cpu, 1), "rss_gb": round(rss, 4)}]
+        now = round(time.time(), 3)
+        row: dict[str, Any] = {"time": now, "worker": self.worker}
+        rows = [{**row, "cpu_util": round(cpu, 1), "rss_gb": round(rss, 4)}]
+        values = {"usage/cpu_util": cpu, "usage/rss_gb": rss}
         for device, util, mem in self.gpus.read() if self.gpus is not None else []:
             rows.append({**rows[0], "gpu": device, "gpu_util": util, "gpu_mem_gb": round(mem, 4)})
+            values[f"usage/gpu{device}_util"] = util
+            values[f"usage/gpu{device}_mem_gb"] = round(mem, 4)
         self.rows.extend(rows)
-        values: dict[str, float] = {"usage/cpu_util": cpu, "usage/rss_gb": rss}
-        for row in rows[1:]:
-            values[f"usage/gpu{row['gpu']}_util"] = row["gpu_util"]
-            values[f"usage/gpu{row['gpu']}_mem_gb"] = row["gpu_mem_gb"]
-        event = {"step": self.samples, "t": base["time"], "metrics": values}
+        event = {"step": self.samples, "t": now, "metrics": values}
         self.samples += 1
         _append(self.usage_path, [json.dumps(r) for r in rows])
         _append(self.events_path, [json.dumps(event)])
@@ -146,10 +176,11 @@ class Sampler:
             while not self.stopped.wait(self.interval_s):
                 self.sample()
         except Exception as exc:  # a sampler's failure never fails the stage
-            log.warning("usage: sampling stopped (%s: %s); the stage goes on", type(exc).__name__, exc)
+            log.warning(
+                "usage: sampling stopped (%s: %s); the stage goes on", type(exc).__name__, exc
+            )
 
     def start(self) -> None:
-        self.sample()
         self.thread = threading.Thread(target=self._loop, name="pipe-usage", daemon=True)
         self.thread.start()
 

@@ -4,8 +4,9 @@ guide's verdict on GPU utilisation.
 Input: the rows `engine.run.usage` samples (from memory or the stage's `usage*.jsonl`).
 Output: `summarize` (the `"usage"` figures a stage's metrics, `report.json` and the trackers'
 summary carry), `usage_line` (what `pipe run` prints under the stages' headlines),
-`plot_usage` (`usage.png` in the stage's folder) and `gpu_advice` (what `pipe tune
---diagnose` says when the GPUs were busy less than the OpenRLHF guide's 80%).
+and `plot_usage` (`usage.png` in the stage's folder, the guide's 80% GPU target drawn).
+`pipe tune --diagnose` reads the summary from the stage's `metrics.json`
+(`stages.collect.tune.sweep.gpu_advice`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,6 @@ from typing import Any
 log = logging.getLogger("pipe.usage")
 PLOT_SAMPLES = 4
 GPU_TARGET = 80.0  # the OpenRLHF tuning guide: "GPU utilization: should be >80%"
-# the guide's "Low GPU Utilization" fixes, as pipe's settings spell them
-GPU_FIXES = (
-    "increase batch sizes (micro_rollout_batch_size, micro_train_batch_size, "
-    "num_samples_in_parallel)",
-    "enable the hybrid engine (profile: high-performance colocates all models)",
-    "reduce vLLM's tensor parallel size (vllm_tensor_parallel_size: more engines instead)",
-)
 
 
 def _mean_peak(values: Sequence[float]) -> tuple[float, float]:
@@ -90,16 +84,6 @@ def usage_line(summary: Mapping[str, Any]) -> str:
             f"{summary['gpu_mem_gb_peak']:.1f} GB peak"
         )
     return "; ".join(parts)
-
-
-def gpu_advice(summary: Mapping[str, Any]) -> list[str]:
-    """`GPU utilisation N% < 80%` and the guide's fixes when the mean is under the target;
-    nothing without GPU figures or above it."""
-    mean = summary.get("gpu_util_mean")
-    if mean is None or float(mean) >= GPU_TARGET:
-        return []
-    head = f"GPU utilisation {float(mean):.0f}% < {GPU_TARGET:.0f}% (the tuning guide's target)"
-    return [head, *(f"  - {fix}" for fix in GPU_FIXES)]
 
 
 def plot_usage(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> bool:

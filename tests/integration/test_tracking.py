@@ -133,7 +133,7 @@ def test_quickstart_with_every_tracker(tmp_path: Path):
     links = report["tracking"]
     # what each stage used (every stage wrote its usage.jsonl), then the links
     assert [line.split(" used: ")[0] for line in out[table + 4 : -len(links)]] == stages
-    assert all((run_dir / s / "usage.jsonl").read_text().count('"cpu_util"') >= 2 for s in stages)
+    assert all((run_dir / s / "usage.jsonl").read_text().count('"cpu_util"') >= 1 for s in stages)
     assert all(report["stages"][s]["metrics"]["usage"]["rss_gb_peak"] > 0 for s in stages)
     assert out[-len(links) :] == [f"{k}: {v}" for k, v in links.items()]
     assert links["tensorboard"] == f"tensorboard --logdir {tb}"
