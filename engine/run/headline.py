@@ -3,7 +3,9 @@
 Input: a `RunReport` (and each stage's `metrics.json`, so a cached stage shows what it
 found when it ran). Output: the lines `pipe run` prints on stdout at the end; each
 kind says what matters through its config's `headline` hook (evaluate: the accuracy
-table; train: the final loss; ...), the engine only lays them out.
+table; train: the final loss; ...), the engine only lays them out; then one line per stage
+with what it used (`engine.run.usage`: CPU and RSS, GPUs' utilisation and memory, mean and
+peak).
 
 One name, two sides of one concept (a run's headline printed by `pipe run`: the engine's side,
 which prints what a kind's headline hook returns; `stages/evaluate/headline.py`: evaluate's
@@ -17,6 +19,7 @@ import logging
 from typing import Any
 
 from engine.run.report import RunReport
+from engine.run.usage_summary import usage_line
 from engine.stage import kinds
 
 log = logging.getLogger("pipe.run")
@@ -36,12 +39,17 @@ def _result(record: Any) -> dict[str, Any]:
 def headlines(report: RunReport) -> list[str]:
     """One line per stage that has something to say (more for a table), then the links."""
     lines: list[str] = []
+    used: list[str] = []
     for name, rec in report.stages.items():
         if rec.status not in ("succeeded", "cached"):
             continue
         kind = kinds().get(rec.kind)
+        result = _result(rec)
+        usage = result.get("usage")
+        if isinstance(usage, dict) and "cpu_util_mean" in usage:
+            used.append(f"{name} used: {usage_line(usage)}")
         try:
-            said = kind.config.headline(_result(rec)) if kind is not None else []
+            said = kind.config.headline(result) if kind is not None else []
         except Exception as exc:  # a kind's bug must not hide the run's result
             log.debug("%s: headline failed: %s", name, exc, exc_info=True)
             continue
@@ -51,6 +59,7 @@ def headlines(report: RunReport) -> list[str]:
         elif said:
             lines.append(f"{name}{cached}:")
             lines.extend(f"  {line}" for line in said)
+    lines.extend(used)  # what each stage used, after what each found
     for tracker, where in report.tracking.items():
         lines.append(f"{tracker}: {where}")
     return lines

@@ -35,6 +35,8 @@ from typing import Any
 from engine.fsio import atomic_write_text, exists, makedirs, remove
 from engine.run.notices import routed
 from engine.run.snapshots import local_models
+from engine.run.usage import Sampler, sampling
+from engine.run.usage_summary import plot_usage, read_usage, summarize
 from engine.stage import DATE_ENV, STAGE_END, Slot, StageConfig, StageContext, StageKind
 
 STAMP = ".pipe-stage.json"
@@ -244,15 +246,17 @@ def run_stage(payload: StagePayload) -> TaskResult:
             where,
         )
         files = [h for h in handlers if isinstance(h, logging.FileHandler)]
-        try:
-            with routed(files):  # libraries' notices and warnings: to log.txt, not the terminal
-                metrics = payload.kind.call(config, ctx) or {}
-        except BaseException as exc:
-            if link is not None:
-                link.abort(f"task {payload.node_rank} on {_address(worker)} failed: {exc}")
-            raise
-        finally:
-            release_stage_memory()
+        devices = _task_devices(payload)
+        with sampling(payload.stage_dir, _address(worker), devices, payload.node_rank) as usage:
+            try:
+                with routed(files):  # libraries' notices and warnings: to log.txt, not the terminal
+                    metrics = payload.kind.call(config, ctx) or {}
+            except BaseException as exc:
+                if link is not None:
+                    link.abort(f"task {payload.node_rank} on {_address(worker)} failed: {exc}")
+                raise
+            finally:
+                release_stage_memory()
         if not isinstance(metrics, dict):
             metrics = {"result": metrics}
         end = time.time()
@@ -262,6 +266,7 @@ def run_stage(payload: StagePayload) -> TaskResult:
         if link is not None:
             for rank in range(1, payload.tasks):
                 link.lookup(f"done-{rank}", timeout_s=24 * 3600)
+        _add_usage(metrics, usage, payload, logger)
         atomic_write_text(
             f"{payload.stage_dir.rstrip('/')}/metrics.json",
             json.dumps(metrics, indent=2, default=str) + "\n",
@@ -281,6 +286,37 @@ def run_stage(payload: StagePayload) -> TaskResult:
             logger.removeHandler(h)
             h.close()
     return TaskResult(metrics, _address(worker), start, end)
+
+
+def _task_devices(payload: StagePayload) -> tuple[int, ...]:
+    """The device ids this task's slots hold (the GPUs its usage rows report)."""
+    tasks = list(dict.fromkeys((s.node, s.worker) for s in payload.slots))
+    if payload.node_rank >= len(tasks):
+        return ()
+    mine = tasks[payload.node_rank]
+    return tuple(
+        sorted({d for s in payload.slots if (s.node, s.worker) == mine for d in s.devices})
+    )
+
+
+def _add_usage(
+    metrics: dict[str, Any], usage: Sampler | None, payload: StagePayload, logger: logging.Logger
+) -> None:
+    """The stage's usage (every task's rows where the folder is local) as `metrics["usage"]`,
+    and `usage.png` when the stage ran long enough to plot."""
+    if usage is None:
+        return
+    local = "://" not in payload.stage_dir
+    rows = read_usage(payload.stage_dir) if local else usage.rows
+    summary = summarize(rows)
+    if not summary:
+        return
+    metrics.setdefault("usage", summary)
+    if local:
+        try:
+            plot_usage(rows, os.path.join(payload.stage_dir, "usage.png"), f"{payload.name}: usage")
+        except Exception as exc:  # a plot never fails a finished stage
+            logger.warning("usage plot not written: %s: %s", type(exc).__name__, exc)
 
 
 def _address(worker: Any) -> str:

@@ -15,6 +15,7 @@ from engine.errors import Diagnostic
 from engine.stage import Derived, ResolveContext, stage
 from stages.lib.backends.local import LocalBackend
 from stages.lib.backends.registered import Backend, BackendStageConfig
+from stages.lib.backends.rollout_batch import check_rollout_batch, lands, micro_rollout_field
 from stages.lib.block import CountOrAuto
 from stages.lib.chat.template import (
     ChatTemplate,
@@ -44,6 +45,7 @@ class CollectConfig(BackendStageConfig):
     num_samples_in_parallel: CountOrAuto = Field(
         32, description="Requests in flight at once, or auto to find and track the backend's knee."
     )
+    micro_rollout_batch_size: int | None = micro_rollout_field()
     limit: int | None = Field(
         None, gt=0, description="Use at most this many prompts (after start_idx)."
     )
@@ -105,6 +107,11 @@ class CollectConfig(BackendStageConfig):
         """`shards` > 1 (or auto: one per worker) are Dask tasks over the workers."""
         return workers if self.shards == "auto" else max(1, min(workers, self.shards))
 
+    @classmethod
+    def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
+        """`micro_rollout_batch_size` stays out of a stage whose server batches on its own."""
+        return super().preset_path(key, data) if lands(key, data) else None
+
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """Engines from the stage's GPUs; prefix caching when num_repeats > 1; half of each GPU
         for training when vLLM shares it."""
@@ -128,6 +135,7 @@ class CollectConfig(BackendStageConfig):
             [("backend.model", self.backend.model)],
             self.backend.served_elsewhere(),
         )
+        out += check_rollout_batch(ctx, self.micro_rollout_batch_size, self.backend)
         return out + self._check_episodes_backend(ctx)
 
     def _check_episodes_backend(self, ctx: ResolveContext) -> list[Diagnostic]:

@@ -155,7 +155,8 @@ def test_a_plugin_kind_is_listed_checked_derived_and_run(site: Path, tmp_path: P
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert (tmp_path / "runs/p/e/echo.txt").read_text() == "HI\n" * 3
     report = json.loads((tmp_path / "runs/p/report.json").read_text())
-    assert report["stages"]["e"]["metrics"] == {"lines": 3}
+    metrics = report["stages"]["e"]["metrics"]
+    assert metrics["lines"] == 3 and set(metrics) == {"lines", "usage"}  # what it used, added
 
 
 def test_a_kind_missing_on_the_worker_fails_its_stage_instead_of_hanging(

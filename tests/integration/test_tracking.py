@@ -131,7 +131,11 @@ def test_quickstart_with_every_tracker(tmp_path: Path):
     assert out[0].startswith("data: 96 train, 24 test, 8 val rows")
     assert any(line.startswith("warmup: final loss ") for line in out)
     links = report["tracking"]
-    assert out[table + 4 :] == [f"{k}: {v}" for k, v in links.items()]
+    # what each stage used (every stage wrote its usage.jsonl), then the links
+    assert [line.split(" used: ")[0] for line in out[table + 4 : -len(links)]] == stages
+    assert all((run_dir / s / "usage.jsonl").read_text().count('"cpu_util"') >= 1 for s in stages)
+    assert all(report["stages"][s]["metrics"]["usage"]["rss_gb_peak"] > 0 for s in stages)
+    assert out[-len(links) :] == [f"{k}: {v}" for k, v in links.items()]
     assert links["tensorboard"] == f"tensorboard --logdir {tb}"
     assert links["mlflow"].startswith(
         f"mlflow ui --backend-store-uri sqlite:///{run_dir}/mlflow.db (experiment 'tracked', run "
@@ -146,6 +150,7 @@ def test_quickstart_with_every_tracker(tmp_path: Path):
         (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in losses
     ]
     assert "loss.png" in acc.Tags()["images"]
+    assert "usage/cpu_util" in acc.Tags()["scalars"]  # the usage samples, beside the loss
     assert sorted(p.name for p in (tb / run_id).iterdir() if p.is_dir()) == sorted(stages)
 
     # MLflow: one parent, a child per stage, the plan as parameters, evaluate's accuracy
@@ -169,7 +174,7 @@ def test_quickstart_with_every_tracker(tmp_path: Path):
     assert sorted(r["name"] for r in wb) == sorted([run_id, *stages])
     assert {r["group"] for r in wb} == {run_id}
     warmup = next(r for r in wb if r["name"] == "warmup")
-    assert [h["loss"] for h in warmup["history"]] == [r["loss"] for r in losses]
+    assert [h["loss"] for h in warmup["history"] if "loss" in h] == [r["loss"] for r in losses]
 
     # every stage cached: recorded as such, nothing logged again
     again = _pipe(args, timeout=600)
@@ -225,4 +230,5 @@ def test_a_tracker_that_cannot_be_reached_warns_once_and_the_run_succeeds(tmp_pa
     assert "the run goes on without it" in warnings[0]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "succeeded" and report["tracking"] == {}
-    assert proc.stdout.splitlines() == ["data: 10 train, 2 test rows"]
+    headline, used = proc.stdout.splitlines()
+    assert headline == "data: 10 train, 2 test rows" and used.startswith("data used: cpu ")

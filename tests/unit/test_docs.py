@@ -368,6 +368,7 @@ NOT_MEASURED = {
     ("docs/slurm.md", "30 s"): "how long pipe run waits for cancelled jobs, a setting",
     ("docs/tracking.md", "10 s"): "MLflow's HTTP timeout as pipe sets it",
     ("docs/tracking.md", "120 s"): "PIPE_TRACKING_CLOSE_S's default",
+    ("docs/tracking.md", "80%"): "the OpenRLHF guide's GPU utilisation target, a rule",
 }
 
 

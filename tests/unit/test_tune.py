@@ -292,6 +292,30 @@ def test_diagnose_prints_the_verdict(project: Path, capsys: pytest.CaptureFixtur
     assert (project / "p.yaml").read_text() == PIPELINE
 
 
+def test_diagnose_says_when_the_stages_gpus_were_under_the_guides_80_percent(
+    project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stage_dir = project / "runs" / "tuned" / "collect"  # where `pipe run` kept its last run
+    stage_dir.mkdir(parents=True)
+    usage = {"cpu_util_mean": 90.0, "gpu_util_mean": 42.4, "gpu_util_peak": 97.0}
+    (stage_dir / "metrics.json").write_text(json.dumps({"rows": 20, "usage": usage}))
+    server64 = server(64, 0.1)
+    code = _run("p.yaml", "collect", opts(diagnose=True, plot="d.png"), lambda t, n: server64)
+    assert code == 0
+    assert capsys.readouterr().out.splitlines()[-4:] == [
+        "GPU utilisation 42% < 80% (the tuning guide's target)",
+        "  - increase batch sizes (micro_rollout_batch_size, micro_train_batch_size, "
+        "num_samples_in_parallel)",
+        "  - enable the hybrid engine (profile: high-performance colocates all models)",
+        "  - reduce vLLM's tensor parallel size (vllm_tensor_parallel_size: more engines instead)",
+    ]
+    usage["gpu_util_mean"] = 85.0
+    (stage_dir / "metrics.json").write_text(json.dumps({"usage": usage}))
+    _run("p.yaml", "collect", opts(diagnose=True, fmt="json", plot="d.png"), lambda t, n: server64)
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["gpu_util"], doc["gpu_advice"]) == (85.0, [])
+
+
 def invoke(*args: str) -> Any:
     return CliRunner().invoke(tune_command, list(args), catch_exceptions=False)
 

@@ -5,9 +5,11 @@ table (or JSON) of the levels measured, the knee and the recommended
 `num_samples_in_parallel` on stdout, a PNG of throughput and latency against
 parallelism, and with `--write` the value put into the file
 (`stages.collect.tune.write`). `--diagnose` runs the bottleneck test instead
-(parallelism 5 against 20). The sweep logic is `stages.collect.tune.sweep`; the
-stage and what measures it (the collector's own `stages.collect.measure.measure_level`, on
-the first rows of the stage's prompts file) are `stages.collect.tune.target`'s.
+(parallelism 5 against 20) and, when the stage's last `pipe run` held GPUs busy less than
+the tuning guide's 80% on average, says so with the guide's fixes. The sweep logic is
+`stages.collect.tune.sweep`; the stage and what measures it (the collector's own
+`stages.collect.measure.measure_level`, on the first rows of the stage's prompts file) are
+`stages.collect.tune.target`'s.
 
 Exit codes: 0 ok; 1 no level ran without errors; 2 an invalid pipeline or usage.
 """
@@ -30,6 +32,7 @@ from stages.collect.tune.sweep import (
     Level,
     Sweep,
     diagnose,
+    gpu_advice,
     sweep,
 )
 from stages.collect.tune.target import collector_measure, load_target
@@ -136,7 +139,8 @@ def _run(
     plot = Path(opts["plot"]) if opts["plot"] else default_plot
     if opts["diagnose"]:
         low, high = (measure(p) for p in DIAGNOSE_LEVELS)
-        _report_diagnosis([low, high], diagnose(low, high), opts["fmt"])
+        usage = last_usage(target.stage_dir)
+        _report_diagnosis([low, high], diagnose(low, high), opts["fmt"], usage)
         if plot_levels([low, high], plot, f"pipe tune --diagnose: {stage}"):
             click.echo(f"plot: {plot}", err=True)
         return 0
@@ -157,7 +161,21 @@ def _run(
     return 0
 
 
-def _report_diagnosis(levels: list[Level], verdict: Diagnosis, fmt: str) -> None:
+def last_usage(stage_dir: str) -> dict[str, Any]:
+    """What the stage used in its last `pipe run` (the `"usage"` summary of its
+    `metrics.json`); {} when it has not run."""
+    try:
+        with open(f"{stage_dir}/metrics.json", encoding="utf-8") as f:
+            usage = json.load(f).get("usage", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return usage if isinstance(usage, dict) else {}
+
+
+def _report_diagnosis(
+    levels: list[Level], verdict: Diagnosis, fmt: str, usage: dict[str, Any]
+) -> None:
+    advice = gpu_advice(usage)
     if fmt == "json":
         doc = {
             "levels": [level_json(lv) for lv in levels],
@@ -165,12 +183,16 @@ def _report_diagnosis(levels: list[Level], verdict: Diagnosis, fmt: str) -> None
             "reason": verdict.reason,
             "next_step": verdict.next_step,
         }
+        if "gpu_util_mean" in usage:  # the stage held GPUs in its last run
+            doc.update(gpu_util=usage["gpu_util_mean"], gpu_advice=advice)
         click.echo(json.dumps(doc, indent=2))
         return
     click.echo(render_table(levels))
     click.echo(f"verdict: {LIMITS[verdict.verdict]} is the limit")
     click.echo(f"why: {verdict.reason}")
     click.echo(f"next step: {verdict.next_step}")
+    for line in advice:  # the GPUs the stage held in its last run, against the guide's 80%
+        click.echo(line)
 
 
 def _count_option(*decls: str, default: int | None, help: str) -> Callable[[F], F]:

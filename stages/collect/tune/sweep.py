@@ -15,16 +15,17 @@ of the knee, rounded half up, for headroom.
 The bottleneck test sends the same requests at parallelism 5 and 20: ~4x the
 throughput means parallelism is the limit; no gain with rising latency means
 the backend is; no gain with the verifier taking most of the wall time means
-verification is.
+verification is. `gpu_advice` adds the GPU side: a stage whose GPUs were busy less than
+the OpenRLHF guide's 80% in its last `pipe run` gets the guide's fixes.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("pipe.tune")
 
@@ -183,3 +184,24 @@ def diagnose(low: Level, high: Level) -> Diagnosis:
         "check the collector's CPU and connection limits, "
         "or shard the collection across Dask workers",
     )
+
+
+GPU_TARGET = 80.0  # the OpenRLHF tuning guide: "GPU utilization: should be >80%"
+# the guide's "Low GPU Utilization" fixes, as pipe's settings spell them
+GPU_FIXES = (
+    "increase batch sizes (micro_rollout_batch_size, micro_train_batch_size, "
+    "num_samples_in_parallel)",
+    "enable the hybrid engine (profile: high-performance colocates all models)",
+    "reduce vLLM's tensor parallel size (vllm_tensor_parallel_size: more engines instead)",
+)
+
+
+def gpu_advice(usage: Mapping[str, Any]) -> list[str]:
+    """`GPU utilisation N% < 80%` and the guide's fixes when a stage's GPUs were busy less
+    than the guide's target on average (`usage`: the summary `pipe run` keeps in the stage's
+    `metrics.json`); nothing without GPU figures or at the target."""
+    mean = usage.get("gpu_util_mean")
+    if not isinstance(mean, int | float) or mean >= GPU_TARGET:
+        return []
+    head = f"GPU utilisation {mean:.0f}% < {GPU_TARGET:.0f}% (the tuning guide's target)"
+    return [head, *(f"  - {fix}" for fix in GPU_FIXES)]

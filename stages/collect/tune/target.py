@@ -47,11 +47,13 @@ class Target:
     stage: str
     cfg: CollectConfig
     rows: list[dict[str, Any]]
+    stage_dir: str = ""  # where `pipe run` keeps the stage's files (its last run's usage)
 
 
-def _collect_config(loaded: LoadedPipeline, stage: str) -> CollectConfig:
+def _collect_config(loaded: LoadedPipeline, stage: str) -> tuple[CollectConfig, str]:
     """The stage's config as `pipe run` would run it: resolved, presets and derived rules
-    applied (`PipeError` when the stage is not a collect stage or the pipeline is invalid)."""
+    applied, and the stage's folder (`PipeError` when the stage is not a collect stage or the
+    pipeline is invalid)."""
     from engine.resolve.resolve import resolve
     from stages.collect import CollectConfig
 
@@ -71,7 +73,7 @@ def _collect_config(loaded: LoadedPipeline, stage: str) -> CollectConfig:
     assert isinstance(cfg, CollectConfig)
     from stages.collect.run import prepared  # a GGUF converted, chat_template applied
 
-    return prepared(cfg, resolved.run_dir, log)
+    return prepared(cfg, resolved.run_dir, log), f"{resolved.run_dir.rstrip('/')}/{stage}"
 
 
 def _sample_rows(loaded: LoadedPipeline, stage: str, cfg: CollectConfig) -> list[dict[str, Any]]:
@@ -114,8 +116,8 @@ def load_target(pipeline: str, stage: str, overrides: tuple[str, ...] = ()) -> T
     from engine.load.load import load_pipeline
 
     loaded = load_pipeline(pipeline, overrides)
-    cfg = _collect_config(loaded, stage)
-    return Target(loaded, stage, cfg, _sample_rows(loaded, stage, cfg))
+    cfg, stage_dir = _collect_config(loaded, stage)
+    return Target(loaded, stage, cfg, _sample_rows(loaded, stage, cfg), stage_dir)
 
 
 def collector_measure(target: Target, requests: int | None) -> MeasureFn:

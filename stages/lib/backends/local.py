@@ -132,6 +132,10 @@ class LocalBackend(BackendConfig):
             **sampling,
         )
 
+    def rollout_batch(self, samples: int) -> LocalBackend:
+        """`batch_size` is the rows one batched `generate` call holds."""
+        return self.model_copy(update={"batch_size": samples})
+
     def load(self, model: str, device: str, dtype: str | None) -> tuple[Any, Any]:
         from stages.lib.model.generate import load
 

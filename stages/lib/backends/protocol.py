@@ -174,6 +174,12 @@ class BackendConfig(Block):
         """The dtype a GGUF `model` is converted in for it (`stages.lib.model.prepared`)."""
         return "bfloat16"
 
+    def rollout_batch(self, samples: int) -> BackendConfig | None:
+        """This block generating `samples` sequences at once (a stage's
+        `micro_rollout_batch_size`); None: its engine is not pipe's to batch (a server
+        someone else runs batches what it is sent)."""
+        return None
+
     def serving(self, model: str) -> BackendConfig:
         """This block generating with `model` (a checkpoint folder) instead of its own."""
         if self.SERVES_OWN_MODEL:

@@ -75,6 +75,7 @@ def account(
         )
         if cfg.backend.RL_ENGINE == "servers"
         else (S, "the local engine generates a step's groups in one batched call"),
+        "micro_rollout_batch_size": _micro_rollout(cfg),
         "train_batch_size": (A, "samples per optimizer step"),
         "micro_train_batch_size": (
             A,
@@ -210,6 +211,16 @@ def _backend(cfg: RLConfig, device: str, engines: Sequence[Mapping[str, Any]]) -
     return A, cfg.backend.rl_engines_record(
         len(engines), _started(engines), gpu=device != "cpu", async_train=cfg.async_train
     )
+
+
+def _micro_rollout(cfg: RLConfig) -> tuple[str, str]:
+    """The engine's batch (`stages.lib.backends.rollout_batch`: already in the block here)."""
+    servers = cfg.backend.RL_ENGINE == "servers"
+    if cfg.micro_rollout_batch_size is None:
+        own = "vLLM's default --max-num-seqs" if servers else "the local block's batch_size"
+        return S, f"empty: {own} batches the engine's generation"
+    where = "each vLLM server's --max-num-seqs" if servers else "the local engine's batch"
+    return A, f"{cfg.micro_rollout_batch_size} samples generated at once ({where})"
 
 
 def _bf16(cfg: RLConfig, ds: bool) -> tuple[str, str]:

@@ -13,6 +13,7 @@ from pydantic import Field
 from engine.stage import StageConfig
 from stages.lib.backends.local import LocalBackend
 from stages.lib.backends.registered import Backend
+from stages.lib.backends.rollout_batch import micro_rollout_field
 from stages.lib.block import CountOrAuto
 from stages.lib.config import Verifier
 from stages.lib.env.field import EnvironmentConfig
@@ -53,6 +54,7 @@ class RolloutSettings(StageConfig):
         "together), or auto to find and track the engines' knee, as collect does; the local "
         "engine generates a step in one batched call.",
     )
+    micro_rollout_batch_size: int | None = micro_rollout_field()
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
     max_output_tokens: int = Field(256, gt=0, description="Most tokens per answer.")
     logprob_diff_warn: float = Field(

@@ -55,6 +55,12 @@ class VLLMBackend(BackendConfig):
     enable_prefix_caching: bool = Field(
         False, description="Reuse KV cache across requests sharing a prefix."
     )
+    vllm_max_num_seqs: int | None = Field(
+        None,
+        gt=0,
+        description="Sequences an engine batches at once (vLLM's --max-num-seqs); empty: vLLM's "
+        "default. The rl and collect stages set it from micro_rollout_batch_size.",
+    )
     port: int = Field(0, ge=0, lt=65536, description="Port to serve on; 0 picks a free one.")
     startup_timeout_s: float = Field(
         600.0, gt=0, description="How long to wait for the server to become healthy."
@@ -165,6 +171,10 @@ class VLLMBackend(BackendConfig):
                 + ("async_train" if gpu else "vLLM's CPU build has no sleep mode")
             )
         return "; ".join(parts)
+
+    def rollout_batch(self, samples: int) -> VLLMBackend:
+        """The servers start with `--max-num-seqs samples`."""
+        return self.model_copy(update={"vllm_max_num_seqs": samples})
 
     @contextmanager
     def open_endpoint(self, serving: Serving) -> Iterator[Endpoint]:

@@ -122,6 +122,8 @@ def server_command(
     cmd += ["--tensor-parallel-size", str(backend.vllm_tensor_parallel_size)]
     if backend.enable_prefix_caching:
         cmd.append("--enable-prefix-caching")
+    if backend.vllm_max_num_seqs is not None:  # the stage's micro_rollout_batch_size
+        cmd += ["--max-num-seqs", str(backend.vllm_max_num_seqs)]
     if gpus > 0:
         cmd += ["--gpu-memory-utilization", str(backend.vllm_gpu_memory_utilization)]
         if backend.vllm_enable_sleep:
