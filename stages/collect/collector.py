@@ -27,6 +27,7 @@ from stages.lib.api.adaptive import AdaptiveLimit
 from stages.lib.api.client import Completion, OpenAIClient, RequestError, backoff_delay, classify
 from stages.lib.api.client import sample_seed as _seed
 from stages.lib.io.metrics import Metrics
+from stages.lib.judge.grader import Unjudged
 from stages.lib.verify import Score
 
 _dumps = json.JSONEncoder(ensure_ascii=False).encode
@@ -86,6 +87,12 @@ class Recorder:
         extra = ""
         try:
             reward = self.score(prompt.row, out.text)
+        except Unjudged as exc:  # no score from the judge: a failure record, not a zero reward
+            stats.verify_s += time.perf_counter() - start
+            self.failure(
+                prompt, sample_idx, RequestError("judge_unscored", str(exc), retryable=False), 0
+            )
+            return
         except Exception as exc:
             reward, extra = 0.0, f', "verify_error": {_dumps(f"{type(exc).__name__}: {exc}")}'
             stats.verify_errors += 1

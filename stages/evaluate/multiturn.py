@@ -71,7 +71,9 @@ class Play:
             raise ValueError(f"evaluate: {problem[0]}: {problem[1]}")
         self.cfg, self.env, self.ctx, self.endpoint = cfg, cfg.environment, ctx, endpoint
         self.dtype = dtype
-        self.make_env = environment_factory(cfg.environment, cfg.verifier)
+        self.make_env = environment_factory(
+            cfg.environment, cfg.verifier, ctx.run_dir if ctx is not None else None
+        )
         self.max_turns = max_turns(cfg.environment)
         self.samples = 1 if cfg.temperature == 0 else cfg.num_samples
         if cfg.temperature == 0 and cfg.num_samples > 1:

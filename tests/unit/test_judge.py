@@ -1,0 +1,132 @@
+"""The LLM judge (`verifier: {kind: judge}`): exact rewards from a stub served judge, its
+cache in the run folder, unscored answers counted; a tiny local model as the judge; the
+plan-time refusals, located."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stages.lib.config import Verifier
+from stages.lib.judge.cache import CACHE_FILE
+from stages.lib.judge.grader import Judge, Unjudged
+from stages.lib.verify import make_verifier
+
+TEMPLATE = "Q: {question}\nA: {answer}\nR: {reference}\nScore 0-10."
+ANSWERS = {"A: good": "Reasoning... Score: 8", "A: bad": "Score: 2", "A: junk": "I cannot say"}
+
+
+class _StubJudge(BaseHTTPRequestHandler):
+    asked: list[str] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][-1]["content"]
+        type(self).asked.append(prompt)
+        text = next(v for k, v in ANSWERS.items() if k in prompt)
+        reply = {"choices": [{"message": {"content": text}, "finish_reason": "stop"}]}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def stub_url() -> Iterator[str]:
+    _StubJudge.asked = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StubJudge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+
+
+def judge_block(backend: dict[str, Any], **kw: Any) -> Verifier:
+    block = {
+        "kind": "judge",
+        "backend": backend,
+        "template": TEMPLATE,
+        "score_regex": r"Score: (\d+)",
+    }
+    return Verifier.model_validate({**block, "score_range": (0.0, 10.0), **kw})
+
+
+ROW = {"prompt": "What is 2+2?", "answer": "4"}
+
+
+def test_a_served_judge_gives_exact_rewards_caches_them_and_counts_unscored_answers(
+    tmp_path: Path, stub_url: str
+):
+    cfg = judge_block({"kind": "openai", "base_url": stub_url, "model": "judge-1"}, concurrency=2)
+    judge = make_verifier(cfg, str(tmp_path))
+    assert isinstance(judge, Judge)
+    pairs = [(ROW, "good"), (ROW, "bad"), (ROW, "junk"), (ROW, "good")]
+    first = judge.score_many(pairs)
+    assert first[:2] == [0.8, 0.2] and first[3] == 0.8
+    assert isinstance(first[2], Unjudged)
+    assert judge.counts() == {"judge_requests": 3, "judge_cache_hits": 0, "judge_unparsed": 1}
+    assert _StubJudge.asked[0] in {
+        "Q: What is 2+2?\nA: good\nR: 4\nScore 0-10.",
+        "Q: What is 2+2?\nA: bad\nR: 4\nScore 0-10.",
+        "Q: What is 2+2?\nA: junk\nR: 4\nScore 0-10.",
+    }
+    assert len(_StubJudge.asked) == 3  # the repeated answer was asked once
+    # a re-run (a new judge over the same run folder): every answer from the cache file
+    again = make_verifier(cfg, str(tmp_path))
+    assert again(ROW, "good") == 0.8 and again(ROW, "bad") == 0.2
+    with pytest.raises(Unjudged, match="the judge's answer holds no score: 'I cannot say'"):
+        again(ROW, "junk")
+    assert again.counts() == {"judge_requests": 0, "judge_cache_hits": 3, "judge_unparsed": 1}  # type: ignore[attr-defined]
+    assert len(_StubJudge.asked) == 3
+    assert len((tmp_path / CACHE_FILE).read_text().splitlines()) == 3
+    # the cache keeps the judge's text: another scale reads the same answers anew, no request
+    rescaled = make_verifier(
+        judge_block(cfg.backend.model_dump(), score_range=(0.0, 4.0)), str(tmp_path)
+    )
+    assert rescaled(ROW, "good") == 1.0 and rescaled(ROW, "bad") == 0.5
+    assert len(_StubJudge.asked) == 3
+
+
+def test_a_json_field_score_and_the_range_clipped():
+    from stages.lib.judge.reading import read_score
+
+    cfg = Verifier.model_validate(
+        {
+            "kind": "judge",
+            "backend": {"kind": "openai", "base_url": "http://x/v1", "model": "m"},
+            "template": TEMPLATE,
+            "score_json_field": "score",
+            "score_range": (1.0, 5.0),
+        }
+    )
+    assert read_score(cfg, 'ok {"score": 4, "why": "close"}') == 0.75
+    assert read_score(cfg, '{"score": 9}') == 1.0
+    assert read_score(cfg, '{"score": "n/a"}') is None
+    assert read_score(cfg, "no json") is None
+
+
+def test_a_tiny_local_model_judges_in_process(tmp_path: Path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.unit.test_model import rigged_checkpoint, tiny_checkpoint
+
+    sevens = rigged_checkpoint(tiny_checkpoint(tmp_path), tmp_path / "sevens", "7")
+    cfg = judge_block(
+        {"kind": "local", "model": str(sevens)}, score_regex=r"(\d)", judge_max_tokens=2
+    )
+    judge = make_verifier(cfg, str(tmp_path))
+    assert judge.score_many([(ROW, "four"), (ROW, "five")]) == [0.7, 0.7]  # type: ignore[attr-defined]
+    assert judge(ROW, "four") == 0.7
+    assert judge.counts() == {"judge_requests": 2, "judge_cache_hits": 1, "judge_unparsed": 0}  # type: ignore[attr-defined]
