@@ -72,8 +72,10 @@ class Verifier(Block):
         description="For kind judge, instead of score_regex: the score is this field of the first "
         "JSON object in the judge's answer.",
     )
-    score_range: tuple[float, float] = Field(
-        (0.0, 1.0),
+    score_range: list[float] = Field(
+        [0.0, 1.0],
+        min_length=2,
+        max_length=2,
         description="For kind judge: the judge's scale [lo, hi], mapped linearly onto [0, 1] "
         "(clipped).",
     )

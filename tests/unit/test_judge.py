@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -23,7 +23,7 @@ ANSWERS = {"A: good": "Reasoning... Score: 8", "A: bad": "Score: 2", "A: junk": 
 
 
 class _StubJudge(BaseHTTPRequestHandler):
-    asked: list[str] = []
+    asked: ClassVar[list[str]] = []
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -60,7 +60,7 @@ def judge_block(backend: dict[str, Any], **kw: Any) -> Verifier:
         "template": TEMPLATE,
         "score_regex": r"Score: (\d+)",
     }
-    return Verifier.model_validate({**block, "score_range": (0.0, 10.0), **kw})
+    return Verifier.model_validate({**block, "score_range": [0.0, 10.0], **kw})
 
 
 ROW = {"prompt": "What is 2+2?", "answer": "4"}
@@ -93,7 +93,7 @@ def test_a_served_judge_gives_exact_rewards_caches_them_and_counts_unscored_answ
     assert len((tmp_path / CACHE_FILE).read_text().splitlines()) == 3
     # the cache keeps the judge's text: another scale reads the same answers anew, no request
     rescaled = make_verifier(
-        judge_block(cfg.backend.model_dump(), score_range=(0.0, 4.0)), str(tmp_path)
+        judge_block(cfg.backend.model_dump(), score_range=[0.0, 4.0]), str(tmp_path)
     )
     assert rescaled(ROW, "good") == 1.0 and rescaled(ROW, "bad") == 0.5
     assert len(_StubJudge.asked) == 3
@@ -108,7 +108,7 @@ def test_a_json_field_score_and_the_range_clipped():
             "backend": {"kind": "openai", "base_url": "http://x/v1", "model": "m"},
             "template": TEMPLATE,
             "score_json_field": "score",
-            "score_range": (1.0, 5.0),
+            "score_range": [1.0, 5.0],
         }
     )
     assert read_score(cfg, 'ok {"score": 4, "why": "close"}') == 0.75
@@ -130,3 +130,46 @@ def test_a_tiny_local_model_judges_in_process(tmp_path: Path):
     assert judge.score_many([(ROW, "four"), (ROW, "five")]) == [0.7, 0.7]  # type: ignore[attr-defined]
     assert judge(ROW, "four") == 0.7
     assert judge.counts() == {"judge_requests": 2, "judge_cache_hits": 1, "judge_unparsed": 0}  # type: ignore[attr-defined]
+
+
+BAD = """\
+name: judged
+stages:
+  collect:
+    kind: collect
+    config:
+      input: prompts.jsonl
+      backend: {kind: openai, base_url: "http://127.0.0.1:9/v1", model: policy}
+      verifier:
+        kind: judge
+        backend: {kind: openai, base_url: "http://127.0.0.1:9/v1", model: judge}
+        template: "Grade {answer} against {refrence}"
+        score_regex: 'Score: \\d+'
+        score_range: [10, 0]
+  evaluate:
+    kind: evaluate
+    needs: [collect]
+    config:
+      input: prompts.jsonl
+      backend: {kind: openai, base_url: "http://127.0.0.1:9/v1", model: policy}
+      verifier: {kind: exact_match, template: "{question} {answer}"}
+"""
+
+
+def test_a_judge_block_that_could_not_grade_is_refused_at_plan_located(tmp_path: Path, pipe_cli):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    (tmp_path / "p.yaml").write_text(BAD)
+    result = pipe_cli("validate", "p.yaml", cwd=tmp_path)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[:4] == [
+        "p.yaml:11:19: stages.collect.config.verifier.template: unknown placeholder {refrence}; "
+        "the placeholders are {question}, {answer} and {reference} (a literal brace: {{ or }})",
+        "p.yaml:11:19: stages.collect.config.verifier.template: the template has no {question}",
+        "p.yaml:12:22: stages.collect.config.verifier.score_regex: the regex has no group; its "
+        "first group is the score, e.g. 'Score: (\\d+)'",
+        "p.yaml:13:22: stages.collect.config.verifier.score_range: expected lo < hi, found [10, 0]",
+    ]
+    assert (
+        "p.yaml:20:47: stages.evaluate.config.verifier.template: acts with kind 'judge' only; "
+        "this verifier is 'exact_match'" in result.stderr
+    )
