@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import pytest
 
 from stages.lib.config import Verifier
-from stages.lib.judge.cache import CACHE_FILE
+from stages.lib.judge.answers import CACHE_FILE
 from stages.lib.judge.grader import Judge, Unjudged
 from stages.lib.verify import make_verifier
 

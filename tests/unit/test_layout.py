@@ -136,7 +136,8 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
     rendering = ["collect", "evaluate", "rl", "train"]
     for rel, kinds_changed in (
         ("stages/lib/verify.py", rendering),
-        ("stages/lib/api/client.py", ["collect", "evaluate", "rl"]),  # HTTP backends
+        # HTTP backends, and a judge (any verifier, train's held-out one too)
+        ("stages/lib/api/client.py", rendering),
         ("stages/lib/chat/families/gemma.jinja", rendering),
     ):
         with open(copy / rel, "a") as f:
@@ -146,7 +147,7 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
         before = after
 
 
-LIB_PACKAGES = ("api", "backends", "builders", "chat", "distributed", "env", "io", "model", "serve")
+LIB_PACKAGES = ("api", "backends", "builders", "chat", "distributed", "env", "io", "judge", "model", "serve")
 # file names every kind (or every role) has by design: the same job in each package
 PER_PACKAGE = {"__init__.py", "run.py", "brief.py", "cli.py"}
 # file names two packages share because they are the two sides of one concept; each

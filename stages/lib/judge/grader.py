@@ -1,6 +1,6 @@
 """A judge's requests: the uncached answers graded concurrently, each reward read and counted.
 
-Input: a judge `Verifier` and the run folder (its cache file: `stages.lib.judge.cache`).
+Input: a judge `Verifier` and the run folder (its cache file: `stages.lib.judge.answers`).
 Output: `Judge`, a verifier's `score(row, completion) -> float` (what collect, evaluate and
 rl call per answer) and `score_many(pairs)`, every pair's reward or `Unjudged` (what a caller
 holding many answers calls: the uncached ones graded at once, at most `concurrency` in
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from stages.lib.config import Verifier
-from stages.lib.judge.cache import CACHE_FILE, JudgeCache, cache_key
+from stages.lib.judge.answers import CACHE_FILE, JudgeCache, cache_key
 from stages.lib.judge.reading import question_of, read_score, render
 
 log = logging.getLogger("pipe.stages.judge")
