@@ -79,6 +79,8 @@ def collect_range(
             _collect_http(cfg, ctx, work, recorder)
     finally:
         sink.close()
+        if hasattr(score, "close"):  # a served judge's connections
+            score.close()
     # a partial file from an earlier run may hold pairs outside this run's range
     keep = _keep(start, end, cfg.num_repeats) if resumed else None
     rows, failures = publish.finalize(cfg.output, keep)

@@ -79,6 +79,8 @@ def run_evaluate(cfg: EvaluateConfig, ctx: StageContext) -> dict[str, Any]:
         producers=ctx.producers,
         pipeline_dir=ctx.pipeline_dir,
     )
+    if hasattr(verify, "close"):  # a served judge's connections
+        verify.close()
     counts = getattr(verify, "counts", None)
     if counts is not None:  # a judge's requests, cache hits and unscored answers
         report["judge"] = counts()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,10 +26,21 @@ ANSWERS = {"A: good": "Reasoning... Score: 8", "A: bad": "Score: 2", "A: junk": 
 class _StubJudge(BaseHTTPRequestHandler):
     asked: ClassVar[list[str]] = []
 
+    in_flight: ClassVar[list[int]] = [0, 0]  # now, most at once
+    delay_s: ClassVar[float] = 0.0
+    lock = threading.Lock()
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         prompt = body["messages"][-1]["content"]
-        type(self).asked.append(prompt)
+        cls = type(self)
+        with cls.lock:
+            cls.asked.append(prompt)
+            cls.in_flight[0] += 1
+            cls.in_flight[1] = max(cls.in_flight)
+        time.sleep(cls.delay_s)
+        with cls.lock:
+            cls.in_flight[0] -= 1
         text = next(v for k, v in ANSWERS.items() if k in prompt)
         reply = {"choices": [{"message": {"content": text}, "finish_reason": "stop"}]}
         data = json.dumps(reply).encode()
@@ -44,7 +56,7 @@ class _StubJudge(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stub_url() -> Iterator[str]:
-    _StubJudge.asked = []
+    _StubJudge.asked, _StubJudge.in_flight, _StubJudge.delay_s = [], [0, 0], 0.0
     server = ThreadingHTTPServer(("127.0.0.1", 0), _StubJudge)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -76,7 +88,7 @@ def test_a_served_judge_gives_exact_rewards_caches_them_and_counts_unscored_answ
     first = judge.score_many(pairs)
     assert first[:2] == [0.8, 0.2] and first[3] == 0.8
     assert isinstance(first[2], Unjudged)
-    assert judge.counts() == {"judge_requests": 3, "judge_cache_hits": 0, "judge_unparsed": 1}
+    assert judge.counts() == {"judge_requests": 3, "judge_cache_hits": 1, "judge_unparsed": 1}
     assert _StubJudge.asked[0] in {
         "Q: What is 2+2?\nA: good\nR: 4\nScore 0-10.",
         "Q: What is 2+2?\nA: bad\nR: 4\nScore 0-10.",
@@ -86,7 +98,7 @@ def test_a_served_judge_gives_exact_rewards_caches_them_and_counts_unscored_answ
     # a re-run (a new judge over the same run folder): every answer from the cache file
     again = make_verifier(cfg, str(tmp_path))
     assert again(ROW, "good") == 0.8 and again(ROW, "bad") == 0.2
-    with pytest.raises(Unjudged, match="the judge's answer holds no score: 'I cannot say'"):
+    with pytest.raises(Unjudged, match="the judge's reply holds no score: 'I cannot say'"):
         again(ROW, "junk")
     assert again.counts() == {"judge_requests": 0, "judge_cache_hits": 3, "judge_unparsed": 1}  # type: ignore[attr-defined]
     assert len(_StubJudge.asked) == 3
@@ -97,6 +109,26 @@ def test_a_served_judge_gives_exact_rewards_caches_them_and_counts_unscored_answ
     )
     assert rescaled(ROW, "good") == 1.0 and rescaled(ROW, "bad") == 0.5
     assert len(_StubJudge.asked) == 3
+
+
+def test_answers_awaited_from_an_event_loop_share_one_client_under_its_concurrency(
+    stub_url: str,
+):
+    import asyncio
+
+    cfg = judge_block({"kind": "openai", "base_url": stub_url, "model": "judge-1"}, concurrency=2)
+    judge = make_verifier(cfg)  # no run folder: cached in memory only
+    _StubJudge.delay_s = 0.1
+    answers = ["good 1", "good 2", "bad 3", "bad 4", "good 1", "good 5"]
+
+    async def all_at_once() -> list[float]:
+        return await asyncio.gather(*(judge.ascore(ROW, a) for a in answers))  # type: ignore[attr-defined]
+
+    assert asyncio.run(all_at_once()) == [0.8, 0.8, 0.2, 0.2, 0.8, 0.8]
+    judge.close()  # type: ignore[attr-defined]
+    assert _StubJudge.in_flight[1] == 2  # at most `concurrency`, and more than one
+    assert len(_StubJudge.asked) == 5  # "good 1", asked while in flight, waited for it
+    assert judge.counts() == {"judge_requests": 5, "judge_cache_hits": 1, "judge_unparsed": 0}  # type: ignore[attr-defined]
 
 
 def test_a_json_field_score_and_the_range_clipped():

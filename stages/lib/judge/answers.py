@@ -3,7 +3,7 @@
 Input: the run folder, and per answer its key, a hash of (judge model, template, question,
 answer). Output: `JudgeCache`, the judge's answer text for a key seen before (from this run
 or an earlier one, `--force` included: the file lives in the run folder beside
-`.pipe-models`, not in a stage's folder), and `hits`, how many lookups it answered. It keeps
+`.pipe-models`, not in a stage's folder). It keeps
 the judge's text rather than the score, so a changed `score_regex` or `score_range` reads the
 same answers anew. The file is JSON lines, appended one whole line per write, so stages and
 shards writing at once interleave lines, never bytes of them; a torn last line is skipped.
@@ -30,7 +30,6 @@ class JudgeCache:
 
     def __init__(self, path: str | None) -> None:
         self.path = path
-        self.hits = 0
         self._lock = threading.Lock()
         self._answers: dict[str, str] = {}
         if path is not None and os.path.exists(path):
@@ -44,10 +43,7 @@ class JudgeCache:
 
     def get(self, key: str) -> str | None:
         with self._lock:
-            text = self._answers.get(key)
-            if text is not None:
-                self.hits += 1
-            return text
+            return self._answers.get(key)
 
     def put(self, key: str, text: str) -> None:
         with self._lock:
