@@ -149,12 +149,13 @@ def test_a_json_field_score_and_the_range_clipped():
     assert read_score(cfg, "no json") is None
 
 
-def test_a_tiny_local_model_judges_in_process(tmp_path: Path):
+def test_a_tiny_local_model_judges_in_process(tmp_path: Path, family_checkpoint):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from tests.unit.test_model import rigged_checkpoint, tiny_checkpoint
+    from tests.unit.test_model import rigged_checkpoint
 
-    sevens = rigged_checkpoint(tiny_checkpoint(tmp_path), tmp_path / "sevens", "7")
+    # the session's ChatML test checkpoint (other tests build it too), rigged to answer "7"s
+    sevens = rigged_checkpoint(family_checkpoint("chatml"), tmp_path / "sevens", "7")
     cfg = judge_block(
         {"kind": "local", "model": str(sevens)}, score_regex=r"(\d)", judge_max_tokens=2
     )
