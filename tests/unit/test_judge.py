@@ -206,3 +206,59 @@ def test_a_judge_block_that_could_not_grade_is_refused_at_plan_located(tmp_path:
         "p.yaml:20:47: stages.evaluate.config.verifier.template: acts with kind 'judge' only; "
         "this verifier is 'exact_match'" in result.stderr
     )
+
+
+def test_filter_rescores_rows_with_a_judge_and_leaves_unscored_ones_out(
+    tmp_path: Path, stub_url: str
+):
+    from tests.unit.test_filter import run
+
+    block = judge_block({"kind": "openai", "base_url": stub_url, "model": "judge-1"})
+    rows = [
+        {**ROW, "prompt_idx": 0, "sample_idx": s, "completion": c, "reward": 1.0}
+        for s, c in enumerate(["good", "bad", "junk", "good"])
+    ]
+    kept, report = run(tmp_path, rows, verifier=block.model_dump(), min_reward=0.5)
+    assert kept == [(0, 0), (0, 3)]  # 0.8 twice kept; 0.2 under min_reward; junk left out
+    assert report["rescored"] == {
+        "rescored": 3,
+        "unscored": 1,
+        "judge_requests": 3,
+        "judge_cache_hits": 1,
+        "judge_unparsed": 1,
+    }
+    assert report["dropped"]["min_reward"] == 1
+    out = [
+        json.loads(line)
+        for line in (tmp_path / "filter" / "filtered.jsonl").read_text().splitlines()
+    ]
+    assert [(r["reward"], r["collected_reward"]) for r in out] == [(0.8, 1.0), (0.8, 1.0)]
+    # the stage again (--force): every answer from the run folder's cache
+    _, again = run(tmp_path, rows, verifier=block.model_dump(), min_reward=0.5)
+    assert again["rescored"]["judge_requests"] == 0 and len(_StubJudge.asked) == 3
+
+
+def test_collect_records_an_unscored_answer_as_a_failure_not_a_zero(tmp_path: Path, stub_url: str):
+    import logging
+
+    from stages.collect.collector import Recorder
+    from stages.collect.inputs import parse_row
+    from stages.collect.io import Sink, failures_path, partial_path
+    from stages.collect.stats import Stats
+    from stages.lib.api.client import Completion
+
+    judge = make_verifier(judge_block({"kind": "openai", "base_url": stub_url, "model": "j"}))
+    output = str(tmp_path / "rollouts.jsonl")
+    sink, stats = Sink(output), Stats()
+    recorder = Recorder(judge, sink, stats, {}, logging.getLogger("test"))
+    prompt = parse_row(0, json.dumps(ROW))
+    for sample_idx, text in enumerate(["good", "junk"]):
+        recorder.rollout(prompt, sample_idx, Completion(text, "stop", 3, 1), 0.01)
+    sink.close()
+    written = [json.loads(line) for line in Path(partial_path(output)).read_text().splitlines()]
+    failed = [json.loads(line) for line in Path(failures_path(output)).read_text().splitlines()]
+    assert [(r["sample_idx"], r["reward"]) for r in written] == [(0, 0.8)]
+    assert [(r["sample_idx"], r["error_kind"], r["retryable"]) for r in failed] == [
+        (1, "judge_unscored", False)
+    ]
+    assert stats.failed == 1 and stats.verify_errors == 0
