@@ -41,7 +41,8 @@ class _StubJudge(BaseHTTPRequestHandler):
         time.sleep(cls.delay_s)
         with cls.lock:
             cls.in_flight[0] -= 1
-        text = next(v for k, v in ANSWERS.items() if k in prompt)
+        # the judge's prompt holds "A: <answer>"; a policy's prompt "p-<answer>" (evaluate)
+        text = next((v for k, v in ANSWERS.items() if k in prompt), prompt.removeprefix("p-"))
         reply = {"choices": [{"message": {"content": text}, "finish_reason": "stop"}]}
         data = json.dumps(reply).encode()
         self.send_response(200)
@@ -262,3 +263,30 @@ def test_collect_records_an_unscored_answer_as_a_failure_not_a_zero(tmp_path: Pa
         (1, "judge_unscored", False)
     ]
     assert stats.failed == 1 and stats.verify_errors == 0
+
+
+def test_evaluate_leaves_an_unscored_answer_out_of_its_figures_and_counts_it(
+    tmp_path: Path, stub_url: str
+):
+    from engine.stage import StageContext
+    from stages.evaluate import EvaluateConfig
+    from stages.evaluate.run import run_evaluate
+
+    data = tmp_path / "test.jsonl"
+    rows = [{"prompt": f"p-{a}", "answer": "4"} for a in ("good", "bad", "junk")]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    served = {"kind": "openai", "base_url": stub_url}
+    cfg = EvaluateConfig.model_validate(
+        {
+            "input": str(data),
+            "output": str(tmp_path / "evaluate" / "report.json"),
+            "backend": {**served, "model": "policy"},
+            "verifier": judge_block({**served, "model": "judge-1"}).model_dump(),
+        }
+    )
+    (tmp_path / "evaluate").mkdir()
+    ctx = StageContext("evaluate", "evaluate", str(tmp_path / "evaluate"), str(tmp_path), "")
+    report = run_evaluate(cfg, ctx)
+    (result,) = report["results"]
+    assert (result["n"], result["mean_reward"], result["accuracy"]) == (2, 0.5, 0.0)
+    assert report["judge"] == {"judge_requests": 3, "judge_cache_hits": 0, "judge_unparsed": 1}
