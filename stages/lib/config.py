@@ -128,6 +128,8 @@ def check_judge(verifier: Verifier, ctx: ResolveContext, path: str) -> list[Diag
                 "judge yourself, e.g. with vLLM, and give its base_url) or local",
             )
         )
+    elif backend.in_process() is not None:
+        out += _check_local_model(str(backend.model or ""), ctx, f"{path}.backend.model")
     if verifier.template is None:
         out.append(ctx.error(f"{path}.kind", "kind 'judge' needs a 'template'"))
     else:
@@ -186,3 +188,23 @@ def _check_regex(pattern: str, ctx: ResolveContext, path: str) -> list[Diagnosti
             )
         ]
     return []
+
+
+def _check_local_model(model: str, ctx: ResolveContext, path: str) -> list[Diagnostic]:
+    """A local judge's checkpoint folder is not resolved against the pipeline's folder (a
+    stage's own `model:` is): a relative one that exists there is refused, with its absolute
+    path, rather than read against whatever folder the worker runs in."""
+    import os
+
+    if not model or os.path.isabs(model) or not ctx.pipeline_dir:
+        return []
+    there = os.path.join(ctx.pipeline_dir, model)
+    if not os.path.exists(there):
+        return []
+    return [
+        ctx.error(
+            path,
+            f"a judge's checkpoint is not resolved against the pipeline's folder; write it "
+            f"absolute: '{os.path.normpath(there)}'",
+        )
+    ]

@@ -187,12 +187,22 @@ stages:
       input: prompts.jsonl
       backend: {kind: openai, base_url: "http://127.0.0.1:9/v1", model: policy}
       verifier: {kind: exact_match, template: "{question} {answer}"}
+  filter:
+    kind: filter
+    needs: [collect]
+    config:
+      verifier:
+        kind: judge
+        backend: {kind: local, model: judge}
+        template: "{question} {answer}"
+        score_regex: '(\\d)'
 """
 
 
 def test_a_judge_block_that_could_not_grade_is_refused_at_plan_located(tmp_path: Path, pipe_cli):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
     (tmp_path / "p.yaml").write_text(BAD)
+    (tmp_path / "judge").mkdir()
     result = pipe_cli("validate", "p.yaml", cwd=tmp_path)
     assert result.exit_code == 2
     assert result.stderr.splitlines()[:4] == [
@@ -203,10 +213,12 @@ def test_a_judge_block_that_could_not_grade_is_refused_at_plan_located(tmp_path:
         "first group is the score, e.g. 'Score: (\\d+)'",
         "p.yaml:13:22: stages.collect.config.verifier.score_range: expected lo < hi, found [10, 0]",
     ]
-    assert (
+    assert result.stderr.splitlines()[4:] == [
         "p.yaml:20:47: stages.evaluate.config.verifier.template: acts with kind 'judge' only; "
-        "this verifier is 'exact_match'" in result.stderr
-    )
+        "this verifier is 'exact_match'",
+        "p.yaml:27:18: stages.filter.config.verifier.backend.model: a judge's checkpoint is not "
+        f"resolved against the pipeline's folder; write it absolute: '{tmp_path / 'judge'}'",
+    ]
 
 
 def test_filter_rescores_rows_with_a_judge_and_leaves_unscored_ones_out(
