@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger("pipe.usage")
-PLOT_SAMPLES = 4
+PLOT_SAMPLES = 30  # a minute at the 2 s interval: a shorter stage has little to plot
 GPU_TARGET = 80.0  # the OpenRLHF tuning guide: "GPU utilization: should be >80%"
 
 

@@ -28,6 +28,7 @@ from stages.lib.api.adaptive import AdaptiveLimit
 from stages.lib.api.client import Completion, OpenAIClient, RequestError, backoff_delay, classify
 from stages.lib.api.client import sample_seed as _seed
 from stages.lib.io.metrics import Metrics
+from stages.lib.judge.grader import Unjudged
 from stages.lib.verify import Score
 
 T = TypeVar("T")
@@ -83,19 +84,69 @@ class Recorder:
         self.track = track  # rollouts/s, latency, errors over time, for the run's trackers
         self._verify_warned = False
 
-    def rollout(self, prompt: Prompt, sample_idx: int, out: Completion, latency: float) -> None:
-        stats = self.stats
-        start = time.perf_counter()
-        extra = ""
+    def rollout(
+        self,
+        prompt: Prompt,
+        sample_idx: int,
+        out: Completion,
+        latency: float,
+        scored: float | Exception | None = None,
+    ) -> None:
+        """Record one answer, scored now unless `scored` (a batch's, `score_batch`) is given."""
+        if scored is None:
+            start = time.perf_counter()
+            try:
+                scored = self.score(prompt.row, out.text)
+            except Exception as exc:
+                scored = exc
+            self.stats.verify_s += time.perf_counter() - start
+        self._record(prompt, sample_idx, out, latency, scored)
+
+    async def rollout_async(
+        self, prompt: Prompt, sample_idx: int, out: Completion, latency: float
+    ) -> None:
+        """`rollout` from the collector's event loop: a verifier that grades asynchronously (a
+        served judge, `stages.lib.judge`) is awaited, the other requests going on meanwhile."""
+        ascore = getattr(self.score, "ascore", None)
+        if ascore is None:
+            self.rollout(prompt, sample_idx, out, latency)
+            return
+        scored: float | Exception
         try:
-            reward = self.score(prompt.row, out.text)
+            scored = await ascore(prompt.row, out.text)
         except Exception as exc:
-            reward, extra = 0.0, f', "verify_error": {_dumps(f"{type(exc).__name__}: {exc}")}'
+            scored = exc
+        self._record(prompt, sample_idx, out, latency, scored)
+
+    def score_batch(self, pairs: list[tuple[dict[str, Any], str]]) -> list[Any] | None:
+        """A batch's rewards (or errors) at once, where the verifier scores many together (a
+        judge); None: score each as it is recorded."""
+        many = getattr(self.score, "score_many", None)
+        if many is None:
+            return None
+        start = time.perf_counter()
+        scored = list(many(pairs))
+        self.stats.verify_s += time.perf_counter() - start
+        return scored
+
+    def _record(
+        self, prompt: Prompt, sample_idx: int, out: Completion, latency: float, scored: Any
+    ) -> None:
+        stats = self.stats
+        if isinstance(scored, Unjudged):  # no score from the judge: a failure, not a zero reward
+            error = RequestError("judge_unscored", str(scored), retryable=False)
+            self.failure(prompt, sample_idx, error, 0)
+            return
+        extra = ""
+        if isinstance(scored, Exception):
+            reward = 0.0
+            extra = f', "verify_error": {_dumps(f"{type(scored).__name__}: {scored}")}'
             stats.verify_errors += 1
             if not self._verify_warned:
                 self._verify_warned = True
-                self.log.warning("verifier failed (reward 0.0, noted in the row): %s", exc)
-        stats.verify_s += time.perf_counter() - start
+                self.log.warning("verifier failed (reward 0.0, noted in the row): %s", scored)
+        else:
+            reward = float(scored)
         self.sink.rollout(rollout_line(prompt, sample_idx, out, reward, latency, extra))
         stats.written += 1
         stats.tokens_in += out.prompt_tokens
@@ -229,7 +280,7 @@ class Collector:
         if isinstance(out, RequestError):
             self.recorder.failure(prompt, sample_idx, out, attempts)
         else:
-            self.recorder.rollout(prompt, sample_idx, out, latency)
+            await self.recorder.rollout_async(prompt, sample_idx, out, latency)
 
     async def request(self, url: str, body: bytes) -> tuple[Completion | RequestError, float, int]:
         """One request, retried with backoff while it fails in a retryable way: (the

@@ -132,11 +132,14 @@ def _generate_batch(
     )
     took = time.perf_counter() - start
     recorder.stats.in_flight = 0
+    both = zip(batch, outputs, strict=True)
+    pairs = [(p.row, gens[i].text) for (p, samples), gens in both for i in samples]
+    scored = iter(recorder.score_batch(pairs) or [None] * len(pairs))  # a judge: all at once
     for (prompt, samples), generations in zip(batch, outputs, strict=True):
         for sample_idx in samples:
             gen = generations[sample_idx]
             out = Completion(gen.text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens)
-            recorder.rollout(prompt, sample_idx, out, took)
+            recorder.rollout(prompt, sample_idx, out, took, next(scored))
 
 
 def _episodes(

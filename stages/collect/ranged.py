@@ -54,7 +54,7 @@ def collect_range(
         raise ValueError("collect: 'input' is empty and no upstream stage provides one")
     if "://" not in cfg.input and not os.path.exists(cfg.input):
         raise FileNotFoundError(f"collect: input '{cfg.input}' does not exist")
-    score = make_verifier(cfg.verifier)
+    score = make_verifier(cfg.verifier, ctx.run_dir)
     start, end = row_range(cfg.start_idx, cfg.end_idx, cfg.limit)
     os.makedirs(os.path.dirname(os.path.abspath(cfg.output)), exist_ok=True)
     done = io.DoneSet(start, cfg.num_repeats, end)
@@ -82,11 +82,16 @@ def collect_range(
             _collect_http(cfg, ctx, work, recorder)
     finally:
         sink.close()
+        if hasattr(score, "close"):  # a served judge's connections
+            score.close()
     # a partial file from an earlier run may hold pairs outside this run's range
     keep = _keep(start, end, cfg.num_repeats) if resumed else None
     rows, failures = publish.finalize(cfg.output, keep)
     metrics = stats.metrics()
     metrics.update(rows=rows, failures=failures)
+    counts = getattr(score, "counts", None)
+    if counts is not None:  # a judge's requests, cache hits and unscored answers
+        metrics.update(counts())
     if with_histogram:
         metrics["latency_histogram"] = stats.latency.to_json()
     return metrics
@@ -153,7 +158,9 @@ def _collect_http(
     from stages.lib.env.contract import environment_factory
 
     # an environment that cannot be loaded fails the stage before any engine starts
-    make_env = environment_factory(cfg.environment, cfg.verifier) if cfg.environment else None
+    make_env = (
+        environment_factory(cfg.environment, cfg.verifier, ctx.run_dir) if cfg.environment else None
+    )
     log_file = ctx.path(f"{os.path.basename(cfg.output)}.{cfg.backend.kind}.log")  # its servers'
     visible = ctx.device_env().get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else None

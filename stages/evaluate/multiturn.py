@@ -78,7 +78,9 @@ class Play:
         self.dtype = dtype
         self.agent = cfg.environment.kind in AGENT_KINDS  # its agent plays each episode
         if not self.agent:
-            self.make_env = environment_factory(cfg.environment, cfg.verifier)
+            self.make_env = environment_factory(
+                cfg.environment, cfg.verifier, ctx.run_dir if ctx is not None else None
+            )
             self.max_turns = max_turns(cfg.environment)
         self.samples = 1 if cfg.temperature == 0 else cfg.num_samples
         if cfg.temperature == 0 and cfg.num_samples > 1:

@@ -67,18 +67,24 @@ def run_evaluate(cfg: EvaluateConfig, ctx: StageContext) -> dict[str, Any]:
     rows = list(read_jsonl(cfg.input))[: cfg.limit]
     checkpoints = [str(cfg.backend.model)] if served else cfg.checkpoints
     generate = Generator(cfg, ctx)
+    verify = make_verifier(cfg.verifier, ctx.run_dir)
     report = evaluate_checkpoints(
         cfg,
         list(checkpoints),
         cfg.baseline,
         rows,
-        make_verifier(cfg.verifier),
+        verify,
         ctx.run_dir,
         generate,
         producers=ctx.producers,
         pipeline_dir=ctx.pipeline_dir,
     )
-    Metrics(ctx.stage_dir).log(0, tracked(report))
+    if hasattr(verify, "close"):  # a served judge's connections
+        verify.close()
+    counts = getattr(verify, "counts", None)
+    if counts is not None:  # a judge's requests, cache hits and unscored answers
+        report["judge"] = counts()
+    Metrics(ctx.stage_dir).log(0, {**tracked(report), **report.get("judge", {})})
     return report
 
 
@@ -319,21 +325,39 @@ def _score_checkpoint(
     if greedy and cfg.num_samples > 1:
         log.warning("temperature 0 gives %d identical samples; generating one", cfg.num_samples)
     gens = generate(path, prompts, 1 if greedy else cfg.num_samples)
+    pairs = [(row, g.text) for row, samples in zip(rows, gens, strict=True) for g in samples]
+    scored = _verified(verify, pairs)
     rewards: list[list[float]] = []
     out: list[dict[str, Any]] = []
     for idx, (row, samples) in enumerate(zip(rows, gens, strict=True)):
-        rewards.append([float(verify(row, g.text)) for g in samples])
-        for s, (g, r) in enumerate(zip(samples, rewards[-1], strict=True)):
+        mine = [next(scored) for _ in samples]
+        kept = [r for r in mine if not isinstance(r, Exception)]
+        if kept:  # a prompt whose every answer the judge left unscored is left out
+            rewards.append(kept)
+        for s, (g, r) in enumerate(zip(samples, mine, strict=True)):
             out.append(
                 {
                     "checkpoint": name,
                     "prompt_idx": idx,
                     "sample_idx": s,
                     "completion": g.text,
-                    "reward": r,
+                    "reward": None if isinstance(r, Exception) else r,
+                    **({"verify_error": str(r)} if isinstance(r, Exception) else {}),
                     "finish_reason": g.finish_reason,
                     "completion_tokens": g.completion_tokens,
                     "answer": row.get("answer"),
                 }
             )
     return rewards, out
+
+
+def _verified(
+    verify: Verify, pairs: list[tuple[dict[str, Any], str]]
+) -> Iterator[float | Exception]:
+    """Each pair's reward; a judge (`stages.lib.judge`) grades them all at once, and an answer
+    it leaves unscored is its `Unjudged` error: that sample is out of the accuracy, its row's
+    reward null (a counted failure, not a zero)."""
+    many = getattr(verify, "score_many", None)
+    if many is not None:
+        return iter(many(pairs))
+    return iter([float(verify(row, text)) for row, text in pairs])

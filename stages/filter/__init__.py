@@ -15,6 +15,9 @@ rule that dropped it (`stages.filter.rules.RULES`):
 6. `top_k`: the prompt already has `top_k_per_prompt` better-scored samples
    (ties: lower `sample_idx` first); best-of-n is `top_k_per_prompt: 1`.
 
+With a `verifier:` (an LLM judge, or any verifier) the rows are scored again before rule 1
+(`stages.filter.rescore`): a row it cannot score is left out, counted under `rescored`.
+
 With `pairs: true` the output holds preference pairs made from each prompt's kept rows
 instead of the rows (`stages.filter.pairs`): a reward model's or DPO's training data.
 
@@ -31,6 +34,7 @@ from pydantic import Field
 from engine.errors import Diagnostic
 from engine.stage import ResolveContext, StageConfig, stage
 from stages.lib.block import check_callable
+from stages.lib.config import Verifier, check_verifier
 
 
 class FilterConfig(StageConfig):
@@ -86,6 +90,13 @@ class FilterConfig(StageConfig):
         description="pairs: at most this many pairs per prompt, no rollout in two (the i-th best "
         "against the i-th worst).",
     )
+    verifier: Verifier | None = Field(
+        None,
+        description="Score the rows again before the rules (e.g. kind judge: an LLM grades "
+        "them); the row's reward becomes the verifier's, the collected one kept as "
+        "collected_reward; a row it cannot score is left out and counted. null: the rewards "
+        "as collected.",
+    )
     partition_mb: float = Field(
         64.0,
         gt=0,
@@ -108,6 +119,8 @@ class FilterConfig(StageConfig):
                     "pairs_per_prompt", "acts with 'pairs: true' only: set pairs, or leave it out"
                 )
             )
+        if self.verifier is not None:
+            out += check_verifier(self.verifier, ctx)
         if self.predicate is None:
             return out
         pdir = [ctx.pipeline_dir]

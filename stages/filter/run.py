@@ -5,7 +5,9 @@ and the `StageContext`. Output: `cfg.output` (the kept lines, byte for byte,
 in input order; with `pairs: true` the pairs made from them, `stages.filter.pairs`),
 `<stage_dir>/filter_report.json` (rows in, kept, dropped by
 reason in rule order, groups, reward summaries, pairs written, how it ran) and
-`<stage_dir>/reward_histogram.png`; the report is also the returned metrics.
+`<stage_dir>/reward_histogram.png`; the report is also the returned metrics. With a
+`verifier:` the rows are scored again first (`stages.filter.rescore`) and the rules read
+those rewards; the kept lines are then the rescored ones.
 
 Where it runs: inside a Dask worker (`distributed.get_worker()` succeeds) an
 input larger than two `partition_mb` partitions is filtered as parallel tasks
@@ -99,8 +101,14 @@ def run_filter(cfg: FilterConfig, ctx: StageContext) -> dict[str, Any]:
     tmp = ctx.path(f".filter-tmp-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     out_tmp = f"{cfg.output}.tmp-{uuid.uuid4().hex[:8]}"
+    rescored = None
     try:
-        counts, mode, parts, contiguous = _filter_file(cfg, ctx, cfg.input, out_tmp, tmp)
+        src = cfg.input
+        if cfg.verifier is not None:  # the rows scored again first (an LLM judge, ...)
+            from stages.filter.rescore import rescore
+
+            src, rescored = rescore(cfg.verifier, ctx.run_dir, src, tmp)
+        counts, mode, parts, contiguous = _filter_file(cfg, ctx, src, out_tmp, tmp)
         os.replace(out_tmp, cfg.output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -110,6 +118,8 @@ def run_filter(cfg: FilterConfig, ctx: StageContext) -> dict[str, Any]:
     report = build_report(cfg, counts, mode=mode, partitions=parts, contiguous=contiguous)
     if cfg.pairs:
         report["pairs"] = counts.pairs
+    if rescored is not None:
+        report["rescored"] = rescored
     report["seconds"] = round(seconds, 3)
     report["rows_per_s"] = round(counts.rows_in / seconds, 1) if seconds > 0 else None
     report["histogram"] = plot_histogram(counts, ctx.path(HISTOGRAM))

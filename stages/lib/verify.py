@@ -16,6 +16,8 @@ completion. Kinds:
   pattern stands for the escaped reference answer.
 - `math`: math-verify's `parse` and `verify` (its signal-based timeouts are
   used only on the main thread, where signals work).
+- `judge`: an LLM grades the answer (`stages.lib.judge`): its scores cached in the run
+  folder (`run_dir`; in memory without one), an answer holding no score an `Unjudged` error.
 - `module:function`: a user callable `fn(row, completion) -> float | bool`;
   a result outside [0, 1] is an error, not clamped.
 """
@@ -49,8 +51,13 @@ def normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-def make_verifier(cfg: Verifier) -> Score:
-    """The scoring function for `cfg.kind`; raises ValueError on an unusable config."""
+def make_verifier(cfg: Verifier, run_dir: str | None = None) -> Score:
+    """The scoring function for `cfg.kind`; raises ValueError on an unusable config. A judge's
+    cache lives in `run_dir`."""
+    if cfg.kind == "judge":
+        from stages.lib.judge.grader import Judge
+
+        return Judge(cfg, run_dir)
     if cfg.kind == "reasoning_gym":
         return _reasoning_gym(cfg.answer_field)
     if cfg.kind == "exact_match":

@@ -133,11 +133,13 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
         before = after
     # shared code: every kind that imports it changes, the others do not; and the data read
     # beside the code: a vendored chat template re-runs every kind that renders prompts
-    rendering = ["collect", "evaluate", "rl", "train"]
+    verifying = ["collect", "evaluate", "filter", "rl", "train"]  # filter's verifier rescores
     for rel, kinds_changed in (
-        ("stages/lib/verify.py", rendering),
-        ("stages/lib/api/client.py", ["collect", "evaluate", "rl"]),  # HTTP backends
-        ("stages/lib/chat/families/gemma.jinja", rendering),
+        ("stages/lib/verify.py", verifying),
+        # HTTP backends, and a judge (any verifier: train's held-out one, filter's too)
+        ("stages/lib/api/client.py", verifying),
+        # every kind that renders prompts, and filter: a local judge renders its own
+        ("stages/lib/chat/families/gemma.jinja", verifying),
     ):
         with open(copy / rel, "a") as f:
             f.write("\n")
@@ -146,7 +148,18 @@ def test_editing_an_internal_file_changes_that_kinds_code_version_only(tmp_path:
         before = after
 
 
-LIB_PACKAGES = ("api", "backends", "builders", "chat", "distributed", "env", "io", "model", "serve")
+LIB_PACKAGES = (
+    "api",
+    "backends",
+    "builders",
+    "chat",
+    "distributed",
+    "env",
+    "io",
+    "judge",
+    "model",
+    "serve",
+)
 # file names every kind (or every role) has by design: the same job in each package
 PER_PACKAGE = {"__init__.py", "run.py", "brief.py", "cli.py"}
 # file names two packages share because they are the two sides of one concept; each

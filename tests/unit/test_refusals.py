@@ -251,6 +251,9 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ("stages/filter/rows.py", "{}: expected a JSON object"): data("a malformed rollout row"),
     ("stages/filter/rows.py", "{}: expected a numeric 'reward'"): data("a malformed rollout row"),
     ("stages/filter/rows.py", "{}: not a JSON line"): data("a malformed rollout row"),
+    ("stages/filter/rescore.py", "{}:{}: the filter's verifier re-scores o"): data(
+        "an episode row given to filter's verifier: only the rows decide it"
+    ),
     ("stages/filter/pairs.py", "byte {}: an episode with no assistant tu"): data(
         "an episode row that cannot be paired"
     ),

@@ -107,8 +107,10 @@ def test_the_headline_ends_with_what_each_stage_used(tmp_path: Path):
     assert usage_line(summarize(ROWS[:2])) == "cpu 150% mean, 150% peak; rss 1.50 GB peak"
 
 
-def test_the_plot_is_written_once_the_stage_ran_a_few_samples(tmp_path: Path):
-    many = [{**r, "time": r["time"] + t} for t in (0, 4, 8) for r in ROWS]
+def test_the_plot_is_written_once_the_stage_ran_a_minute_of_samples(tmp_path: Path):
+    from engine.run.usage_summary import PLOT_SAMPLES
+
+    many = [{**r, "time": r["time"] + 4 * t} for t in range(PLOT_SAMPLES) for r in ROWS]
     assert not plot_usage(ROWS, str(tmp_path / "short.png"), "short")
     assert plot_usage(many, str(tmp_path / "usage.png"), "s: usage")
     assert (tmp_path / "usage.png").read_bytes()[:4] == b"\x89PNG"

@@ -276,14 +276,15 @@ def _no_reward(row: dict[str, Any], completion: str) -> float:
 
 
 def environment_factory(
-    cfg: EnvironmentConfig | None, verifier: Verifier | None
+    cfg: EnvironmentConfig | None, verifier: Verifier | None, run_dir: str | None = None
 ) -> Callable[[], Environment]:
     """A function making one environment per episode; raises ValueError on one that cannot
     be loaded (an unimportable module, a missing class). No verifier (the rl stage's
-    `verifier: null`, scored by its reward model): every turn's reward is 0."""
+    `verifier: null`, scored by its reward model): every turn's reward is 0. A judge's cache
+    lives in `run_dir`."""
     from stages.lib.verify import make_verifier
 
-    score = make_verifier(verifier) if verifier is not None else _no_reward
+    score = make_verifier(verifier, run_dir) if verifier is not None else _no_reward
     if cfg is None:
         return lambda: single_turn(score)
     if cfg.url:

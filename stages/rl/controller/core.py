@@ -54,7 +54,7 @@ class Controller:
         self.evals: Prompts | None = (
             load_prompts(cfg.eval_input, cfg.eval_limit) if cfg.eval_input else None
         )
-        self.make_env = environment_factory(cfg.environment, cfg.verifier)
+        self.make_env = environment_factory(cfg.environment, cfg.verifier, ctx.run_dir)
         self.stream = Stream(len(self.data.rows), cfg.rollout_batch_size, cfg.seed)
         self.total = cfg.max_steps or cfg.max_epochs * self.stream.steps_per_epoch
         self.how: dict[str, tuple[str, str]] = {}
