@@ -18,10 +18,11 @@ from engine.stage import ResolveContext
 from stages.lib.block import Block, check_callable, named_or_callable
 
 ENVIRONMENT_KINDS = ("single_turn", "retry", "calculator", "python")
+SERVED_KINDS = ("verifiers",)  # an ecosystem's environments, run in its own venv and served
 
 
 def _environment_kind(value: Any) -> Any:
-    return named_or_callable(value, ENVIRONMENT_KINDS, "module:Class")
+    return named_or_callable(value, (*ENVIRONMENT_KINDS, *SERVED_KINDS), "module:Class")
 
 
 class EnvironmentConfig(Block):
@@ -31,8 +32,14 @@ class EnvironmentConfig(Block):
     kind: Annotated[str | None, BeforeValidator(_environment_kind)] = Field(
         None,
         description="single_turn, retry, calculator, python (built-ins, scored by the stage's "
-        "verifier; calculator and python offer that tool), or your own 'module:Class' (scores "
-        "itself).",
+        "verifier; calculator and python offer that tool), verifiers (a verifiers taskset, "
+        "'env_id'; scores itself) or your own 'module:Class' (scores itself).",
+    )
+    env_id: str | None = Field(
+        None,
+        description="kind verifiers: the taskset, a module or installed package exporting "
+        "one verifiers Taskset subclass in __all__ (run in .venv-verifiers: make "
+        "install-verifiers; docs/rl/verifiers.md).",
     )
     url: str | None = Field(
         None,
@@ -48,7 +55,7 @@ class EnvironmentConfig(Block):
     config: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword arguments for the environment (module:Class is built as "
-        "Class(**config)).",
+        "Class(**config); kind verifiers: the taskset config's fields).",
     )
     timeout_s: float = Field(
         60.0, gt=0, description="A reset or step taking longer fails its episode."
@@ -77,6 +84,12 @@ class EnvironmentConfig(Block):
         return self
 
 
+def scores_itself(env: EnvironmentConfig) -> bool:
+    """Whether the environment scores its own episodes (a url, a `module:Class`, a served
+    kind's), so the stage's verifier is not what rewards them."""
+    return env.url is not None or (env.kind is not None and env.kind not in ENVIRONMENT_KINDS)
+
+
 def check_environment(
     env: EnvironmentConfig | None, ctx: ResolveContext, path: str = "environment"
 ) -> list[Diagnostic]:
@@ -87,14 +100,16 @@ def check_environment(
         return []
     out: list[Diagnostic] = []
     verifier_set = sorted(p for p in ctx.explicit if p == "verifier" or p.startswith("verifier."))
-    user = env.url is not None or (env.kind is not None and env.kind not in ENVIRONMENT_KINDS)
-    if env.kind is not None:
+    user = scores_itself(env)
+    out += _check_served(env, ctx, path)
+    if env.kind is not None and env.kind not in SERVED_KINDS:
         out += check_callable(ctx, f"{path}.kind", "environment", env.kind, noun="class")
     if user and env.max_turns is None:
         out.append(
             ctx.error(
                 f"{path}.kind" if env.kind else f"{path}.url",
-                "an environment of your own (kind 'module:Class' or url) needs 'max_turns': "
+                "an environment of your own (kind 'module:Class', verifiers or url) needs "
+                "'max_turns': "
                 "it decides when an episode is done, so the stage needs a bound",
             )
         )
@@ -109,6 +124,23 @@ def check_environment(
             )
         )
     return out
+
+
+def _check_served(env: EnvironmentConfig, ctx: ResolveContext, path: str) -> list[Diagnostic]:
+    """`env_id` names the taskset of kind verifiers, and only there. Whether
+    `.venv-verifiers` exists is the stage's to say when it starts the bridge (the machine
+    that runs it may not be this one); verifiers is never imported here."""
+    if env.kind == "verifiers" and not env.env_id:
+        return [
+            ctx.error(
+                f"{path}.kind",
+                "kind 'verifiers' needs 'env_id': the taskset to load (a module or an installed "
+                "package exporting one verifiers Taskset subclass)",
+            )
+        ]
+    if env.kind != "verifiers" and env.env_id is not None:
+        return [ctx.error(f"{path}.env_id", "'env_id' is for kind 'verifiers' only")]
+    return []
 
 
 TOOL_ENVIRONMENTS = ("calculator", "python")  # the built-ins that offer a tool
