@@ -165,3 +165,46 @@ def test_a_tool_taskset_answers_calls_and_stops_on_its_predicate(
     assert (bad_args.rewards, bad_args.solved) == ([0.0, 0.0], False)
     # the task's @vf.stop: at most 3 tool results (its config's max_calls), then scored
     assert (stopped.rewards, stopped.end, stopped.turns) == ([0.0, 0.0, 0.0], "done", 3)
+
+
+@pytest.mark.verifiers
+@pytest.mark.slow
+@needs_venv
+def test_collect_plays_a_taskset_with_the_tiny_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The collect stage with the local backend: one episode per (row, sample), scored by
+    the taskset's reward; the bridge it started is gone when the stage returns."""
+    pytest.importorskip("torch")
+    import psutil
+
+    from stages.collect.run import run_collect
+    from stages.lib.builders.recipe import TinyModel
+    from stages.lib.builders.tiny import build_tiny_model
+    from tests.unit.test_collect_env import config, ctx
+
+    monkeypatch.setenv("PYTHONPATH", str(ENVS))
+    rows = [{"prompt": f"{i} + {i + 1} = ?", "answer": str(2 * i + 1)} for i in range(4)]
+    build_tiny_model(
+        TinyModel(hidden_size=32, num_layers=1, num_heads=2, vocab_size=300),
+        [f"{r['prompt']} {r['answer']}" for r in rows] * 5,
+        str(tmp_path / "m"),
+        seed=0,
+    )
+    local = {"kind": "local", "model": str(tmp_path / "m"), "batch_size": 4}
+    env = {"kind": "verifiers", "env_id": "vf_arith", "max_turns": 1}
+    cfg = config(tmp_path, "", backend=local, environment=env, verifier={}, max_output_tokens=4)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    metrics = run_collect(cfg, ctx(tmp_path))
+    got = [json.loads(line) for line in Path(cfg.output).read_text().splitlines()]
+    assert metrics["written"] == 8 and metrics["episodes"]["failed"] == 0
+    for r in got:
+        reply = r["messages"][1]["content"].strip()
+        assert r["messages"][0] == {"role": "user", "content": rows[r["prompt_idx"]]["prompt"]}
+        assert r["rewards"] == [float(reply == r["answer"])] and r["end"] == "done"
+    bridges = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "verifiers_bridge" in " ".join(p.cmdline())
+    ]
+    assert bridges == []

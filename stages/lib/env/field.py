@@ -38,8 +38,8 @@ class EnvironmentConfig(Block):
     env_id: str | None = Field(
         None,
         description="kind verifiers: the taskset, a module or installed package exporting "
-        "one verifiers Taskset subclass in __all__ (run in .venv-verifiers: make "
-        "install-verifiers; docs/rl/verifiers.md).",
+        "one verifiers Taskset subclass (run in .venv-verifiers: make install-verifiers; "
+        "docs/rl/verifiers.md).",
     )
     url: str | None = Field(
         None,
@@ -49,8 +49,8 @@ class EnvironmentConfig(Block):
     max_turns: int | None = Field(
         None,
         gt=0,
-        description="Model turns per episode at most; required for 'module:Class' and url "
-        "(built-ins: single_turn 1, retry 2, calculator 4, python 4).",
+        description="Model turns per episode at most; required for 'module:Class', verifiers "
+        "and url (built-ins: single_turn 1, retry 2, calculator 4, python 4).",
     )
     config: dict[str, Any] = Field(
         default_factory=dict,
