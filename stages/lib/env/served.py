@@ -30,13 +30,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from stages.lib.env import verifiers_bridge  # its source: part of the kinds' code version
 from stages.lib.env.builtin import HTTPEnvironment
 from stages.lib.env.field import EnvironmentConfig
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[3]
-BRIDGE = Path(__file__).with_name("verifiers_bridge.py")
+BRIDGE = Path(verifiers_bridge.__file__)  # run by path in verifiers' venv, never imported there
 PYTHON_ENV = "PIPE_VERIFIERS_PYTHON"
 START_TIMEOUT_S = 180.0  # importing verifiers takes 10-30 s on a loaded machine
 STOP_GRACE_S = 5.0
