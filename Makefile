@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: install gemma3 install-slurm stop-slurm install-vllm install-gym quickstart test test-fast test-vllm test-gpu wheelhouse gpu-check lint fmt schemas docs docs-reference bench bench-rl bench-rl-setup clean
+.PHONY: install gemma3 install-slurm stop-slurm install-vllm install-gym install-verifiers quickstart test test-fast test-vllm test-gpu wheelhouse gpu-check lint fmt schemas docs docs-reference bench bench-rl bench-rl-setup clean
 
 install: $(VENV)/.installed
 
@@ -40,6 +40,10 @@ install-vllm:
 # omegaconf pinned): the environments' servers run from it (scripts/install_gym.sh says how)
 install-gym:
 	bash scripts/install_gym.sh
+
+# verifiers 0.4.0 in its own venv, .venv-verifiers (environment kind verifiers; docs/rl/verifiers.md)
+install-verifiers:
+	bash scripts/install_verifiers.sh
 
 # a one-node Slurm on this machine (Debian's slurm-wlm + munge, fake GPU gres gpu:2, daemons
 # started without systemd, PIDs in /run/pipe-slurm/) for `scheduler: slurm` and the `slurm` tests

@@ -146,11 +146,23 @@ def _episodes(
     cfg: CollectConfig, work: Iterator[tuple[Prompt, list[int]]], recorder: Recorder, device: str
 ) -> None:
     """Play every pending pair's episode in batches and record the lines."""
-    from stages.lib.env.contract import environment_factory
+    from stages.lib.env.contract import environments
 
     assert cfg.environment is not None
-    # an environment that cannot be loaded fails the stage before the model loads
-    make_env = environment_factory(cfg.environment, cfg.verifier)
+    # an environment that cannot be loaded fails the stage before the model loads; one
+    # served by a process is stopped with the stage
+    with environments(cfg.environment, cfg.verifier) as make_env:
+        _episodes_with(cfg, work, recorder, device, make_env)
+
+
+def _episodes_with(
+    cfg: CollectConfig,
+    work: Iterator[tuple[Prompt, list[int]]],
+    recorder: Recorder,
+    device: str,
+    make_env: Any,
+) -> None:
+    """`_episodes`'s body, its environments open."""
     engine, model, dtype = _engine(cfg)
     loaded = engine.load(model, device, dtype)
     failed = 0

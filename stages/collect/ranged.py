@@ -154,13 +154,26 @@ def _collect_http(
     work: Iterator[tuple[Prompt, list[int]]],
     recorder: Recorder,
 ) -> None:
-    from stages.lib.backends.endpoint import Serving
-    from stages.lib.env.contract import environment_factory
+    from stages.lib.env.contract import environments
 
-    # an environment that cannot be loaded fails the stage before any engine starts
-    make_env = (
-        environment_factory(cfg.environment, cfg.verifier, ctx.run_dir) if cfg.environment else None
-    )
+    if cfg.environment is None:
+        _collect_endpoint(cfg, ctx, work, recorder, None)
+        return
+    # an environment that cannot be loaded fails the stage before any engine starts; one
+    # served by a process is stopped with the stage
+    with environments(cfg.environment, cfg.verifier, ctx.run_dir) as make_env:
+        _collect_endpoint(cfg, ctx, work, recorder, make_env)
+
+
+def _collect_endpoint(
+    cfg: CollectConfig,
+    ctx: StageContext,
+    work: Iterator[tuple[Prompt, list[int]]],
+    recorder: Recorder,
+    make_env: MakeEnv | None,
+) -> None:
+    from stages.lib.backends.endpoint import Serving
+
     log_file = ctx.path(f"{os.path.basename(cfg.output)}.{cfg.backend.kind}.log")  # its servers'
     visible = ctx.device_env().get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else None

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from stages.lib.env.contract import (
     Episode,
     check_failures,
+    close_environments,
     environment_factory,
     max_turns,
     open_episode,
@@ -85,6 +86,12 @@ class Play:
         self.samples = 1 if cfg.temperature == 0 else cfg.num_samples
         if cfg.temperature == 0 and cfg.num_samples > 1:
             log.warning("temperature 0 gives %d identical episodes; playing one", cfg.num_samples)
+
+    def close(self) -> None:
+        """Stop the process serving the environment, if one does (an agent's servers stop
+        with each checkpoint's episodes)."""
+        if not self.agent:
+            close_environments(self.make_env)
 
     def __call__(self, path: str, name: str, rows: list[dict[str, Any]]) -> Scored:
         """Solved per row and sample, the report's episode fields and the generations rows;

@@ -217,16 +217,20 @@ def evaluate_checkpoints(
         else None
     )
     results, samples = [], []
-    for path, name in zip(served, names, strict=True):
+    try:
+        for path, name in zip(served, names, strict=True):
+            if play is not None:
+                solved, fields, gen_rows = play(path, name, rows)
+                result = {**summarize(name, solved), **fields}
+            else:
+                rewards, gen_rows = _score_checkpoint(cfg, path, name, rows, verify, generate)
+                result = summarize(name, rewards)
+            results.append(result)
+            samples.extend(gen_rows)
+            log.info("%s: accuracy %.3f on %d prompts", name, result["accuracy"], len(rows))
+    finally:
         if play is not None:
-            solved, fields, gen_rows = play(path, name, rows)
-            result = {**summarize(name, solved), **fields}
-        else:
-            rewards, gen_rows = _score_checkpoint(cfg, path, name, rows, verify, generate)
-            result = summarize(name, rewards)
-        results.append(result)
-        samples.extend(gen_rows)
-        log.info("%s: accuracy %.3f on %d prompts", name, result["accuracy"], len(rows))
+            play.close()  # an environment served by a process stops here
     if cfg.reward_model is not None:
         from stages.evaluate.reward_scores import SCORE, score_samples
         from stages.lib.devices import torch_device

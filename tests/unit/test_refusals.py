@@ -593,8 +593,8 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             """,
             (
                 "p.yaml:3:62: stages.r.config.environment.kind: an environment of your own "
-                "(kind 'module:Class' or url) needs 'max_turns': it decides when an episode is "
-                "done, so the stage needs a bound",
+                "(kind 'module:Class', verifiers or url) needs 'max_turns': it decides when an "
+                "episode is done, so the stage needs a bound",
             ),
         )
     ),
@@ -619,6 +619,18 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
     ),
     ("stages/lib/env/contract.py", "environment '{}': cannot build it with config"): environment(
         "whether Class(**config) accepts the options is known only by running user code"
+    ),
+    ("stages/lib/env/served.py", "environment kind 'verifiers' runs in verifi"): environment(
+        "whether .venv-verifiers exists on the machine that runs the stage (make "
+        "install-verifiers): the stage says so when it starts the bridge"
+    ),
+    ("stages/lib/env/served.py", "verifiers bridge for '{}' {}; its last lin"): environment(
+        "the taskset loads only in verifiers' venv (an id it cannot import, a config its "
+        "class refuses): the bridge's last lines say why"
+    ),
+    ("stages/lib/env/verifiers_bridge.py", "the task has no prompt and no system pro"): data(
+        "a row the taskset's task makes no opening from: fails its episode (the bridge answers "
+        "HTTP 500 with the reason)"
     ),
     ("stages/lib/env/contract.py", "{}: {} of {} episodes failed"): data(
         "more episodes failed than environment.max_failed_share allows: known as they run"

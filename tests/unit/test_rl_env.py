@@ -277,7 +277,7 @@ def test_the_retry_environment_is_planned_with_grpo_only(tmp_path: Path):
             '{kind: "tests.unit.test_rl_env:OneTurn"}',
             "",
             "p.yaml:7:27: stages.s.config.environment.kind: an environment of your own "
-            "(kind 'module:Class' or url) needs 'max_turns'",
+            "(kind 'module:Class', verifiers or url) needs 'max_turns'",
         ),
         (
             "{url: 'http://127.0.0.1:9/env', max_turns: 2}",
@@ -289,7 +289,7 @@ def test_the_retry_environment_is_planned_with_grpo_only(tmp_path: Path):
             "{kind: retri}",
             "",
             "p.yaml:7:27: stages.s.config.environment.kind: expected 'single_turn', 'retry', "
-            "'calculator', 'python', 'nemo_gym' or 'module:Class', found 'retri'; did you mean 'retry'?",
+            "'calculator', 'python', 'nemo_gym', 'verifiers' or 'module:Class', found 'retri'; did you mean 'retry'?",
         ),
     ],
 )

@@ -44,7 +44,7 @@ import importlib
 import inspect
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -281,7 +281,8 @@ def environment_factory(
     """A function making one environment per episode; raises ValueError on one that cannot
     be loaded (an unimportable module, a missing class). No verifier (the rl stage's
     `verifier: null`, scored by its reward model): every turn's reward is 0. A judge's cache
-    lives in `run_dir`."""
+    lives in `run_dir`. A kind served by a process (`stages.lib.env.served`) starts it here:
+    the function has a `close()` that stops it (`environments` calls it)."""
     from stages.lib.verify import make_verifier
 
     score = make_verifier(verifier, run_dir) if verifier is not None else _no_reward
@@ -290,6 +291,11 @@ def environment_factory(
     if cfg.url:
         url = cfg.url.rstrip("/")
         return lambda: HTTPEnvironment(url, cfg.timeout_s)
+    from stages.lib.env.served import served
+
+    process = served(cfg)  # a kind served by a process the stage starts (verifiers)
+    if process is not None:
+        return process
     assert cfg.kind is not None
     if cfg.kind in BUILT_IN:
         built = BUILT_IN[cfg.kind]
@@ -310,6 +316,27 @@ def environment_factory(
             f"({type(exc).__name__}: {exc})"
         ) from exc
     return lambda: cls(**options)  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def environments(
+    cfg: EnvironmentConfig | None, verifier: Verifier | None, run_dir: str | None = None
+) -> Iterator[Callable[[], Environment]]:
+    """`environment_factory` for the span of a stage's episodes: a process it started
+    (a served kind's) is stopped on the way out, whether the body returns, raises or is
+    interrupted."""
+    make_env = environment_factory(cfg, verifier, run_dir)
+    try:
+        yield make_env
+    finally:
+        close_environments(make_env)
+
+
+def close_environments(make_env: Callable[[], Environment]) -> None:
+    """Stop the process behind `make_env`, if one serves it."""
+    close = getattr(make_env, "close", None)
+    if close is not None:
+        close()
 
 
 def check_failures(failed: int, total: int, cfg: EnvironmentConfig | None, where: str) -> None:

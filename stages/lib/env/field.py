@@ -19,13 +19,15 @@ from stages.lib.block import Block, check_callable, named_or_callable
 
 ENVIRONMENT_KINDS = ("single_turn", "retry", "calculator", "python")
 # another ecosystem's environments, which run whole episodes against the stage's model served
-# over HTTP and score them (`stages.lib.env.agent`: NeMo Gym's agent servers)
+# over HTTP and score them (`stages.lib.env.gym`: NeMo Gym's agent servers)
 AGENT_KINDS = ("nemo_gym",)
 _AGENT_FIELDS = ("config_paths", "agent", "head")
+SERVED_KINDS = ("verifiers",)  # an ecosystem's environments, run in its own venv and served
 
 
 def _environment_kind(value: Any) -> Any:
-    return named_or_callable(value, (*ENVIRONMENT_KINDS, *AGENT_KINDS), "module:Class")
+    kinds = (*ENVIRONMENT_KINDS, *AGENT_KINDS, *SERVED_KINDS)
+    return named_or_callable(value, kinds, "module:Class")
 
 
 class EnvironmentConfig(Block):
@@ -36,7 +38,14 @@ class EnvironmentConfig(Block):
         None,
         description="single_turn, retry, calculator, python (built-ins, scored by the stage's "
         "verifier; calculator and python offer that tool), nemo_gym (NeMo Gym's servers: "
-        "config_paths and agent), or your own 'module:Class' (scores itself).",
+        "config_paths and agent), verifiers (a verifiers taskset, 'env_id'; scores itself) or "
+        "your own 'module:Class' (scores itself).",
+    )
+    env_id: str | None = Field(
+        None,
+        description="kind verifiers: the taskset, a module or installed package exporting "
+        "one verifiers Taskset subclass (run in .venv-verifiers: make install-verifiers; "
+        "docs/rl/verifiers.md).",
     )
     url: str | None = Field(
         None,
@@ -46,13 +55,13 @@ class EnvironmentConfig(Block):
     max_turns: int | None = Field(
         None,
         gt=0,
-        description="Model turns per episode at most; required for 'module:Class' and url "
-        "(built-ins: single_turn 1, retry 2, calculator 4, python 4).",
+        description="Model turns per episode at most; required for 'module:Class', verifiers "
+        "and url (built-ins: single_turn 1, retry 2, calculator 4, python 4).",
     )
     config: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword arguments for the environment (module:Class is built as "
-        "Class(**config)).",
+        "Class(**config); kind verifiers: the taskset config's fields).",
     )
     timeout_s: float = Field(
         60.0, gt=0, description="A reset or step taking longer fails its episode."
@@ -99,6 +108,12 @@ class EnvironmentConfig(Block):
         return self
 
 
+def scores_itself(env: EnvironmentConfig) -> bool:
+    """Whether the environment scores its own episodes (a url, a `module:Class`, a served
+    kind's), so the stage's verifier is not what rewards them."""
+    return env.url is not None or (env.kind is not None and env.kind not in ENVIRONMENT_KINDS)
+
+
 def check_environment(
     env: EnvironmentConfig | None, ctx: ResolveContext, path: str = "environment"
 ) -> list[Diagnostic]:
@@ -109,7 +124,8 @@ def check_environment(
         return []
     out: list[Diagnostic] = []
     verifier_set = sorted(p for p in ctx.explicit if p == "verifier" or p.startswith("verifier."))
-    user = env.url is not None or (env.kind is not None and env.kind not in ENVIRONMENT_KINDS)
+    user = scores_itself(env)
+    out += _check_served(env, ctx, path)
     if env.kind in AGENT_KINDS:
         out += _check_agent(env, ctx, path)
     else:
@@ -120,13 +136,14 @@ def check_environment(
             for name in _AGENT_FIELDS
             if f"{path}.{name}" in ctx.explicit
         ]
-    if env.kind is not None:
+    if env.kind is not None and env.kind not in SERVED_KINDS:
         out += check_callable(ctx, f"{path}.kind", "environment", env.kind, noun="class")
     if user and env.max_turns is None and env.kind not in AGENT_KINDS:
         out.append(
             ctx.error(
                 f"{path}.kind" if env.kind else f"{path}.url",
-                "an environment of your own (kind 'module:Class' or url) needs 'max_turns': "
+                "an environment of your own (kind 'module:Class', verifiers or url) needs "
+                "'max_turns': "
                 "it decides when an episode is done, so the stage needs a bound",
             )
         )
@@ -182,6 +199,23 @@ def _check_agent(env: EnvironmentConfig, ctx: ResolveContext, path: str) -> list
             )
         )
     return out
+
+
+def _check_served(env: EnvironmentConfig, ctx: ResolveContext, path: str) -> list[Diagnostic]:
+    """`env_id` names the taskset of kind verifiers, and only there. Whether
+    `.venv-verifiers` exists is the stage's to say when it starts the bridge (the machine
+    that runs it may not be this one); verifiers is never imported here."""
+    if env.kind == "verifiers" and not env.env_id:
+        return [
+            ctx.error(
+                f"{path}.kind",
+                "kind 'verifiers' needs 'env_id': the taskset to load (a module or an installed "
+                "package exporting one verifiers Taskset subclass)",
+            )
+        ]
+    if env.kind != "verifiers" and env.env_id is not None:
+        return [ctx.error(f"{path}.env_id", "'env_id' is for kind 'verifiers' only")]
+    return []
 
 
 TOOL_ENVIRONMENTS = ("calculator", "python")  # the built-ins that offer a tool

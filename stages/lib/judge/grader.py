@@ -6,7 +6,7 @@ Input: a judge `Verifier` and the run folder (the answers' cache file:
 or `Unjudged`, the uncached ones asked at once: evaluate, collect's in-process batches) and
 `ascore` (one answer, awaited from a caller's event loop: collect's collector, whose requests
 to the policy go on meanwhile). A served judge (`backend: {kind: openai}`) gets chat requests
-at temperature 0 through `stages.lib.judge.served` (at most `concurrency` in flight); a local
+at temperature 0 through `stages.lib.judge.over_http` (at most `concurrency` in flight); a local
 one (`kind: local`) answers greedily in batches of `concurrency` in the stage's process, on
 its CPU. An answer asked for while the same one is in flight waits for it: each distinct
 (judge, template, question, answer) costs one request per run folder.
@@ -28,7 +28,7 @@ from typing import Any
 from stages.lib.config import Verifier
 from stages.lib.judge.answers import CACHE_FILE, JudgeCache, cache_key
 from stages.lib.judge.reading import question_of, read_score, render
-from stages.lib.judge.served import ServedJudge
+from stages.lib.judge.over_http import ServedJudge
 
 log = logging.getLogger("pipe.stages.judge")
 Pair = tuple[dict[str, Any], str]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.lib.api.sampling import request_sampling
 from stages.lib.distributed.sleep import sleep_method
+from stages.lib.env.field import scores_itself
 from stages.rl.algo.effects import account_algorithm
 from stages.rl.algo.options import per_token_returns
 from stages.rl.controller.records import SAMPLES_PER_STEP
@@ -269,7 +270,7 @@ def _kl(cfg: RLConfig) -> tuple[str, str]:
 
 def _verifier(cfg: RLConfig) -> tuple[str, str]:
     env = cfg.environment
-    if env is not None and (env.url or (env.kind and ":" in env.kind)):
+    if env is not None and scores_itself(env):
         return S, "the environment scores its own episodes"
     if cfg.verifier is None:
         return S, "none (null): the reward model alone scores the samples"

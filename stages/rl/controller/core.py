@@ -54,7 +54,6 @@ class Controller:
         self.evals: Prompts | None = (
             load_prompts(cfg.eval_input, cfg.eval_limit) if cfg.eval_input else None
         )
-        self.make_env = environment_factory(cfg.environment, cfg.verifier, ctx.run_dir)
         self.stream = Stream(len(self.data.rows), cfg.rollout_batch_size, cfg.seed)
         self.total = cfg.max_steps or cfg.max_epochs * self.stream.steps_per_epoch
         self.how: dict[str, tuple[str, str]] = {}
@@ -78,6 +77,8 @@ class Controller:
         self.probe: tuple[tuple[int, ...], int] = ((), 0)
         self.probe_scores: dict[str, list[float]] = {}  # each engine's, after the last sync
         self.sleeps = False  # the actor's optimizer states leave the GPU while engines generate
+        # last: an environment served by a process starts here and stops in `close`
+        self.make_env = environment_factory(cfg.environment, cfg.verifier, ctx.run_dir)
 
     def with_reference(self, samples: list[Any]) -> list[Any]:
         """`samples` with their reference log-probabilities from the ref role's own ranks;
@@ -218,6 +219,9 @@ class Controller:
         self.request("save", {"tag": tag, "state": state})
 
     def close(self) -> None:
+        from stages.lib.env.contract import close_environments
+
+        close_environments(self.make_env)
         if self.ctx.link is not None and self.cfg.backend.RL_ENGINE == "servers":
             self.ctx.link.publish("vllm-stop", "1")  # the other workers' servers stop too
         if hasattr(self.engine, "close"):
