@@ -27,8 +27,8 @@ from typing import Any
 
 from stages.lib.config import Verifier
 from stages.lib.judge.answers import CACHE_FILE, JudgeCache, cache_key
-from stages.lib.judge.reading import question_of, read_score, render
 from stages.lib.judge.over_http import ServedJudge
+from stages.lib.judge.reading import question_of, read_score, render
 
 log = logging.getLogger("pipe.stages.judge")
 Pair = tuple[dict[str, Any], str]
