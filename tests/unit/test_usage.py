@@ -39,7 +39,9 @@ def _busy(seconds: float) -> None:
 def test_the_sampler_writes_cpu_and_gpu_rows_and_events_for_the_trackers(tmp_path: Path):
     nvml = FakeNvml()
     with sampling(str(tmp_path), "tcp://w:1", (3, 5), reader=nvml, interval_s=0.05) as sampler:
-        _busy(0.3)
+        deadline = time.monotonic() + 20  # busy until the sampler took 3 samples (a loaded
+        while sampler is not None and sampler.samples < 3 and time.monotonic() < deadline:
+            _busy(0.05)  # machine may give its thread few chances)
     assert sampler is not None and nvml.closed
     rows = [json.loads(line) for line in (tmp_path / "usage.jsonl").read_text().splitlines()]
     cpu = [r for r in rows if "gpu" not in r]
