@@ -439,13 +439,6 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "fails naming it, rather than train tokens without their behaviour log-probability"
     ),
     # --- NeMo Gym's agents (stages.lib.env.gym, responses; stages.collect.agent_runs) ---
-    ("stages/lib/env/responses.py", "status_error(resp.status, text, resp.hea"): transient(
-        "the agent's /run answered an HTTP error: retried with backoff when a retry may help, "
-        "then the pair goes to the failures sidecar"
-    ),
-    ("stages/lib/env/responses.py", "bad_response not JSON: {}"): transient(
-        "the agent answered something that is not JSON: retried, then the failures sidecar"
-    ),
     ("stages/lib/env/responses.py", "the agent's answer is not a run result ("): transient(
         "the agent answered JSON that is not a run result: retried, then the failures sidecar"
     ),

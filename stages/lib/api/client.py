@@ -196,16 +196,23 @@ class OpenAIClient:
     async def complete(self, url: str, body: bytes) -> Completion:
         """One request; raises RequestError (or an aiohttp/asyncio error to `classify`)."""
         assert self.session is not None, "use the client as an async context manager"
-        async with self.session.post(url, data=body, timeout=self.timeout) as resp:
-            if resp.status != 200:
-                text = await resp.text(errors="replace")
-                raise status_error(resp.status, text, resp.headers.get("Retry-After"))
-            raw = await resp.read()
-            try:
-                data = json.loads(raw)  # bytes: UTF-8/16/32 detected by json itself
-            except ValueError as exc:
-                raise RequestError("bad_response", f"not JSON: {exc}", retryable=True) from exc
-        return parse_completion(data)
+        return parse_completion(await post_json(self.session, url, body, self.timeout))
+
+
+async def post_json(
+    session: aiohttp.ClientSession, url: str, body: bytes, timeout: aiohttp.ClientTimeout
+) -> Any:
+    """POST `body`, the answer's JSON; raises RequestError for another status than 200 or a
+    body that is not JSON (or an aiohttp/asyncio error to `classify`)."""
+    async with session.post(url, data=body, timeout=timeout) as resp:
+        if resp.status != 200:
+            text = await resp.text(errors="replace")
+            raise status_error(resp.status, text, resp.headers.get("Retry-After"))
+        raw = await resp.read()
+    try:
+        return json.loads(raw)  # bytes: UTF-8/16/32 detected by json itself
+    except ValueError as exc:
+        raise RequestError("bad_response", f"not JSON: {exc}", retryable=True) from exc
 
 
 def parse_completion(data: Any) -> Completion:

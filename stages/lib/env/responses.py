@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from stages.lib.api.client import RequestError, status_error
+from stages.lib.api.client import post_json
 
 FULL_REWARD = 1.0
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
@@ -232,13 +232,6 @@ class AgentClient:
             await self.session.close()
 
     async def complete(self, url: str, body: bytes) -> Any:
+        """One `/run`: its JSON (RequestError for an HTTP error or a body that is not JSON)."""
         assert self.session is not None
-        async with self.session.post(url, data=body, timeout=self.timeout) as resp:
-            if resp.status != 200:
-                text = await resp.text(errors="replace")
-                raise status_error(resp.status, text, resp.headers.get("Retry-After"))
-            raw = await resp.read()
-        try:
-            return json.loads(raw)
-        except ValueError as exc:
-            raise RequestError("bad_response", f"not JSON: {exc}", retryable=True) from exc
+        return await post_json(self.session, url, body, self.timeout)
