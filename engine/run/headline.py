@@ -1,11 +1,12 @@
-"""The run's result where the user looks: each stage's headline, then the tracker links.
+"""The run's result where the user looks: what each stage used, each stage's headline, then
+the tracker links.
 
 Input: a `RunReport` (and each stage's `metrics.json`, so a cached stage shows what it
-found when it ran). Output: the lines `pipe run` prints on stdout at the end; each
-kind says what matters through its config's `headline` hook (evaluate: the accuracy
-table; train: the final loss; ...), the engine only lays them out; then one line per stage
-with what it used (`engine.run.usage`: CPU and RSS, GPUs' utilisation and memory, mean and
-peak).
+found when it ran). Output: the lines `pipe run` prints on stdout at the end: first one
+line per stage with what it used (`engine.run.usage`: CPU and RSS, GPUs' utilisation and
+memory, mean and peak), then what each found: each kind says what matters through its
+config's `headline` hook (evaluate: the accuracy table; train: the final loss; ...), the
+engine only lays them out, so the last stage's result (evaluate's table) ends the output.
 
 One name, two sides of one concept (a run's headline printed by `pipe run`: the engine's side,
 which prints what a kind's headline hook returns; `stages/evaluate/headline.py`: evaluate's
@@ -37,7 +38,8 @@ def _result(record: Any) -> dict[str, Any]:
 
 
 def headlines(report: RunReport) -> list[str]:
-    """One line per stage that has something to say (more for a table), then the links."""
+    """What each stage used, one line per stage that has something to say (more for a
+    table), then the links."""
     lines: list[str] = []
     used: list[str] = []
     for name, rec in report.stages.items():
@@ -59,7 +61,7 @@ def headlines(report: RunReport) -> list[str]:
         elif said:
             lines.append(f"{name}{cached}:")
             lines.extend(f"  {line}" for line in said)
-    lines.extend(used)  # what each stage used, after what each found
+    lines = [*used, *lines]  # what each stage used, then what each found
     for tracker, where in report.tracking.items():
         lines.append(f"{tracker}: {where}")
     return lines

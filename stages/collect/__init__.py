@@ -15,7 +15,12 @@ from engine.errors import Diagnostic
 from engine.stage import Derived, ResolveContext, stage
 from stages.lib.backends.local import LocalBackend
 from stages.lib.backends.registered import Backend, BackendStageConfig
-from stages.lib.backends.rollout_batch import check_rollout_batch, lands, micro_rollout_field
+from stages.lib.backends.rollout_batch import (
+    check_rollout_batch,
+    derive_rollout_batch,
+    lands,
+    micro_rollout_field,
+)
 from stages.lib.block import CountOrAuto
 from stages.lib.chat.template import (
     ChatTemplate,
@@ -114,8 +119,8 @@ class CollectConfig(BackendStageConfig):
 
     def derive(self, ctx: ResolveContext) -> dict[str, Derived]:
         """Engines from the stage's GPUs; prefix caching when num_repeats > 1; half of each GPU
-        for training when vLLM shares it."""
-        return self.backend.derive(ctx, self.num_repeats)
+        for training when vLLM shares it; the engine's batch from micro_rollout_batch_size."""
+        return self.backend.derive(ctx, self.num_repeats) | derive_rollout_batch(self, ctx)
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
         out = self.backend.check_model(ctx, wanted=True) + self.backend.check(ctx)
@@ -135,7 +140,7 @@ class CollectConfig(BackendStageConfig):
             [("backend.model", self.backend.model)],
             self.backend.served_elsewhere(),
         )
-        out += check_rollout_batch(ctx, self.micro_rollout_batch_size, self.backend)
+        out += check_rollout_batch(ctx, self)
         return out + self._check_episodes_backend(ctx)
 
     def _check_episodes_backend(self, ctx: ResolveContext) -> list[Diagnostic]:

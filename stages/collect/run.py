@@ -38,9 +38,6 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
     """Collect every (prompt, sample) pair of the configured range into cfg.output; with an
     environment, the task that publishes the output also sums up its episodes and fails the
     stage when too many failed (`stages.collect.multiturn.check_episodes`)."""
-    from stages.lib.backends.rollout_batch import with_rollout_batch
-
-    cfg = with_rollout_batch(cfg)  # the engine's batch: micro_rollout_batch_size
     if not os.path.exists(cfg.output):
         cfg = prepared(cfg, ctx.run_dir, ctx.log)
     metrics = _collect(cfg, ctx)
@@ -67,13 +64,11 @@ def run_collect(cfg: CollectConfig, ctx: StageContext) -> dict[str, Any]:
 
 def prepared(cfg: CollectConfig, run_dir: str, log: logging.Logger) -> CollectConfig:
     """`cfg` with its backend's model as the folder the stage loads or serves: a GGUF
-    converted, the stage's `chat_template:` applied (`stages.lib.model.prepared`), and its
-    engine generating `micro_rollout_batch_size` samples at once
-    (`stages.lib.backends.rollout_batch`)."""
-    from stages.lib.backends.rollout_batch import with_rollout_batch
+    converted, the stage's `chat_template:` applied (`stages.lib.model.prepared`); its
+    engine's batch is the plan's (`micro_rollout_batch_size` derived into the block:
+    `stages.lib.backends.rollout_batch`)."""
     from stages.lib.model.prepared import prepare_model, stage_template
 
-    cfg = with_rollout_batch(cfg)
     model = cfg.backend.model
     if cfg.backend.SERVES_OWN_MODEL or model is None:
         return cfg

@@ -15,6 +15,7 @@ from pydantic import Field
 from engine.errors import Diagnostic
 from engine.stage import Derived, MemoryNeed, ResolveContext, stage
 from stages.lib.backends.registered import backend_preset_path, rl_engine_kinds
+from stages.lib.backends.rollout_batch import check_rollout_batch, derive_rollout_batch
 from stages.lib.builders.recipe import TinyModel
 from stages.lib.chat.template import (
     ChatTemplate,
@@ -144,9 +145,14 @@ class RLConfig(
         """The vLLM engines from the `vllm` role's GPUs (engines x tensor-parallel size = the
         role's GPUs), prefix caching for groups, half a shared GPU left to training; GSPO's
         loss and clip with ratio_level sequence (`derive_algorithm`); what the reward model
-        reads (`derive_scoring`)."""
+        reads (`derive_scoring`); the engine's batch from micro_rollout_batch_size."""
         out = self.backend.derive(engine_context(ctx), self.num_repeats)
-        return out | derive_algorithm(self) | derive_scoring(self, ctx)
+        return (
+            out
+            | derive_algorithm(self)
+            | derive_scoring(self, ctx)
+            | derive_rollout_batch(self, ctx)
+        )
 
     def memory_needs(self) -> list[MemoryNeed]:
         """The engine (a vLLM share, or the local engine's copy of the weights), the actor as a
@@ -224,6 +230,7 @@ class RLConfig(
                 )
             )
         out += self._check_sync(ctx) + self._note_sleep(ctx) + self._check_lora(ctx)
+        out += check_rollout_batch(ctx, self)
         # refusals of the run path known from the config alone (tests/unit/test_refusals.py)
         if self.verifier is not None:
             out += check_verifier(self.verifier, ctx)

@@ -3,16 +3,15 @@
 Input: a resolved `RLConfig` and the `StageContext`. Output: what the controller's run
 returns (`stages.rl.controller.core`), or on another worker's task what `host_roles`
 returns once the ranks and engines placed there have ended. `num_threads: auto` becomes a
-count here, on each task, before anything reads it (`with_threads`), and the engine's block
-takes `micro_rollout_batch_size` (`stages.lib.backends.rollout_batch`).
+count here, on each task, before anything reads it (`with_threads`); the engine's block
+already holds `micro_rollout_batch_size`, derived by the plan
+(`stages.lib.backends.rollout_batch`).
 """
 
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING, Any
-
-from stages.lib.backends.rollout_batch import with_rollout_batch
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
 def run_rl(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     """Run the stage. Its first task is the controller (with the engine); a task on another
     worker starts the ranks of the roles placed there."""
-    cfg, threads_how = with_threads(with_rollout_batch(cfg), ctx)
+    cfg, threads_how = with_threads(cfg, ctx)
     ctx.log.info("num_threads: %d (%s)", cfg.threads, threads_how)
     if ctx.node_rank > 0:
         from stages.rl.controller.remote import host_roles

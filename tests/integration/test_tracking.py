@@ -128,11 +128,12 @@ def test_quickstart_with_every_tracker(tmp_path: Path):
     ]
     assert [line.split()[0] for line in out[table + 2 : table + 4]] == ["warmup", "rft"]
     assert out[table + 2].endswith("baseline") and out[table + 3].endswith(" pts")
-    assert out[0].startswith("data: 96 train, 24 test, 8 val rows")
+    assert out[len(stages)].startswith("data: 96 train, 24 test, 8 val rows")
     assert any(line.startswith("warmup: final loss ") for line in out)
     links = report["tracking"]
-    # what each stage used (every stage wrote its usage.jsonl), then the links
-    assert [line.split(" used: ")[0] for line in out[table + 4 : -len(links)]] == stages
+    # what each stage used first (every stage wrote its usage.jsonl); the links last
+    assert [line.split(" used: ")[0] for line in out[: len(stages)]] == stages
+    assert out[table + 4 : -len(links)] == []
     assert all((run_dir / s / "usage.jsonl").read_text().count('"cpu_util"') >= 1 for s in stages)
     assert all(report["stages"][s]["metrics"]["usage"]["rss_gb_peak"] > 0 for s in stages)
     assert out[-len(links) :] == [f"{k}: {v}" for k, v in links.items()]
@@ -230,5 +231,5 @@ def test_a_tracker_that_cannot_be_reached_warns_once_and_the_run_succeeds(tmp_pa
     assert "the run goes on without it" in warnings[0]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "succeeded" and report["tracking"] == {}
-    headline, used = proc.stdout.splitlines()
+    used, headline = proc.stdout.splitlines()
     assert headline == "data: 10 train, 2 test rows" and used.startswith("data used: cpu ")

@@ -57,6 +57,14 @@ def test_the_memory_preset_lowers_it_where_pipe_runs_the_engine(tmp_path, monkey
     src = p.stages["grpo"].resolved.source("micro_rollout_batch_size")
     assert src.label == "memory memory_constrained"
     assert src.reason.startswith("when hitting OOM: reduce --micro_rollout_batch_size")
+    # the plan derives the engine's batch from it: what --explain shows is what the run reads
+    for name in ("local", "grpo"):
+        assert stages[name]["config"]["backend"]["batch_size"] == 16
+        batch = p.stages[name].resolved.source("backend.batch_size")
+        assert (
+            batch.reason == "micro_rollout_batch_size 16: the samples the engine generates at once"
+        )
+    assert stages["served"]["config"]["backend"].get("batch_size") is None
     assert (
         build(tmp_path, monkeypatch, "default").as_dict()["stages"]["local"]["config"][
             "micro_rollout_batch_size"
@@ -128,3 +136,21 @@ def test_rl_settings_json_says_how_it_acted():
         "skipped",
         "empty: the local block's batch_size batches the engine's generation",
     )
+
+
+def test_set_beside_the_blocks_own_batch_at_another_value_it_is_refused(tmp_path, monkeypatch):
+    from tests.conftest import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    stub_checkpoint(tmp_path / "m")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    (tmp_path / "p.yaml").write_text(
+        "name: p\nstages:\n  c:\n    kind: collect\n    config: {input: prompts.jsonl, "
+        "micro_rollout_batch_size: 8, backend: {kind: local, model: m, batch_size: 32}}\n"
+    )
+    result = run_cli("validate", "p.yaml", cwd=tmp_path)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        "p.yaml:5:62: stages.c.config.micro_rollout_batch_size: the engine generates 8 samples "
+        "at once by this setting and 32 by backend.batch_size (p.yaml:5:110): set one of them"
+    ]

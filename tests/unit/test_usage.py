@@ -96,15 +96,15 @@ def test_mean_and_peak_sum_the_workers_at_each_time():
     assert summarize([]) == {}
 
 
-def test_the_headline_ends_with_what_each_stage_used(tmp_path: Path):
+def test_the_headline_starts_with_what_each_stage_used(tmp_path: Path):
     report = RunReport("run-1", "p.yaml", "p", "local")
     rec = report.add("filter", "filter", "k", str(tmp_path / "filter"))
     rec.status = "succeeded"
     rec.metrics = {"rows_in": 10, "rows_kept": 7, "dropped": {}, "usage": summarize(ROWS)}
     assert headlines(report) == [
-        "filter: kept 7 of 10 rows; dropped: none",
         "filter used: cpu 80% mean, 150% peak; rss 2.00 GB peak; gpu 50% mean, 60% peak, "
         "30.0 GB peak",
+        "filter: kept 7 of 10 rows; dropped: none",
     ]
     assert usage_line(summarize(ROWS[:2])) == "cpu 150% mean, 150% peak; rss 1.50 GB peak"
 

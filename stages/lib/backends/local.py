@@ -35,6 +35,7 @@ class LocalBackend(BackendConfig):
     """Batched generation with transformers in the stage's own process."""
 
     RL_ENGINE = "in_process"
+    ROLLOUT_BATCH = "batch_size"  # the rows one batched `generate` call holds
 
     kind: Literal["local"] = Field(
         description="Generate in-process with transformers on a checkpoint directory."
@@ -131,10 +132,6 @@ class LocalBackend(BackendConfig):
             dtype=dtype,
             **sampling,
         )
-
-    def rollout_batch(self, samples: int) -> LocalBackend:
-        """`batch_size` is the rows one batched `generate` call holds."""
-        return self.model_copy(update={"batch_size": samples})
 
     def load(self, model: str, device: str, dtype: str | None) -> tuple[Any, Any]:
         from stages.lib.model.generate import load

@@ -77,6 +77,10 @@ class BackendConfig(Block):
     """How it serves as the rl stage's rollout engine: "in_process" (a copy of the policy in
     the stage's processes), "servers" (servers it starts, which take the actor's weights by
     the weight-sync route), or None: it cannot take the actor's weights."""
+    ROLLOUT_BATCH: ClassVar[str | None] = None
+    """The block's setting for the sequences its engine generates at once, which a stage's
+    `micro_rollout_batch_size` sets (`stages.lib.backends.rollout_batch`); None: its engine is
+    not pipe's to batch."""
 
     # -- plan hooks ------------------------------------------------------------------------
 
@@ -176,9 +180,11 @@ class BackendConfig(Block):
 
     def rollout_batch(self, samples: int) -> BackendConfig | None:
         """This block generating `samples` sequences at once (a stage's
-        `micro_rollout_batch_size`); None: its engine is not pipe's to batch (a server
-        someone else runs batches what it is sent)."""
-        return None
+        `micro_rollout_batch_size`: its `ROLLOUT_BATCH` setting); None: its engine is not
+        pipe's to batch (a server someone else runs batches what it is sent)."""
+        if self.ROLLOUT_BATCH is None:
+            return None
+        return self.model_copy(update={self.ROLLOUT_BATCH: samples})
 
     def serving(self, model: str) -> BackendConfig:
         """This block generating with `model` (a checkpoint folder) instead of its own."""

@@ -30,6 +30,7 @@ class VLLMBackend(BackendConfig):
     """vLLM's OpenAI server, started and stopped by the stage."""
 
     RL_ENGINE = "servers"
+    ROLLOUT_BATCH = "vllm_max_num_seqs"  # the servers start with --max-num-seqs
 
     kind: Literal["vllm"] = Field(
         description="Start vLLM's OpenAI server for the stage, then stop it."
@@ -171,10 +172,6 @@ class VLLMBackend(BackendConfig):
                 + ("async_train" if gpu else "vLLM's CPU build has no sleep mode")
             )
         return "; ".join(parts)
-
-    def rollout_batch(self, samples: int) -> VLLMBackend:
-        """The servers start with `--max-num-seqs samples`."""
-        return self.model_copy(update={"vllm_max_num_seqs": samples})
 
     @contextmanager
     def open_endpoint(self, serving: Serving) -> Iterator[Endpoint]:
