@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -96,3 +97,24 @@ def stub_weights(path: Path, shapes: dict[str, list[int]] | None = None) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(offset))
     return path
+
+
+def toy_payload(tmp_path: Path, body: Any, module: str, **extra: Any) -> Any:
+    """A `StagePayload` of a toy kind (defined in `module`) whose run is `body(cfg, ctx)`,
+    its stage folder `<tmp>/s`."""
+    from engine.run.task import StagePayload
+    from engine.stage import StageConfig, StageKind
+
+    return StagePayload(
+        name="s",
+        kind=StageKind("toy", StageConfig, body, module),
+        config=StageConfig(),
+        stage_dir=str(tmp_path / "s"),
+        run_dir=str(tmp_path),
+        pipeline_dir=str(tmp_path),
+        key="k",
+        attempt=1,
+        gpus=0,
+        workers=1,
+        **extra,
+    )

@@ -19,7 +19,6 @@ from stages.collect import io, publish
 from stages.collect.collector import run_async
 from stages.collect.inputs import Prompt, iter_lines, parse_row, row_range
 from stages.collect.stats import Stats
-from stages.lib.env.field import AGENT_KINDS
 from stages.lib.io.jsonl import count_lines
 from stages.lib.verify import make_verifier
 
@@ -69,7 +68,7 @@ def collect_range(
     recorder = Recorder(score, sink, stats, failed_runs, ctx.log, Metrics(ctx.stage_dir))
     try:
         work = pending(cfg.input, start, end, cfg.num_repeats, done)
-        if cfg.environment is not None and cfg.environment.kind in AGENT_KINDS:
+        if cfg.environment is not None and cfg.environment.agent_plays:
             from stages.collect.agent_runs import collect_agent
 
             collect_agent(cfg, ctx, pairs(work), recorder)  # another ecosystem's agent plays

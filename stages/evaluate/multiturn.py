@@ -43,7 +43,6 @@ from stages.lib.env.contract import (
     max_turns,
     open_episode,
 )
-from stages.lib.env.field import AGENT_KINDS
 from stages.lib.env.message_play import local_answer, play_batched, play_one, summary
 
 if TYPE_CHECKING:
@@ -77,7 +76,7 @@ class Play:
             raise ValueError(f"evaluate: {problem[0]}: {problem[1]}")
         self.cfg, self.env, self.ctx, self.endpoint = cfg, cfg.environment, ctx, endpoint
         self.dtype = dtype
-        self.agent = cfg.environment.kind in AGENT_KINDS  # its agent plays each episode
+        self.agent = cfg.environment.agent_plays  # its agent plays each episode
         if not self.agent:
             self.make_env = environment_factory(
                 cfg.environment, cfg.verifier, ctx.run_dir if ctx is not None else None

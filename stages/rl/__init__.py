@@ -26,7 +26,7 @@ from stages.lib.config import (
     check_verifier,
 )
 from stages.lib.distributed.ds_config import check_deepspeed, trainer_memory, trainer_memory_changes
-from stages.lib.env.field import AGENT_KINDS, check_environment, check_environment_tools
+from stages.lib.env.field import check_environment, check_environment_tools
 from stages.lib.model.declared import ModelRef
 from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.model.gguf import memory_model
@@ -235,7 +235,7 @@ class RLConfig(
         if self.verifier is not None:
             out += check_verifier(self.verifier, ctx)
         out += check_environment(self.environment, ctx)
-        if self.environment is not None and self.environment.kind in AGENT_KINDS:
+        if self.environment is not None and self.environment.agent_plays:
             out.append(
                 ctx.error(
                     "environment.kind",

@@ -227,8 +227,9 @@ def test_a_stage_and_the_processes_it_starts_read_the_run_date(
 ):
     import os
 
-    from engine.run.task import StagePayload, run_stage
-    from engine.stage import StageConfig, StageKind
+    from engine.run.task import run_stage
+    from engine.stage import StageConfig
+    from tests.conftest import toy_payload
 
     monkeypatch.delenv("PIPE_DATE", raising=False)
     monkeypatch.setattr(os, "environ", dict(os.environ))  # run_stage sets the process's
@@ -236,18 +237,6 @@ def test_a_stage_and_the_processes_it_starts_read_the_run_date(
     def body(cfg: StageConfig, ctx) -> dict[str, str]:  # type: ignore[no-untyped-def]
         return {"ctx": ctx.date, "env": os.environ["PIPE_DATE"]}
 
-    payload = StagePayload(
-        name="s",
-        kind=StageKind("toy", StageConfig, body, __name__),
-        config=StageConfig(),
-        stage_dir=str(tmp_path / "s"),
-        run_dir=str(tmp_path),
-        pipeline_dir=str(tmp_path),
-        key="k",
-        attempt=1,
-        gpus=0,
-        workers=1,
-        date="2026-11-26",
-    )
+    payload = toy_payload(tmp_path, body, __name__, date="2026-11-26")
     metrics = run_stage(payload).metrics
     assert {k: metrics[k] for k in ("ctx", "env")} == {"ctx": "2026-11-26", "env": "2026-11-26"}

@@ -119,24 +119,14 @@ def test_the_plot_is_written_once_the_stage_ran_a_minute_of_samples(tmp_path: Pa
 
 
 def test_a_stage_run_on_a_worker_writes_its_usage_and_carries_the_summary(tmp_path: Path):
-    from engine.run.task import StagePayload, run_stage
-    from engine.stage import StageConfig, StageKind
+    from engine.run.task import run_stage
+    from engine.stage import StageConfig
+    from tests.conftest import toy_payload
 
     def body(cfg: StageConfig, ctx) -> dict[str, int]:  # type: ignore[no-untyped-def]
         return {"rows": 1}
 
-    payload = StagePayload(
-        name="s",
-        kind=StageKind("toy", StageConfig, body, __name__),
-        config=StageConfig(),
-        stage_dir=str(tmp_path / "s"),
-        run_dir=str(tmp_path),
-        pipeline_dir=str(tmp_path),
-        key="k",
-        attempt=1,
-        gpus=0,
-        workers=1,
-    )
+    payload = toy_payload(tmp_path, body, __name__)
     metrics = run_stage(payload).metrics
     assert metrics["rows"] == 1 and metrics["usage"]["samples"] == 1.0
     assert len(read_usage(str(tmp_path / "s"))) == 1

@@ -101,6 +101,12 @@ class EnvironmentConfig(Block):
         "backend.",
     )
 
+    @property
+    def agent_plays(self) -> bool:
+        """Whether another ecosystem's agent plays each episode against the stage's model
+        (`AGENT_KINDS`), rather than pipe driving the turns."""
+        return self.kind in AGENT_KINDS
+
     @model_validator(mode="after")
     def _one_source(self) -> EnvironmentConfig:
         if (self.kind is None) == (self.url is None):
