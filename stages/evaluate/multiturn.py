@@ -195,32 +195,22 @@ class Play:
         import tempfile
 
         from stages.lib.env.gym import nemo_gym
+        from stages.lib.env.responses import run_all
 
         work_dir = self.ctx.stage_dir if self.ctx is not None else tempfile.mkdtemp()
         sampling = {"temperature": self.cfg.temperature, "top_p": 1.0}
         sampling["max_output_tokens"] = self.cfg.max_output_tokens
         with self.endpoint(path) as endpoint, nemo_gym(self.env, endpoint, work_dir, log) as url:
-            return asyncio.run(self._run_all(f"{url}/run", rows, sampling))
-
-    async def _run_all(
-        self, url: str, rows: list[dict[str, Any]], sampling: dict[str, Any]
-    ) -> list[AgentEpisode]:
-        from stages.lib.api.client import RequestError, complete_retrying
-        from stages.lib.env.responses import AgentClient, agent_episode, failed_episode, run_body
-
-        gate = asyncio.Semaphore(self.env.concurrency)
-        client = AgentClient(self.env.timeout_s, self.env.concurrency)
-
-        async def one(row: dict[str, Any]) -> AgentEpisode:
-            try:
-                body = run_body(row, sampling)
-                out = await complete_retrying(client, url, body, gate, MAX_RETRIES, BACKOFF_S)
-                return agent_episode(row, out)
-            except (RequestError, ValueError) as exc:
-                return failed_episode(row, str(exc))
-
-        async with client:
-            return await asyncio.gather(*(one(r) for r in rows for _ in range(self.samples)))
+            return asyncio.run(
+                run_all(
+                    f"{url}/run",
+                    rows,
+                    self.samples,
+                    sampling,
+                    self.env.concurrency,
+                    self.env.timeout_s,
+                )
+            )
 
     def _fields(self, episodes: list[Any], stats: dict[str, Any]) -> dict[str, Any]:
         """Accuracy: solved within max_turns; mean reward: a model turn's."""

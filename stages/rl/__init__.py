@@ -236,14 +236,7 @@ class RLConfig(
             out += check_verifier(self.verifier, ctx)
         out += check_environment(self.environment, ctx)
         if self.environment is not None and self.environment.agent_plays:
-            out.append(
-                ctx.error(
-                    "environment.kind",
-                    "rl does not train on NeMo Gym's agent episodes yet (collect and evaluate "
-                    "run them): collect its episodes with a collect stage, or give rl an "
-                    "environment pipe drives (a built-in, module:Class or url)",
-                )
-            )
+            out += self._check_agent(ctx)
         out += check_environment_tools(
             self.environment, ctx, self.chat_template, self.prompt_template, [("model", self.model)]
         )
@@ -303,6 +296,30 @@ class RLConfig(
         zero = f"ZeRO-{self.zero_stage}" + (" with adam_offload" if self.adam_offload else "")
         where = f"{trainer} at {zero}" if trainer == "deepspeed" else "plain torch"
         return [ctx.error("deepspeed_enable_sleep", f"{where}: {how}", "note")]
+
+    def _check_agent(self, ctx: ResolveContext) -> list[Diagnostic]:
+        """NeMo Gym's agent plays the episodes against the engine served over HTTP
+        (`stages.rl.rollout.agent_play`): settings that would act on nothing are refused."""
+        out: list[Diagnostic] = []
+        if self.eval_input:
+            out.append(
+                ctx.error(
+                    "eval_input",
+                    "with NeMo Gym's agent playing the episodes, held-out episodes are scored "
+                    "by an evaluate stage on the rl stage's checkpoint (environment kind "
+                    "nemo_gym there too): leave eval_input out",
+                )
+            )
+        if "multi_turn_tokens" in ctx.explicit:
+            out.append(
+                ctx.error(
+                    "multi_turn_tokens",
+                    "NeMo Gym's agent asks every turn itself; the endpoint serving it extends "
+                    "each turn's sampled ids (token in, token out), so this would act on "
+                    "nothing: remove it",
+                )
+            )
+        return out
 
     def _check_sync(self, ctx: ResolveContext) -> list[Diagnostic]:
         """Which weight-sync backend will run, where it is not the one asked for on GPUs

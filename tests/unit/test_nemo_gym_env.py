@@ -125,14 +125,14 @@ def test_validate_refuses_what_a_nemo_gym_environment_cannot_run(tmp_path: Path)
               a: {kind: collect, config: {input: x.jsonl, backend: {kind: local, model: m}, environment: {kind: nemo_gym, config_paths: [c.yaml]}}}
               b: {kind: collect, config: {input: x.jsonl, backend: {kind: local, model: m}, environment: {kind: nemo_gym, agent: g, config_paths: [c.yaml], head: "h:1", max_turns: 2}}}
               c: {kind: evaluate, config: {input: x.jsonl, checkpoints: [m], backend: {kind: local}, environment: {kind: calculator, agent: g}}}
-              d: {kind: rl, config: {model: m, input: x.jsonl, environment: {kind: nemo_gym, agent: g, config_paths: [c.yaml]}}}
+              d: {kind: rl, config: {model: m, input: x.jsonl, eval_input: x.jsonl, multi_turn_tokens: rerender, environment: {kind: nemo_gym, agent: g, config_paths: [c.yaml]}}}
             """
         )
     )
     result = run_cli("validate", "p.yaml", cwd=tmp_path)
     assert result.exit_code == 2, result.output
     lines = result.stderr.splitlines()
-    assert lines[:5] == [
+    assert lines[:4] == [
         "p.yaml:3:101: stages.a.config.environment.kind: kind nemo_gym needs 'agent': the agent "
         "server each row is sent to, as its configs name it",
         "p.yaml:4:101: stages.b.config.environment.kind: kind nemo_gym needs exactly one of "
@@ -143,9 +143,14 @@ def test_validate_refuses_what_a_nemo_gym_environment_cannot_run(tmp_path: Path)
         "through 'config'",
         "p.yaml:5:129: stages.c.config.environment.agent: 'agent' is for kind nemo_gym (this is "
         "calculator)",
-        "p.yaml:6:72: stages.d.config.environment.kind: rl does not train on NeMo Gym's agent "
-        "episodes yet (collect and evaluate run them): collect its episodes with a collect "
-        "stage, or give rl an environment pipe drives (a built-in, module:Class or url)",
+    ]
+    assert sorted(lines[4:]) == [
+        "p.yaml:6:64: stages.d.config.eval_input: with NeMo Gym's agent playing the episodes, "
+        "held-out episodes are scored by an evaluate stage on the rl stage's checkpoint "
+        "(environment kind nemo_gym there too): leave eval_input out",
+        "p.yaml:6:92: stages.d.config.multi_turn_tokens: NeMo Gym's agent asks every turn "
+        "itself; the endpoint serving it extends each turn's sampled ids (token in, token "
+        "out), so this would act on nothing: remove it",
     ]
 
 

@@ -189,8 +189,9 @@ def test_a_hermes_tool_call_comes_back_structured(loaded):
 
 
 def test_nemo_gyms_history_fields_are_tolerated_and_change_nothing(loaded):
-    """The second turn as NeMo Gym sends it: the assistant's call with its token ids, the
-    tool's answer, content as text parts, a developer message: rendered as without them."""
+    """The second turn as NeMo Gym sends it: the assistant's call with its log-probs, the
+    tool's answer, content as text parts, a developer message: rendered as without them
+    (without the turn's ids, which `test_a_turns_sampled_ids_are_extended...` sends)."""
     _, tok = loaded
     call = {
         "id": "call_0_0",
@@ -210,8 +211,6 @@ def test_nemo_gyms_history_fields_are_tolerated_and_change_nothing(loaded):
             "role": "assistant",
             "content": None,
             "tool_calls": [call],
-            "prompt_token_ids": [1, 2, 3],
-            "generation_token_ids": [4, 5],
             "generation_log_probs": [-0.1, -0.2],
         },
         {"role": "tool", "tool_call_id": "call_0_0", "content": "sunny"},
@@ -238,6 +237,62 @@ def test_nemo_gyms_history_fields_are_tolerated_and_change_nothing(loaded):
         "tool_calls": [],
     }
     assert engine.calls[0][1] == Sampling(1.0, 1.0, 9, 7)
+
+
+def test_a_turns_sampled_ids_are_extended_token_in_token_out(loaded):
+    """NeMo Gym's training capture: the history's last assistant turn carries the ids it was
+    asked with and sampled, so the next prompt is those ids then the template's ids of the
+    tool's answer and the generation prompt (not a rendering of the call, which would write
+    its JSON as the template does), and the answer's message carries its own ids."""
+    from stages.lib.chat.turns import follow_ids
+
+    _, tok = loaded
+    call = {
+        "id": "call_0_0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    opening = prompt_ids(tok, ChatPrompt(tuple(ASK), (WEATHER,)))
+    # as sampled: the call with the model's own spacing, closed by <|im_end|>
+    written = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    sampled = [
+        *tok.encode(written, add_special_tokens=False),
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    ]
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call],
+            "prompt_token_ids": opening,
+            "generation_token_ids": sampled,
+            "generation_log_probs": [-0.1] * len(sampled),
+        },
+        {"role": "tool", "tool_call_id": "call_0_0", "content": "sunny"},
+    ]
+    answer = tok.encode("It is sunny.", add_special_tokens=False)
+    server, engine = scripted_server(tok, answer)
+    with server:
+        body = {
+            "messages": history,
+            "tools": [WEATHER],
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        status, out = post(server.base_url + "/chat/completions", body)
+    assert status == 200, out
+    plain = [{k: v for k, v in m.items() if "token" not in k and "log" not in k} for m in history]
+    follow = follow_ids(tok, plain, True, [WEATHER])
+    assert tok.decode(follow).startswith("\n<|im_start|>user\n<tool_response>")
+    asked = [*opening, *sampled, *follow]
+    assert list(engine.calls[0][0][0].ids) == asked
+    assert asked != prompt_ids(tok, ChatPrompt(tuple(plain), (WEATHER,)))  # a rendering differs
+    message = out["choices"][0]["message"]
+    assert message["prompt_token_ids"] == asked
+    assert message["generation_token_ids"] == answer
+    assert message["generation_log_probs"] == [-0.5] * len(answer)
 
 
 @pytest.mark.parametrize(

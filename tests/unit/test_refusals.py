@@ -468,6 +468,13 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "NeMo Gym's servers did not come up in time (its log's end is in the message)"
     ),
     # --- the policy endpoint (a request's refusal is its HTTP answer, never the stage's) ---
+    ("stages/rl/controller/core.py", "NeMo Gym's agent plays this stage's epis"): internal(
+        "the controller's environment factory is never called where the agent plays"
+    ),
+    ("stages/rl/rollout/agent_play.py", "top_p {}: the rl engine samples with top"): data(
+        "a /run request (the row's agent) asking a top_p the rl engine does not sample with: "
+        "the episode fails with the endpoint's 500"
+    ),
     ("stages/lib/serve/policy.py", "This model's maximum context length is {"): data(
         "vLLM's own refusal of a prompt with no room left: NeMo Gym reads it as a turn cut for length"
     ),

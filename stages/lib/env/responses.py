@@ -20,14 +20,16 @@ JSON string), a `function_call_output` a `tool` message, `developer` a `system` 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from stages.lib.api.client import post_json
+from stages.lib.api.client import RequestError, complete_retrying, post_json
 
+MAX_RETRIES, BACKOFF_S = 4, 0.5  # a run's retries on a transient failure, and the first wait
 FULL_REWARD = 1.0
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
@@ -235,3 +237,29 @@ class AgentClient:
         """One `/run`: its JSON (RequestError for an HTTP error or a body that is not JSON)."""
         assert self.session is not None
         return await post_json(self.session, url, body, self.timeout)
+
+
+async def run_all(
+    url: str,
+    rows: list[dict[str, Any]],
+    samples: int,
+    sampling: dict[str, Any],
+    concurrency: int,
+    timeout_s: float,
+) -> list[AgentEpisode]:
+    """Every row's `samples` episodes, row after row, each one `/run` at `url` (`concurrency`
+    at once, retried on a transient failure); a run that fails for good, or answers what is
+    not a run result, fails its episode with the reason."""
+    gate = asyncio.Semaphore(concurrency)
+    client = AgentClient(timeout_s, concurrency)
+
+    async def one(row: dict[str, Any]) -> AgentEpisode:
+        try:
+            body = run_body(row, sampling)
+            out = await complete_retrying(client, url, body, gate, MAX_RETRIES, BACKOFF_S)
+            return agent_episode(row, out)
+        except (RequestError, ValueError) as exc:
+            return failed_episode(row, str(exc))
+
+    async with client:
+        return await asyncio.gather(*(one(r) for r in rows for _ in range(samples)))

@@ -17,6 +17,16 @@ Routes, as vLLM's OpenAI server answers them:
   is refused with vLLM's "maximum context length" message (NeMo Gym reads it as a turn cut
   for length); without `max_tokens`, the answer may take what the context leaves, up to
   `max_tokens` (the server's).
+  Token in, token out: a history whose last assistant message carries the ids it was asked
+  with and answered (`prompt_token_ids`, `generation_token_ids`: NeMo Gym's `vllm_model`
+  sends them back when it trains) is extended, not rendered again: the prompt is those ids,
+  then the template's ids of what follows that turn (`stages.lib.chat.turns.follow_ids`, as
+  the rl stage's `extend` asks a later turn), so every turn's prompt begins with every id
+  before it, as NeMo RL requires ("Non-contiguous messages found!"); a template that cannot
+  split the conversation there gets the rendering. With `return_tokens_as_token_ids` the
+  answer's message carries its own `prompt_token_ids`, `generation_token_ids` and
+  `generation_log_probs` (the prompt as generated from, which `/tokenize` cannot say of an
+  extended one); NeMo Gym's `vllm_model` takes them as they are.
 - `POST /tokenize`: the same rendering's ids (`{"tokens", "count", "max_model_len"}`):
   NeMo Gym takes a turn's prompt ids from here when the completion does not carry them.
 - `GET /v1/models` (the served name), `GET /health`.
@@ -39,7 +49,9 @@ from typing import Any
 from aiohttp import web
 
 from stages.lib.chat.prompt import ChatPrompt, TokenPrompt, prompt_ids
+from stages.lib.chat.tokens import answer_end
 from stages.lib.chat.tool_calls import parse_tool_calls, parser_for
+from stages.lib.chat.turns import follow_ids
 from stages.lib.net import LOOPBACK, free_port
 from stages.lib.serve.batcher import Batcher, Engine
 from stages.lib.serve.wire import (
@@ -166,6 +178,20 @@ class PolicyServer:
                 f"the chat template failed on these messages: {type(e).__name__}: {e}"
             ) from None
 
+    def _prompt(self, req: ChatRequest) -> list[int]:
+        """The ids to generate from: the history's sampled ids extended, or the rendering
+        (module docstring)."""
+        if req.prefix is None:
+            return self._ids(req.prompt)
+        end = tuple(answer_end(self.tokenizer).ids)
+        closed = bool(end) and req.prefix.generation[-len(end) :] == end
+        tools = list(req.prompt.tools) or None
+        try:
+            follow = follow_ids(self.tokenizer, list(req.prompt.messages), closed, tools)
+        except ValueError:  # the template renders the turn differently once it goes on
+            return self._ids(req.prompt)
+        return [*req.prefix.ids, *follow]
+
     async def tokenize(self, request: web.Request) -> web.Response:
         prompt, flag = tokenize_request(await request.json())
         if isinstance(prompt, str) and not flag:
@@ -190,7 +216,7 @@ class PolicyServer:
 
     async def chat(self, request: web.Request) -> web.Response:
         req = chat_request(await request.json())
-        ids = self._ids(req.prompt)
+        ids = self._prompt(req)
         sampling = Sampling(req.temperature, req.top_p, self._budget(req, len(ids)), req.seed)
         try:
             gen = await self.batcher.generate(TokenPrompt(tuple(ids)), sampling)
@@ -199,6 +225,9 @@ class PolicyServer:
             return _json(500, error_body(500, f"generation failed: {type(e).__name__}: {e}"))
         reply, finish = self._reply(req, gen.text, gen.finish_reason)
         tokens = list(gen.token_ids)
+        if req.token_ids_as_text:  # the turn's ids, as NeMo Gym's training capture reads them
+            reply["prompt_token_ids"], reply["generation_token_ids"] = ids, tokens
+            reply["generation_log_probs"] = [float(x) for x in gen.logprobs]
         logprobs = None
         if req.logprobs:
             decode = lambda t: self.tokenizer.decode([t])  # noqa: E731

@@ -9,10 +9,11 @@ Messages are OpenAI's: `system`, `developer` (read as `system`), `user`, `assist
 `content` may be null or absent beside `tool_calls`) and `tool`; content a string or a list
 of text parts. Fields a message carries beyond those (NeMo Gym sends an assistant turn's
 `prompt_token_ids`, `generation_token_ids` and `generation_log_probs` back in the history)
-are dropped, as are request fields that change nothing here (`metadata`, `store`, `user`,
-`parallel_tool_calls`...). A setting the endpoint cannot honour (`n` > 1, `stream`, `stop`,
-`top_logprobs` > 0, a `response_format`, a forced `tool_choice`, `chat_template_kwargs`,
-`continue_final_message`) is refused with a 400 naming it, never ignored.
+are dropped from the messages (the ids are read: below), as are request fields that change
+nothing here (`metadata`, `store`, `user`, `parallel_tool_calls`...). A setting the
+endpoint cannot honour (`n` > 1, `stream`, `stop`, `top_logprobs` > 0, a `response_format`, a
+forced `tool_choice`, `chat_template_kwargs`, `continue_final_message`) is refused with a 400
+naming it, never ignored.
 
 The answer mirrors vLLM's: `choices[0].message` with `content` and structured `tool_calls`
 (finish reason `tool_calls` when there are calls), `choices[0].logprobs.content` (each
@@ -20,6 +21,11 @@ token's `logprob`; its `token` the text, or `token_id:<id>` with
 `return_tokens_as_token_ids`, which NeMo Gym's `vllm_model` reads the generated ids from),
 `usage`, and with `return_token_ids` the prompt's ids (`prompt_token_ids`) and the
 completion's (`choices[0].token_ids`).
+
+Token in, token out: when the history's last assistant message carries the ids it was
+sampled from and with (`prompt_token_ids` and `generation_token_ids`, as NeMo Gym's
+`vllm_model` sends them back), `ChatRequest.prefix` holds them, and the endpoint extends them
+rather than rendering the conversation again (`stages.lib.serve.policy`).
 """
 
 from __future__ import annotations
@@ -66,6 +72,19 @@ class ChatRequest:
     return_token_ids: bool
     parse_tools: bool  # tools offered and `tool_choice` not "none"
     turn: int  # assistant turns in the history: numbers the new calls' ids
+    prefix: Prefix | None = None  # the last assistant turn's ids as sampled (docstring)
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """The ids the history's last assistant turn was asked with and answered."""
+
+    prompt: tuple[int, ...]
+    generation: tuple[int, ...]
+
+    @property
+    def ids(self) -> list[int]:
+        return [*self.prompt, *self.generation]
 
 
 def _short(value: Any) -> str:
@@ -255,7 +274,28 @@ def chat_request(body: Any) -> ChatRequest:
         return_token_ids=_flag(body, "return_token_ids"),
         parse_tools=bool(offered) and body.get("tool_choice") != "none",
         turn=sum(m["role"] == "assistant" for m in history),
+        prefix=_prefix(body["messages"]),
     )
+
+
+def _ids(value: Any) -> tuple[int, ...] | None:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        return None
+    return tuple(value)
+
+
+def _prefix(raw: list[Any]) -> Prefix | None:
+    """The last assistant message's sampled ids, when it carries them (module docstring)."""
+    last = [m for m in raw if isinstance(m, dict) and m.get("role") == "assistant"]
+    if not last:
+        return None
+    prompt = _ids(last[-1].get("prompt_token_ids"))
+    generation = _ids(last[-1].get("generation_token_ids"))
+    if prompt is None or generation is None:
+        return None
+    return Prefix(prompt, generation)
 
 
 def tokenize_request(body: Any) -> tuple[ChatPrompt | str, bool]:

@@ -142,7 +142,7 @@ def _play(c: Any, indices: list[int], step: int, round_: int) -> list[Any]:
     dynamic sampling's refills (their own sampling seeds)."""
     from stages.lib.env.contract import max_turns
     from stages.lib.env.messages import episode_parser
-    from stages.rl.rollout.token_play import PlaySettings, play
+    from stages.rl.rollout.token_play import PlaySettings, play, play_batch
 
     cfg, env = c.cfg, c.cfg.environment
     sampling = PlaySettings(
@@ -151,16 +151,19 @@ def _play(c: Any, indices: list[int], step: int, round_: int) -> list[Any]:
         max_new_tokens=cfg.max_output_tokens,
         max_length=cfg.max_length,
         seed=cfg.seed * 1_000_003 + step + round_ * 7_919_001,
-        batch_size=cfg.backend.batch_size if hasattr(cfg.backend, "batch_size") else 256,
+        batch_size=play_batch(cfg),
         max_turns=max_turns(env),
         timeout_s=env.timeout_s if env else 60.0,
         concurrency=env.concurrency if env else 64,
         parser=episode_parser(env.tool_call_parser if env else None, c.engine.tokenizer),
         tokens=cfg.multi_turn_tokens,
     )
-    return play(
-        c.engine, c.engine.tokenizer, c.make_env, [c.data.rows[i] for i in indices], sampling
-    )
+    rows = [c.data.rows[i] for i in indices]
+    if getattr(c, "agent", None) is not None:  # NeMo Gym's agent plays them (`stages.rl.rollout.agent_play`)
+        from stages.rl.rollout.agent_play import play_agent
+
+        return play_agent(c.agent, rows, sampling)
+    return play(c.engine, c.engine.tokenizer, c.make_env, rows, sampling)
 
 
 def _model_scores(c: Any, groups: list[list[Any]], raw: list[float]) -> list[list[float] | None]:

@@ -34,6 +34,12 @@ if TYPE_CHECKING:
     from stages.rl import RLConfig
 
 
+def _agent_plays() -> Any:
+    raise RuntimeError(
+        "NeMo Gym's agent plays this stage's episodes (stages.rl.rollout.agent_play)"
+    )
+
+
 class Controller:
     """The engine, the actor's ranks and channel, and the loop over steps."""
 
@@ -77,8 +83,14 @@ class Controller:
         self.probe: tuple[tuple[int, ...], int] = ((), 0)
         self.probe_scores: dict[str, list[float]] = {}  # each engine's, after the last sync
         self.sleeps = False  # the actor's optimizer states leave the GPU while engines generate
+        self.agent: Any = None  # NeMo Gym's agent plays the episodes: its servers (`start`)
         # last: an environment served by a process starts here and stops in `close`
-        self.make_env = environment_factory(cfg.environment, cfg.verifier, ctx.run_dir)
+        env = cfg.environment
+        self.make_env = (
+            _agent_plays
+            if env is not None and env.agent_plays
+            else environment_factory(env, cfg.verifier, ctx.run_dir)
+        )
 
     def with_reference(self, samples: list[Any]) -> list[Any]:
         """`samples` with their reference log-probabilities from the ref role's own ranks;
@@ -222,6 +234,8 @@ class Controller:
         from stages.lib.env.contract import close_environments
 
         close_environments(self.make_env)
+        if self.agent is not None:
+            self.agent.close()  # NeMo Gym's servers, then the endpoint serving the engine
         if self.ctx.link is not None and self.cfg.backend.RL_ENGINE == "servers":
             self.ctx.link.publish("vllm-stop", "1")  # the other workers' servers stop too
         if hasattr(self.engine, "close"):

@@ -192,6 +192,11 @@ def start(c: Controller) -> int:
         local = LocalEngine(model_dir, engine_device, cfg.bf16, cfg.lora, autocast)
         c.engine = start_pool(c.ctx, local, join, c.roles.remote_alive)
     tok = c.engine.tokenizer
+    if cfg.environment is not None and cfg.environment.agent_plays:
+        from stages.rl.rollout.agent_play import start_agent
+        from stages.rl.rollout.token_play import play_batch
+
+        c.agent = start_agent(c.engine, cfg, c.dir, play_batch(cfg))
     row = c.data.rows[0]
     c.probe = probe_ids(tok, c.data.prompts[0], str(row.get(answer_field(cfg), "")))
     _account(c, trainer, device, world, saved)

@@ -1,7 +1,8 @@
 """The rl stage's prompts: rows, their prompts, the batch of each step, and the probe.
 
-Input: a prompt JSONL (rows with `messages` or a `prompt` string; every other field is
-kept for the verifier). Output: `Prompts` (rows and prompts), `Stream` (the prompt
+Input: a prompt JSONL (rows with `messages` or a `prompt` string, or NeMo Gym's rows with
+`responses_create_params`, whose `input` is the prompt; every other field is kept for the
+verifier). Output: `Prompts` (rows and prompts), `Stream` (the prompt
 indices of step k: each epoch a fresh permutation from the seed, so a resumed run
 takes exactly the batches it had not trained on), and the probe sample.
 """
@@ -29,12 +30,29 @@ def load_prompts(path: str, limit: int | None = None) -> Prompts:
     for n, row in enumerate(read_jsonl(path), start=1):
         if limit is not None and len(rows) >= limit:
             break
-        if not (isinstance(row.get("messages"), list) or isinstance(row.get("prompt"), str)):
-            raise ValueError(f"{path}:{n}: a row needs 'messages' or a string 'prompt'")
+        if not (
+            isinstance(row.get("messages"), list)
+            or isinstance(row.get("prompt"), str)
+            or isinstance(row.get("responses_create_params"), dict)
+        ):
+            raise ValueError(
+                f"{path}:{n}: a row needs 'messages', a string 'prompt' or NeMo Gym's "
+                "'responses_create_params'"
+            )
         rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no prompt rows")
-    return Prompts(rows, [r["messages"] if "messages" in r else r["prompt"] for r in rows])
+    return Prompts(rows, [_prompt(r) for r in rows])
+
+
+def _prompt(row: dict[str, Any]) -> Prompt:
+    if "messages" in row:
+        return row["messages"]  # type: ignore[no-any-return]
+    if "prompt" in row:
+        return row["prompt"]  # type: ignore[no-any-return]
+    from stages.lib.env.responses import input_messages
+
+    return input_messages(row["responses_create_params"])
 
 
 class Stream:

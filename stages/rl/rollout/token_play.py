@@ -99,6 +99,11 @@ class PlaySettings:
     parser: str | None = None  # the tool-call format, in episodes with tools
 
 
+def play_batch(cfg: Any) -> int:
+    """The prompts one engine call takes: the backend's `batch_size` (local), else 256."""
+    return int(getattr(cfg.backend, "batch_size", 256))
+
+
 def play(
     engine: Any,
     tokenizer: Any,
