@@ -159,7 +159,7 @@ def _play(c: Any, indices: list[int], step: int, round_: int) -> list[Any]:
         tokens=cfg.multi_turn_tokens,
     )
     rows = [c.data.rows[i] for i in indices]
-    if getattr(c, "agent", None) is not None:  # NeMo Gym's agent plays them (`stages.rl.rollout.agent_play`)
+    if getattr(c, "agent", None) is not None:  # NeMo Gym's agent plays them (agent_play)
         from stages.rl.rollout.agent_play import play_agent
 
         return play_agent(c.agent, rows, sampling)
