@@ -32,12 +32,12 @@ from typing import Any
 import pytest
 
 from stages.lib.chat.tool_calls import format_tool_calls
+from stages.lib.env.gym import gym_venv
 from stages.lib.model.generate import Generation
 from stages.lib.net import free_port
 from stages.lib.serve.policy import PolicyServer
 
-ROOT = Path(__file__).resolve().parents[2]
-GYM = ROOT / ".venv-gym"
+GYM = gym_venv()  # .venv-gym/, or $PIPE_GYM_VENV
 SITE = next(GYM.glob("lib/python3*/site-packages"), GYM)
 CONFIGS = (
     "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,10 @@ from tests.conftest import ROOT, run_cli
 
 ENVS = ROOT / "tests" / "verifiers_envs"
 needs_venv = pytest.mark.skipif(
-    not (ROOT / ".venv-verifiers" / "bin" / "python").exists(),
-    reason="needs verifiers' venv: make install-verifiers",
+    not Path(
+        os.environ.get(served_module.PYTHON_ENV) or ROOT / ".venv-verifiers" / "bin" / "python"
+    ).exists(),
+    reason="needs verifiers' venv: make install-verifiers (or $PIPE_VERIFIERS_PYTHON)",
 )
 
 
