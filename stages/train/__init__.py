@@ -23,6 +23,7 @@ from stages.lib.distributed.trainer_fields import (
     AdamOffload,
     BatchSize,
     Bf16,
+    DeepCompile,
     LearningRate,
     LrScheduler,
     MaxLength,
@@ -73,6 +74,7 @@ class TrainConfig(StageConfig):
         description="Train on each row's completion (rollouts) or on its gold answer (warm-up).",
     )
     zero_stage: ZeroStage = Field(0, description="DeepSpeed ZeRO stage.")
+    deepcompile: DeepCompile = False
     adam_offload: AdamOffload = False
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."

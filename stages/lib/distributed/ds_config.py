@@ -49,7 +49,7 @@ def build_ds_config(
         # probe after a sync compares the two functions token for token (0.00109 nats apart
         # at step 0 with the replacement; docs/rl/on-policy.md "The probe")
         zero["memory_efficient_linear"] = False
-    return {
+    out: dict[str, Any] = {
         "train_batch_size": cfg.micro_train_batch_size
         * world_size
         * grad_accumulation(cfg, world_size),
@@ -64,6 +64,9 @@ def build_ds_config(
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
     }
+    if getattr(cfg, "deepcompile", False):  # the trainer then calls engine.compile()
+        out["compile"] = {"deepcompile": True}
+    return out
 
 
 def check_deepspeed(cfg: TrainedSettings, ctx: ResolveContext, ranks: int) -> list[Diagnostic]:
@@ -86,7 +89,35 @@ def check_deepspeed(cfg: TrainedSettings, ctx: ResolveContext, ranks: int) -> li
         out.append(
             ctx.error("adam_offload", "optimizer offload needs ZeRO: set zero_stage 1, 2 or 3")
         )
+    if getattr(cfg, "deepcompile", False):
+        out += _check_deepcompile(cfg, ctx)
     return out
+
+
+def _check_deepcompile(cfg: Any, ctx: ResolveContext) -> list[Diagnostic]:
+    """DeepCompile where DeepSpeed has it: its engine (not the plain torch trainer) on CUDA
+    (`deepspeed.compile.util.is_deepcompile_supported`: torch >= 2.6 and the CUDA
+    accelerator; on the CPU accelerator DeepSpeed registers none of its compile passes)."""
+    lora = getattr(cfg, "lora", None)
+    if ctx.gpus == 0:
+        why = "this stage runs on the CPU (no GPUs: cluster.gpus, resources.gpus)"
+        return [
+            ctx.error(
+                "deepcompile",
+                f"DeepSpeed's DeepCompile runs on CUDA only (torch >= 2.6 and the CUDA "
+                f"accelerator); {why}: remove it",
+            )
+        ]
+    if cfg.trainer == "torch" or (lora is not None and lora.load_in_4bit):
+        what = "trainer: torch" if cfg.trainer == "torch" else "lora.load_in_4bit (torch trains)"
+        return [
+            ctx.error(
+                "deepcompile",
+                f"DeepCompile compiles DeepSpeed's engine, and {what} trains without one: "
+                "use trainer deepspeed, or remove deepcompile",
+            )
+        ]
+    return []
 
 
 def trainer_memory(cfg: Any, model: Any, seq_len: int, role: str = "") -> MemoryNeed:

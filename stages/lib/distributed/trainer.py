@@ -253,6 +253,8 @@ class DeepSpeedTrainer(Sleeper):
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
+        if ds_config.get("compile", {}).get("deepcompile"):
+            self.engine.compile()  # DeepCompile: the ZeRO passes compiled into the graph
         self.module = self.engine.module
         self.frozen = has_frozen(model)
         if self.frozen:

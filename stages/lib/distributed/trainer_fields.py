@@ -21,6 +21,13 @@ LrScheduler = Literal["constant", "cosine", "linear"]
 
 ZeroStage = Annotated[int, Field(ge=0, le=3)]
 AdamOffload = Annotated[bool, Field(description="Offload Adam states to CPU memory (ZeRO).")]
+DeepCompile = Annotated[
+    bool,
+    Field(
+        description="DeepSpeed's compiler (DeepCompile: the model compiled with its ZeRO "
+        "passes, `compile: {deepcompile: true}` then `engine.compile()`); CUDA only."
+    ),
+]
 OverlapComm = Annotated[
     bool, Field(description="Overlap gradient communication with backward (ZeRO).")
 ]

@@ -159,6 +159,14 @@ def account(
         )
         if ds
         else no_ds,
+        "deepcompile": (
+            A,
+            "compile: {deepcompile: true} in the actor's ds_config, then its engine.compile()",
+        )
+        if ds and cfg.deepcompile
+        else (S, "off")
+        if ds
+        else no_ds,
         "deepspeed_enable_sleep": _sleep(cfg, trainer, device),
         "bf16": _bf16(cfg, ds),
         "save_dtype": (A, f"the final checkpoint in {saved[0]} ({saved[1]})"),

@@ -16,6 +16,7 @@ from engine.stage import StageConfig
 from stages.lib.block import CountOrAuto
 from stages.lib.distributed.trainer_fields import (
     AdamOffload,
+    DeepCompile,
     OverlapComm,
     Ranks,
     TrainerSetting,
@@ -35,6 +36,7 @@ class DistributedSettings(StageConfig):
         1, ge=0, description="async: rollout batches in flight at most (0: synchronous)."
     )
     zero_stage: ZeroStage = Field(0, description="DeepSpeed ZeRO stage of the actor.")
+    deepcompile: DeepCompile = False
     adam_offload: AdamOffload = False
     overlap_comm: OverlapComm = False
     deepspeed_enable_sleep: bool = Field(
