@@ -202,3 +202,31 @@ def test_rl_episodes_with_tool_calls_keep_every_sampled_id_and_train_no_tool_out
         if tokens == "extend":
             assert runs(t.mask, tail) == answers  # every sampled id, as sampled
             assert engine.prompts[1] == t.ids[: len(engine.prompts[1])]  # contiguous
+
+
+def test_an_answers_text_keeps_the_tool_call_markers_and_drops_its_closing(family_checkpoint):
+    """Mistral v0.3's `[TOOL_CALLS]` is a special token: decoded with the others skipped, a
+    call reads as a bare JSON list no parser can tell from text. The answer's text (the local
+    engine's, and the rl engine's from vLLM's ids) keeps it, and only it."""
+    from transformers import AutoTokenizer
+
+    from stages.lib.chat.tokens import answer_text
+    from stages.lib.chat.tool_calls import parse_tool_calls
+    from stages.lib.model.generate import _finish
+
+    tok = AutoTokenizer.from_pretrained(family_checkpoint("chatml"))
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    calls = '[{"name": "calculator", "arguments": {"expression": "1 + 2"}, "id": "a1b2c3d4e"}]'
+    ids = [
+        *tok.encode("[TOOL_CALLS]", add_special_tokens=False),
+        *tok.encode(" " + calls, add_special_tokens=False),
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    ]
+    assert tok.decode(ids, skip_special_tokens=True).strip() == calls  # the marker lost
+    text = answer_text(tok, ids)
+    assert text == "[TOOL_CALLS] " + calls
+    (call,) = parse_tool_calls(text, "mistral").tool_calls
+    assert call["function"]["name"] == "calculator"
+    assert _finish(tok, ids, {ids[-1]}, 3).text == text
+    plain = tok.encode("no call here", add_special_tokens=False)
+    assert answer_text(tok, [*plain, ids[-1]]) == "no call here"

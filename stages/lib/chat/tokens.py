@@ -5,7 +5,8 @@ Input: a Hugging Face tokenizer (with its chat template), and where there is one
 chat template writes after an assistant turn's content, the closing token ids trained, the
 rest), `eos_ids(tokenizer, model_config, generation_config) -> list[int]` (every id that ends
 an answer; `checkpoint_eos_ids(model_dir, tokenizer)` reads the configs from a folder) and
-`pad_id(tokenizer, config) -> int`. Every stage that reads such an id reads
+`pad_id(tokenizer, config) -> int`; `answer_text(tokenizer, ids)`, an answer's text as a
+tool-call parser reads it. Every stage that reads such an id reads
 it here: `eos_token_id` may be an int or a list, `pad_token_id` may be missing, and a base
 tokenizer's `eos_token` (`<|endoftext|>`) need not be what its template closes a turn with
 (`<|im_end|>`). Nothing heavy is imported.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -117,6 +118,40 @@ def _answer_end(tokenizer: Any) -> AnswerEnd:
     at = text.rfind(token)
     rest = text[at + len(token) :] if at >= 0 else ""
     return AnswerEnd(text, tuple(ids[: last + 1]), rest)
+
+
+# special tokens a tool-call format is written with (Mistral's, v0.3 on): an answer's text keeps
+# them, as vLLM's mistral tool parser asks of its server (`skip_special_tokens: false`)
+TOOL_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+
+
+def tool_marker_ids(tokenizer: Any) -> set[int]:
+    """The ids of `tokenizer`'s special tokens that are tool-call markers (`TOOL_MARKERS`)."""
+    return {
+        i
+        for i in _special_ids(tokenizer)
+        if str(tokenizer.convert_ids_to_tokens(i)) in TOOL_MARKERS
+    }
+
+
+def answer_text(tokenizer: Any, ids: Sequence[int]) -> str:
+    """The text of an answer's `ids` without special tokens (its closing, padding), except
+    the tool-call markers (`TOOL_MARKERS`), which are a call's syntax: decoding them away
+    leaves `[{"name": ...}]`, which no parser can tell from text."""
+    kept = tool_marker_ids(tokenizer) & set(ids)
+    if not kept:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+    out: list[str] = []
+    part: list[int] = []
+    for i in ids:
+        if i in kept:
+            out += [str(tokenizer.decode(part, skip_special_tokens=True))]
+            out += [str(tokenizer.convert_ids_to_tokens(i))]
+            part = []
+        else:
+            part.append(i)
+    out.append(str(tokenizer.decode(part, skip_special_tokens=True)))
+    return "".join(out)
 
 
 def _ids(value: Any) -> list[int]:

@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.stage import at_stage_end
 from stages.lib.chat.prompt import Prompt, prompt_ids
-from stages.lib.chat.tokens import eos_ids, pad_id
+from stages.lib.chat.tokens import answer_text, eos_ids, pad_id
 
 log = logging.getLogger("pipe.stages.lib.model.generate")
 
@@ -340,5 +340,5 @@ def _finish(tokenizer: Any, new: list[int], eos: set[int], prompt_tokens: int) -
     stop = next((k for k, t in enumerate(new) if t in eos), None)
     if stop is not None:
         new = new[: stop + 1]
-    text = tokenizer.decode(new, skip_special_tokens=True)
+    text = answer_text(tokenizer, new)
     return Generation(text, "stop" if stop is not None else "length", prompt_tokens, len(new))

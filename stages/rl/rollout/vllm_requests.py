@@ -34,7 +34,7 @@ from stages.lib.api.adaptive import AdaptiveLimit
 from stages.lib.api.client import backoff_delay, classify, sample_seed, status_error
 from stages.lib.api.sampling import request_sampling
 from stages.lib.chat.prompt import Prompt, prompt_ids
-from stages.lib.chat.tokens import eos_ids
+from stages.lib.chat.tokens import answer_text, eos_ids, tool_marker_ids
 from stages.lib.model.generate import Generation
 
 if TYPE_CHECKING:
@@ -108,6 +108,7 @@ class HTTPRollouts:
         stops: list[int] | None = None,
     ) -> None:
         self.urls, self.tokenizer, self.served = list(urls), tokenizer, served
+        self.markers = tool_marker_ids(tokenizer)  # kept in an answer's text (answer_text)
         self.headers, self.timeout_s, self.parallel = headers, timeout_s, parallel
         self.adaptive = AdaptiveLimit() if parallel == "auto" else None  # kept across steps
         self.stops = eos_ids(tokenizer) if stops is None else stops  # `stages.lib.chat.tokens`
@@ -224,8 +225,11 @@ class HTTPRollouts:
                 f"an answer of {len(ids)} token ids came with {len(lps)} log-probabilities: the "
                 "loss needs the engine's log-probability of every token it trains"
             )
+        text = choice.get("text", "")
+        if self.markers & set(ids):  # the server's text lost the call's markers
+            text = answer_text(self.tokenizer, ids)
         return Generation(
-            text=choice.get("text", ""),
+            text=text,
             finish_reason="stop" if stopped else "length",
             prompt_tokens=len(prompt),
             completion_tokens=len(ids),
