@@ -106,3 +106,37 @@ def test_grpo_with_vllm_engines_on_gpus_hybrid_and_not(tmp_path: Path, colocate:
     assert all(r["probe_diff"] <= 1e-4 for r in rows if r["updates"])
     how = json.loads((stage / "settings.json").read_text())["backend"]["how"]
     assert ("sleep while the actor trains" in how) == (sleep == "true")
+
+
+@pytest.mark.vllm
+def test_grpo_with_one_pipeline_parallel_vllm_engine_over_both_gpus(tmp_path: Path):
+    """`vllm_pipeline_parallel_size: 2`: one engine whose two pipeline stages (a layer each)
+    hold a GPU each, beside the actor on both; every weight sync reaches both stages' workers
+    and the probe checks the engine's log-probs after each."""
+    from stages.lib.backends.vllm import server as vllm_server
+
+    try:
+        vllm_server.find_vllm_python()
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    text = VLLM_PIPELINE.format(colocate="all", sleep="false").replace(
+        "vllm_enable_sleep: false}", "vllm_enable_sleep: false, vllm_pipeline_parallel_size: 2}"
+    )
+    assert "vllm_pipeline_parallel_size: 2" in text
+    (tmp_path / "p.yaml").write_text(textwrap.dedent(text))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "run", "p.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stage = tmp_path / "runs/rl_gpu/rl"
+    rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["probe_diff"] <= 1e-4 for r in rows if r["updates"])
+    how = json.loads((stage / "settings.json").read_text())["backend"]["how"]
+    assert "1 vLLM server(s) started" in how and "pipeline-parallel 2" in how

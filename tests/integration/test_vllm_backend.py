@@ -326,9 +326,7 @@ def test_gpu_command_and_device_split(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
     with pytest.raises(ValueError) as err:
         vs.device_slices(backend, 3)
-    assert str(err.value) == (
-        "vllm_num_engines (2) x vllm_tensor_parallel_size (2) needs 4 GPUs, found 3"
-    )
+    assert str(err.value) == ("vllm_num_engines (2) x 2 GPUs per engine needs 4 GPUs, found 3")
 
 
 # --- with vLLM: the real server on the CPU ------------------------------------------

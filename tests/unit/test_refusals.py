@@ -1013,9 +1013,9 @@ def test_the_guides_70b_placement_starts_its_engines_as_planned() -> None:
     engines = [
         device_slices(backend, len(s["devices"]), [str(d) for d in s["devices"]]) for s in slots
     ]
-    assert [len(e) for e in engines] == [2, 2]  # two nodes, two engines of 4 GPUs on each
-    assert sum(len(e) for e in engines) == backend.vllm_num_engines == 4
-    assert all(len(group) == backend.vllm_tensor_parallel_size for e in engines for group in e)
+    assert [len(e) for e in engines] == [1, 1]  # two nodes, an engine of 4 x 2 GPUs on each
+    assert sum(len(e) for e in engines) == backend.vllm_num_engines == 2
+    assert all(len(group) == backend.engine_size == 8 for e in engines for group in e)
 
 
 def test_a_user_module_is_found_where_the_run_imports_it_and_none_of_its_code_runs(

@@ -40,7 +40,7 @@ def _contexts(pipeline: str, cluster: str) -> tuple[list[StageContext], dict]:
     return contexts, plan["stages"]["ppo"]["config"]
 
 
-def test_the_70b_example_starts_every_role_on_two_nodes_and_four_engines_of_four_gpus(
+def test_the_70b_example_starts_every_role_on_two_nodes_and_two_engines_of_eight_gpus(
     monkeypatch,
 ):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -61,13 +61,13 @@ def test_the_70b_example_starts_every_role_on_two_nodes_and_four_engines_of_four
         ]
         assert [r["rank"] for r in role_table(contexts[0], role)] == list(range(16))
     backend = VLLMBackend.model_validate(config["backend"])
-    assert (backend.vllm_num_engines, backend.vllm_tensor_parallel_size) == (4, 4)
+    assert (backend.vllm_num_engines, backend.engine_size) == (2, 8)  # tp 4 x pp 2
     engines = [
         device_slices(backend, 8, [str(d) for d in ctx.devices("vllm")])
         for ctx in contexts
         if ctx.node_slots("vllm")
     ]
-    assert engines == [[["0", "1", "2", "3"], ["4", "5", "6", "7"]]] * 2
+    assert engines == [[[str(d) for d in range(8)]]] * 2
     assert sum(len(e) for e in engines) == backend.vllm_num_engines
     assert contexts[0].node_slots("vllm")  # the controller sits with the first engines
     assert [worker_host(w) for w in role_workers(contexts[0], "vllm")] == ["10.0.0.1", "10.0.0.2"]
@@ -80,8 +80,8 @@ def test_the_70b_example_explain_shows_each_role_on_two_nodes_the_engines_and_th
     assert result.exit_code == 0, result.stderr
     text = result.stdout
     assert (
-        "backend.vllm_num_engines             4  <- rule: 16 GPUs of role 'vllm' / "
-        "tensor-parallel size 4" in text
+        "backend.vllm_num_engines             2  <- rule: 16 GPUs of role 'vllm' / "
+        "tensor-parallel size 4 x pipeline-parallel size 2" in text
     )
     for role, nodes in (("vllm", (0, 1)), ("actor", (2, 3)), ("critic", (4, 5))):
         for n in nodes:

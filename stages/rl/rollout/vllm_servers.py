@@ -100,12 +100,13 @@ def start_servers(
 
     from stages.lib.backends.vllm.server import FP32_EXACT_ENV, vllm_servers
 
-    tp = backend.vllm_tensor_parallel_size
+    size = backend.engine_size
     update: dict[str, Any] = {"model": model_dir}
     if devices:
-        update["vllm_num_engines"] = max(1, len(devices) // tp)
+        update["vllm_num_engines"] = max(1, len(devices) // size)
         if not torch.cuda.is_available():
             update["vllm_tensor_parallel_size"] = 1
+            update["vllm_pipeline_parallel_size"] = 1
             devices = []
     args = server_args(bf16, bool(devices), max_model_len, lora_rank)
     fp32_gpu = bool(devices) and not bf16

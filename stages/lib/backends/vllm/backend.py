@@ -44,6 +44,12 @@ class VLLMBackend(BackendConfig):
     vllm_tensor_parallel_size: int = Field(
         1, gt=0, description="GPUs per engine (tensor parallelism)."
     )
+    vllm_pipeline_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="Pipeline stages per engine (vLLM's --pipeline-parallel-size): an engine "
+        "holds tensor-parallel size x this many GPUs, its layers split across the stages.",
+    )
     vllm_gpu_memory_utilization: float = Field(
         0.9,
         gt=0,
@@ -72,12 +78,19 @@ class VLLMBackend(BackendConfig):
         """The presets' vLLM settings (`vllm_*`, `enable_prefix_caching`)."""
         return key in cls.model_fields and key not in ("kind", "model")
 
+    @property
+    def engine_size(self) -> int:
+        """The GPUs one engine holds: tensor-parallel size x pipeline stages."""
+        return self.vllm_tensor_parallel_size * self.vllm_pipeline_parallel_size
+
     def gpu_unit(self) -> int:
-        """An engine's tensor-parallel group stays on one node."""
-        return self.vllm_tensor_parallel_size
+        """An engine stays on one node, its pipeline stages too: pipe starts each engine as
+        one process tree on its worker (vLLM's multi-process executor), not the Ray cluster
+        an engine across nodes needs."""
+        return self.engine_size
 
     def engine_gpus(self) -> int:
-        return self.vllm_num_engines * self.vllm_tensor_parallel_size
+        return self.vllm_num_engines * self.engine_size
 
     @property
     def sleeps(self) -> bool:
@@ -97,11 +110,11 @@ class VLLMBackend(BackendConfig):
         """Engines from the stage's GPUs, prefix caching for repeated prompts, and half of each
         GPU left to training when vLLM shares its GPUs."""
         out: dict[str, Derived] = {}
-        tp = self.vllm_tensor_parallel_size
-        if ctx.gpus and ctx.gpus % tp == 0:
+        size = self.engine_size
+        if ctx.gpus and ctx.gpus % size == 0:
             what = f"role '{ctx.role}'" if ctx.role else "the stage"
             out["backend.vllm_num_engines"] = Derived(
-                ctx.gpus // tp, f"{ctx.gpus} GPUs of {what} / tensor-parallel size {tp}"
+                ctx.gpus // size, f"{ctx.gpus} GPUs of {what} / {self._size_text()}"
             )
         if num_repeats > 1:
             out["backend.enable_prefix_caching"] = Derived(
@@ -116,10 +129,18 @@ class VLLMBackend(BackendConfig):
             )
         return out
 
+    def _size_text(self) -> str:
+        tp, pp = self.vllm_tensor_parallel_size, self.vllm_pipeline_parallel_size
+        if pp == 1:
+            return f"tensor-parallel size {tp}"
+        return f"tensor-parallel size {tp} x pipeline-parallel size {pp}"
+
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
-        """A tensor-parallel group on one node, engines x tensor-parallel size = the stage's
-        GPUs, and a warning when a shared GPU leaves the trainer little room."""
+        """An engine (its tensor-parallel group, and its pipeline stages) on one node, engines
+        x their size = the stage's GPUs, and a warning when a shared GPU leaves the trainer
+        little room."""
         per_node, tp = ctx.gpus_per_node, self.vllm_tensor_parallel_size
+        size = self.engine_size
         if tp > per_node or per_node % tp:
             fits = ", ".join(str(n) for n in range(1, per_node + 1) if per_node % n == 0)
             return [
@@ -130,15 +151,27 @@ class VLLMBackend(BackendConfig):
                     f"use {fits}",
                 )
             ]
+        if size > per_node or per_node % size:
+            pps = [n for n in range(1, per_node // tp + 1) if per_node % (tp * n) == 0]
+            return [
+                ctx.error(
+                    "backend.vllm_pipeline_parallel_size",
+                    f"{self._size_text()} = {size} GPUs per engine does not fit on a node of "
+                    f"{per_node} GPUs (cluster.gpus_per_node): pipe starts an engine on one "
+                    "node (vLLM's multi-process executor; an engine across nodes needs a Ray "
+                    f"cluster, which pipe does not start): use "
+                    f"{', '.join(str(n) for n in pps)}",
+                )
+            ]
         out = []
         engines = self.vllm_num_engines
-        if ctx.gpus and engines * tp != ctx.gpus:
+        if ctx.gpus and engines * size != ctx.gpus:
             what = f"role '{ctx.role}'" if ctx.role else "the stage"
-            hint = f"; use vllm_num_engines {ctx.gpus // tp}" if ctx.gpus % tp == 0 else ""
+            hint = f"; use vllm_num_engines {ctx.gpus // size}" if ctx.gpus % size == 0 else ""
             out.append(
                 ctx.error(
                     "backend.vllm_num_engines",
-                    f"{engines} engines x tensor-parallel size {tp} = {engines * tp} GPUs, but "
+                    f"{engines} engines x {self._size_text()} = {engines * size} GPUs, but "
                     f"{what} has {ctx.gpus}{hint}",
                 )
             )
@@ -157,7 +190,12 @@ class VLLMBackend(BackendConfig):
     def rl_engines_record(self, started: int, where: str, *, gpu: bool, async_train: bool) -> str:
         parts = [
             f"{started or self.vllm_num_engines} vLLM server(s) started{where}, tensor-parallel "
-            f"{self.vllm_tensor_parallel_size}",
+            f"{self.vllm_tensor_parallel_size}"
+            + (
+                f", pipeline-parallel {self.vllm_pipeline_parallel_size}"
+                if self.vllm_pipeline_parallel_size > 1
+                else ""
+            ),
             "prefix caching on" if self.enable_prefix_caching else "no prefix cache",
             f"gpu_memory_utilization {self.vllm_gpu_memory_utilization}"
             if gpu

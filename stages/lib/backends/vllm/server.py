@@ -120,6 +120,8 @@ def server_command(
     cmd += ["--host", host, "--port", str(port), "--middleware", MIDDLEWARE]
     cmd += SERVER_ARGS  # no sampling defaults from the checkpoint (`stages.lib.api.sampling`)
     cmd += ["--tensor-parallel-size", str(backend.vllm_tensor_parallel_size)]
+    if backend.vllm_pipeline_parallel_size > 1:
+        cmd += ["--pipeline-parallel-size", str(backend.vllm_pipeline_parallel_size)]
     if backend.enable_prefix_caching:
         cmd.append("--enable-prefix-caching")
     if backend.vllm_max_num_seqs is not None:  # the stage's micro_rollout_batch_size
@@ -179,15 +181,14 @@ def device_slices(
     """GPU ids for each engine; on CPU, one empty slice per engine.
 
     With `devices` (the placement's devices of this node, as `CUDA_VISIBLE_DEVICES` names
-    them) one engine per tensor-parallel group of them; otherwise `vllm_num_engines`
+    them) one engine per `engine_size` of them (its tensor-parallel group times its pipeline
+    stages); otherwise `vllm_num_engines`
     engines on the first GPUs this process sees.
     """
-    engines, tp = backend.vllm_num_engines, backend.vllm_tensor_parallel_size
+    engines, tp = backend.vllm_num_engines, backend.engine_size
     if devices:
         if len(devices) % tp:
-            raise ValueError(
-                f"{len(devices)} GPUs do not split into tensor-parallel groups of {tp}"
-            )
+            raise ValueError(f"{len(devices)} GPUs do not split into engines of {tp}")
         return [list(devices[i : i + tp]) for i in range(0, len(devices), tp)]
     if gpus == 0:
         return [[] for _ in range(engines)]
@@ -196,7 +197,7 @@ def device_slices(
     ids = ids[:gpus]
     if len(ids) < engines * tp:
         raise ValueError(
-            f"vllm_num_engines ({engines}) x vllm_tensor_parallel_size ({tp}) needs "
+            f"vllm_num_engines ({engines}) x {tp} GPUs per engine needs "
             f"{engines * tp} GPUs, found {len(ids)}"
         )
     return [ids[i * tp : (i + 1) * tp] for i in range(engines)]
