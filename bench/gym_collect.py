@@ -160,8 +160,13 @@ def run_collector(
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     start = time.perf_counter()
     with log.open("ab") as out:
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        proc = subprocess.Popen(  # in the log's folder: Hydra writes outputs/ where it runs
+            command,
+            cwd=log.parent,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
     tree.start((proc.pid, *extra_roots))
     deadline = time.monotonic() + timeout_s
@@ -211,7 +216,13 @@ def gym_collect(rows: Path, out: Path, head: str, parallel: int) -> list[str]:
 
 
 def pipe_collect(
-    work: Path, name: str, rows: Path, policy: str, parallel: int, env: dict, profile: bool = False
+    work: Path,
+    name: str,
+    rows: Path,
+    policy: str,
+    parallel: int,
+    env: dict[str, Any],
+    profile: bool = False,
 ) -> list[str]:
     """The collect stage's body in a process of its own (`--stage`, below)."""
     brief = {
@@ -278,7 +289,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     expected = {r["row_id"]: expected_reward(r) for r in rows}
     stub = start_subprocess(args.capacity, args.latency_ms)
     gym = GymServers(work / "gym", stub.url)
-    tree, out, logs = TreeCPU(), {}, work / "logs"
+    tree, logs = TreeCPU(), work / "logs"
+    out: dict[str, dict[str, Any]] = {}
     logs.mkdir()
     running = {"kind": "nemo_gym", "head": gym.head, "agent": AGENT}
     started = {"kind": "nemo_gym", "config_paths": [CONFIG], "agent": AGENT}
@@ -333,7 +345,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"runs": out, "rewards": compare(found, expected, n)}
 
 
-def compare(found: dict[str, dict[int, float]], expected: dict[int, float], n: int) -> dict:
+def compare(
+    found: dict[str, dict[int, float]], expected: dict[int, float], n: int
+) -> dict[str, Any]:
     gym = found["nemo_gym"]
     out: dict[str, Any] = {name: len(r) for name, r in found.items()}
     for name in ("pipe_running", "pipe_started"):
@@ -412,7 +426,7 @@ def plot(lines: list[dict[str, Any]], path: Path, title: str) -> None:
         [x["collector_cpu_ms"] for x in lines],
         width,
         color=colors,
-        label="collector process",
+        label="collector process (dark)",
     )
     b.bar(
         [p + width / 2 for p in pos],
@@ -420,7 +434,7 @@ def plot(lines: list[dict[str, Any]], path: Path, title: str) -> None:
         width,
         color=colors,
         alpha=0.45,
-        label="whole tree (with NeMo Gym's servers)",
+        label="whole tree, NeMo Gym's servers in it (light)",
     )
     b.set_xticks(list(pos), labels)
     b.set_ylabel("CPU ms per rollout")
