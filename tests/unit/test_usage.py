@@ -128,8 +128,10 @@ def test_a_stage_run_on_a_worker_writes_its_usage_and_carries_the_summary(tmp_pa
 
     payload = toy_payload(tmp_path, body, __name__)
     metrics = run_stage(payload).metrics
-    assert metrics["rows"] == 1 and metrics["usage"]["samples"] == 1.0
-    assert len(read_usage(str(tmp_path / "s"))) == 1
+    # one row at the end, and one per interval (2 s) the stage outlived: a loaded machine
+    # may take that long to set the stage up
+    rows = read_usage(str(tmp_path / "s"))
+    assert metrics["rows"] == 1 and metrics["usage"]["samples"] == len(rows) >= 1
     assert json.loads((tmp_path / "s" / "metrics.json").read_text())["usage"] == metrics["usage"]
 
 
