@@ -56,7 +56,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "collect")]
 from gym_policy import expected_reward, start_subprocess  # noqa: E402
 from proc_tree import TreeCPU  # noqa: E402
 
-from stages.lib.env.gym import agent_url, gym_package, gym_venv  # noqa: E402
+from stages.lib.env.gym import agent_url, gym_package, gym_venv, stop_ng_run  # noqa: E402
 from stages.lib.net import free_port  # noqa: E402
 
 CONFIG = "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml"
@@ -68,7 +68,7 @@ SERVERS = (
     "responses_api_models/vllm_model",
     "environment_servers/legacy_agent",
 )
-READY_S, STOP_S = 300.0, 60.0
+READY_S = 300.0
 
 
 def write_rows(path: Path, n: int) -> list[dict[str, Any]]:
@@ -142,14 +142,7 @@ class GymServers:
         process = self.process
         if process is None:
             return
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(STOP_S)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(10)
+        stop_ng_run(process)
         self.process = None
 
 

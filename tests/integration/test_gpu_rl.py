@@ -77,18 +77,9 @@ VLLM_PIPELINE = PIPELINE.replace(
 ).replace("num_heads: 2", "num_heads: 4")
 
 
-@pytest.mark.vllm
-@pytest.mark.parametrize(("colocate", "sleep"), [("none", "false"), ("all", "true")])
-def test_grpo_with_vllm_engines_on_gpus_hybrid_and_not(tmp_path: Path, colocate: str, sleep: str):
-    """vLLM servers on the engine's GPU (shared with the actor and asleep while it trains in
-    the hybrid case); weights reloaded from disk and checked by the probe on every sync."""
-    from stages.lib.backends.vllm import server as vllm_server
-
-    try:
-        vllm_server.find_vllm_python()
-    except RuntimeError as err:
-        pytest.skip(str(err))
-    text = VLLM_PIPELINE.format(colocate=colocate, sleep=sleep)
+def run_vllm_grpo(tmp_path: Path, text: str) -> str:
+    """`pipe run` of `text` (5 GRPO steps on vLLM engines): every sync probed within 1e-4;
+    what settings.json says of the backend."""
     (tmp_path / "p.yaml").write_text(textwrap.dedent(text))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -104,7 +95,22 @@ def test_grpo_with_vllm_engines_on_gpus_hybrid_and_not(tmp_path: Path, colocate:
     rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert all(r["probe_diff"] <= 1e-4 for r in rows if r["updates"])
-    how = json.loads((stage / "settings.json").read_text())["backend"]["how"]
+    return str(json.loads((stage / "settings.json").read_text())["backend"]["how"])
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("colocate", "sleep"), [("none", "false"), ("all", "true")])
+def test_grpo_with_vllm_engines_on_gpus_hybrid_and_not(tmp_path: Path, colocate: str, sleep: str):
+    """vLLM servers on the engine's GPU (shared with the actor and asleep while it trains in
+    the hybrid case); weights reloaded from disk and checked by the probe on every sync."""
+    from stages.lib.backends.vllm import server as vllm_server
+
+    try:
+        vllm_server.find_vllm_python()
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    text = VLLM_PIPELINE.format(colocate=colocate, sleep=sleep)
+    how = run_vllm_grpo(tmp_path, text)
     assert ("sleep while the actor trains" in how) == (sleep == "true")
 
 
@@ -123,20 +129,5 @@ def test_grpo_with_one_pipeline_parallel_vllm_engine_over_both_gpus(tmp_path: Pa
         "vllm_enable_sleep: false}", "vllm_enable_sleep: false, vllm_pipeline_parallel_size: 2}"
     )
     assert "vllm_pipeline_parallel_size: 2" in text
-    (tmp_path / "p.yaml").write_text(textwrap.dedent(text))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "run", "p.yaml"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    stage = tmp_path / "runs/rl_gpu/rl"
-    rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert all(r["probe_diff"] <= 1e-4 for r in rows if r["updates"])
-    how = json.loads((stage / "settings.json").read_text())["backend"]["how"]
+    how = run_vllm_grpo(tmp_path, text)
     assert "1 vLLM server(s) started" in how and "pipeline-parallel 2" in how

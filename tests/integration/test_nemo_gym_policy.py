@@ -18,10 +18,7 @@ process group, which this test made, if anything is left.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -32,7 +29,7 @@ from typing import Any
 import pytest
 
 from stages.lib.chat.tool_calls import format_tool_calls
-from stages.lib.env.gym import gym_venv
+from stages.lib.env.gym import gym_venv, stop_ng_run
 from stages.lib.model.generate import Generation
 from stages.lib.net import free_port
 from stages.lib.serve.policy import PolicyServer
@@ -49,7 +46,7 @@ SERVERS = (  # the server folders those configs name: each one's venv is the one
     "environment_servers/legacy_agent",
     "responses_api_models/vllm_model",
 )
-READY_S, RUN_S, STOP_S = 300, 120, 60
+READY_S, RUN_S = 300, 120
 
 pytestmark = [
     pytest.mark.integration,
@@ -94,17 +91,6 @@ def post(url: str, body: Any, timeout: float) -> Any:
         return json.loads(r.read())
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGINT to ng_run, then its process group (this test's) if it outlives STOP_S."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(STOP_S)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # the group start_new_session made: ours
-    process.wait(10)
-
-
 @pytest.fixture
 def gym(tmp_path: Path, family_checkpoint: Any) -> Iterator[tuple[str, Any]]:
     from transformers import AutoTokenizer
@@ -133,7 +119,7 @@ def gym(tmp_path: Path, family_checkpoint: Any) -> Iterator[tuple[str, Any]]:
         try:
             yield wait_for_agent(process, head, tmp_path / "ng_run.log"), tok
         finally:
-            stop(process)
+            stop_ng_run(process)  # the group start_new_session made: ours
             log.close()
 
 

@@ -194,7 +194,7 @@ def _started(
         )
         yield url
     finally:
-        _stop(process, log)
+        stop_ng_run(process, log)
 
 
 def _wait_ready(process: subprocess.Popen[bytes], head: str, agent: str, log_path: Path) -> str:
@@ -224,9 +224,9 @@ def _tail(path: Path, chars: int = 3000) -> str:
     return path.read_bytes()[-chars:].decode(errors="replace")
 
 
-def _stop(process: subprocess.Popen[bytes], log: logging.Logger) -> None:
-    """SIGINT to ng_run, then SIGKILL to its process group (the one pipe made) if anything
-    outlives STOP_S."""
+def stop_ng_run(process: subprocess.Popen[bytes], log: logging.Logger | None = None) -> None:
+    """SIGINT to ng_run, then SIGKILL to its process group (the one its starter made with
+    `start_new_session`) if anything outlives STOP_S."""
     if process.poll() is None:
         process.send_signal(signal.SIGINT)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -235,4 +235,5 @@ def _stop(process: subprocess.Popen[bytes], log: logging.Logger) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(10)
-    log.info("nemo_gym: servers stopped")
+    if log is not None:
+        log.info("nemo_gym: servers stopped")
