@@ -46,6 +46,13 @@ class DatasetConfig(StageConfig):
         "messages; 'prompt' optional: Anthropic HH, UltraFeedback-binarized), written as they "
         "come and split by prompt; jsonl, parquet or huggingface sources.",
     )
+    nemo_gym_rows: bool = Field(
+        False,
+        description="Each prompt row also in NeMo Gym's form: 'responses_create_params' (the "
+        "prompt as its 'input' messages) and, from reasoning_gym, the 'question' its resources "
+        "server's /verify reads; collect, evaluate and rl with environment kind nemo_gym read "
+        "them (the other stages read 'prompt' as before).",
+    )
     seed: int = Field(0, description="Seed for generation and shuffling.")
     system_prompt: str | None = Field(None, description="A system message put before every prompt.")
     output: str = Field("train.jsonl", description="Training prompts written.")
@@ -65,6 +72,13 @@ class DatasetConfig(StageConfig):
             return [ctx.error("task", "source 'reasoning_gym' needs a 'task', e.g. chain_sum")]
         if self.source != "reasoning_gym" and not self.path:
             return [ctx.error("path", f"source '{self.source}' needs a 'path'")]
+        if self.pairs and self.nemo_gym_rows:
+            return [
+                ctx.error(
+                    "nemo_gym_rows",
+                    "NeMo Gym's rows are prompts; preference pairs have none to send: leave it out",
+                )
+            ]
         if not self.pairs:
             return []
         if self.source == "reasoning_gym":

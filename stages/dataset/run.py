@@ -6,7 +6,9 @@ one JSON object per line, each with `prompt` (or `messages` when a system
 prompt is set) and every other field of the source row; returns row counts. With
 `pairs: true` each row is a preference pair as the source has it (`chosen`, `rejected`,
 maybe `prompt`: `stages.lib.io.preference`), a row without them an error naming it, and
-pairs split by their prompt (an implicit one: what chosen and rejected begin with).
+pairs split by their prompt (an implicit one: what chosen and rejected begin with). With
+`nemo_gym_rows: true` each prompt row also carries NeMo Gym's form (`nemo_gym_row`), so one
+split feeds both pipe's stages and an environment of kind nemo_gym.
 
 The test split is drawn first and its prompts are unique; training rows whose
 prompt text is in the test split are never written, so no evaluation prompt
@@ -51,6 +53,10 @@ def run_dataset(cfg: DatasetConfig, ctx: StageContext) -> dict[str, Any]:
     if cfg.system_prompt is not None:
         train, test, val = (
             [with_system_prompt(r, cfg.system_prompt) for r in rows] for rows in (train, test, val)
+        )
+    if cfg.nemo_gym_rows:
+        train, test, val = (
+            [nemo_gym_row(r, cfg.source) for r in rows] for rows in (train, test, val)
         )
     write_jsonl(cfg.output, train)
     write_jsonl(cfg.test_output, test)
@@ -189,19 +195,22 @@ def normalise_pair(row: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def normalise_row(row: dict[str, Any], where: str) -> dict[str, Any]:
-    """A source row in prompt-file form: `prompt` or `messages`, `answer`, the rest carried."""
+    """A source row in prompt-file form: `prompt` or `messages`, `answer`, the rest carried.
+    A NeMo Gym row (`responses_create_params`) keeps the fields they are read from: its
+    resources server's `/verify` reads them by their own names (reasoning_gym's `question`)."""
     out = {k: jsonable(v) for k, v in row.items()}
+    gym = "responses_create_params" in out
     if "messages" not in out and "prompt" not in out:
         key = next((k for k in PROMPT_FIELDS if isinstance(out.get(k), str)), None)
         if key is None:
             raise ValueError(
                 f"{where}: no prompt field (one of messages, {', '.join(PROMPT_FIELDS)})"
             )
-        out["prompt"] = out.pop(key)
+        out["prompt"] = out[key] if gym else out.pop(key)
     if "answer" not in out:
         key = next((k for k in ANSWER_FIELDS if k in out), None)
         if key is not None:
-            out["answer"] = out.pop(key)
+            out["answer"] = out[key] if gym else out.pop(key)
     return out
 
 
@@ -256,6 +265,18 @@ def with_system_prompt(row: dict[str, Any], system_prompt: str) -> dict[str, Any
     )
     messages = [m for m in messages if m.get("role") != "system"]
     out["messages"] = [{"role": "system", "content": system_prompt}, *messages]
+    return out
+
+
+def nemo_gym_row(row: dict[str, Any], source: str) -> dict[str, Any]:
+    """The row with NeMo Gym's `responses_create_params` (its prompt, or messages, as the
+    `input`), and from reasoning_gym the `question` (the user's text) that NeMo Gym's
+    reasoning_gym resources server verifies with, as its `create_dataset.py` writes rows."""
+    user = [{"role": "user", "content": row.get("prompt")}]
+    messages = row.get("messages", user)
+    out = {**row, "responses_create_params": {"input": messages}}
+    if source == "reasoning_gym":
+        out["question"] = next(m["content"] for m in messages if m["role"] == "user")
     return out
 
 

@@ -81,3 +81,65 @@ def test_rl_reads_nemo_gyms_turns_as_one_contiguous_sequence(tmp_path, family_ch
         # the second turn was asked from exactly these ids (token in, token out)
         assert tuple(t.ids[: t.prompt_len + call + observation]) in engine.asked
     assert left_in(Path(work)) == []
+
+
+PIPELINE = """\
+    name: gymrl
+    cluster: {{scheduler: local, workers: 1}}
+    stages:
+      grpo:
+        kind: rl
+        config:
+          input: {rows}
+          model: {model}
+          environment: &gym
+            kind: nemo_gym
+            config_paths: [{config}]
+            agent: {agent}
+          num_repeats: 2
+          rollout_batch_size: 2
+          train_batch_size: 4
+          micro_train_batch_size: 2
+          max_steps: 2
+          max_length: 1024                # the row's prompt with its tool: 665 tokens here
+          max_output_tokens: 16
+      evaluate:
+        kind: evaluate
+        needs: [grpo]
+        config:
+          input: {rows}
+          checkpoints: [{model}, "@grpo"]
+          environment: *gym
+          max_output_tokens: 16
+"""
+
+
+def test_the_rl_stage_trains_on_gym_and_evaluate_starts_gym_once_per_checkpoint(
+    tmp_path, family_checkpoint
+):
+    """The whole stage through `pipe run`: rl's controller starts NeMo Gym against its engine,
+    plays two steps (a random model: one text turn, reward 0, episodes neither failed nor
+    masked), stops it; evaluate starts Gym again for each of its two checkpoints, in the same
+    folder (each start reads only its own output)."""
+    import json
+
+    from tests.cluster import pipe_run
+    from tests.integration.test_nemo_gym_env import AGENT, CONFIG
+
+    text = PIPELINE.format(
+        rows=rows(tmp_path, 2), model=family_checkpoint("chatml"), config=CONFIG, agent=AGENT
+    )
+    proc = pipe_run(tmp_path, text, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stage = tmp_path / "runs/gymrl/grpo"
+    steps = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["episodes_failed"] == 0 and s["turns_mean"] == 1.0 for s in steps), steps
+    settings = json.loads((stage / "settings.json").read_text())
+    assert "agent plays" in settings["environment"]["how"]
+    report = json.loads((tmp_path / "runs/gymrl/evaluate/metrics.json").read_text())
+    assert [r["failed_episodes"] for r in report["results"]] == [0, 0]
+    log = (tmp_path / "runs/gymrl/evaluate/nemo_gym.log").read_bytes()
+    assert log.count(b"servers ready!") == 2
+    for folder in (stage, tmp_path / "runs/gymrl/evaluate"):
+        assert left_in(folder) == []

@@ -127,6 +127,52 @@ def test_a_system_prompt_turns_rows_into_messages(tmp_path: Path):
     assert (train[0]["answer"], train[0]["task"]) == ("-28", "chain_sum")
 
 
+def test_nemo_gym_rows_carry_the_prompt_for_gyms_agent_and_the_question_for_its_verify(
+    tmp_path: Path,
+):
+    """`nemo_gym_rows`: the same rows, plus NeMo Gym's `responses_create_params` (the prompt as
+    the one user message, or the system prompt's messages) and reasoning_gym's `question`,
+    as NeMo Gym's reasoning_gym `create_dataset.py` writes its rows."""
+    pytest.importorskip("reasoning_gym")
+    _, train, _ = _run(
+        tmp_path,
+        source="reasoning_gym",
+        task="chain_sum",
+        task_config=TWO_DIGITS,
+        size=1,
+        nemo_gym_rows=True,
+    )
+    row = _chain_sum_row("15 - 43 =", "-28", 0, "15 - 43")
+    user = {"role": "user", "content": row["prompt"]}
+    assert train == [
+        {**row, "responses_create_params": {"input": [user]}, "question": row["prompt"]}
+    ]
+    system = tmp_path / "system"
+    system.mkdir()
+    _, (with_system,), _ = _run(
+        system,
+        source="reasoning_gym",
+        task="chain_sum",
+        task_config=TWO_DIGITS,
+        size=1,
+        system_prompt="Answer in <answer> tags.",
+        nemo_gym_rows=True,
+    )
+    assert with_system["responses_create_params"]["input"] == with_system["messages"]
+    assert with_system["question"] == row["prompt"]
+
+
+def test_nemo_gym_rows_read_from_a_file_keep_the_fields_their_verify_reads(tmp_path: Path):
+    src = tmp_path / "src.jsonl"
+    gym = {"responses_create_params": {"input": [{"role": "user", "content": "1 + 1 ="}]}}
+    src.write_text(json.dumps({**gym, "question": "1 + 1 =", "solution": "2"}) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    _, (row,), _ = _run(out, source="jsonl", path=str(src), size=1)
+    assert (row["question"], row["prompt"]) == ("1 + 1 =", "1 + 1 =")
+    assert (row["solution"], row["answer"]) == ("2", "2")
+
+
 def test_jsonl_source_maps_fields_and_holds_out_whole_prompts(tmp_path: Path):
     src = tmp_path / "src.jsonl"
     rows = [{"question": f"q{i % 6}", "solution": str(i), "id": i} for i in range(10)]

@@ -16,7 +16,10 @@ server with uv, which cannot fetch an interpreter offline). The head server list
 ready!" and the head lists the agent (at most `READY_S`); its output goes to
 `<work_dir>/nemo_gym.log`. On leaving the block, also on failure and Ctrl-C, `ng_run` gets
 SIGINT (it stops its servers and its Ray cluster), then its process group, which pipe made
-for it, SIGKILL if anything is left after `STOP_S`.
+for it, SIGKILL if anything is left after `STOP_S`; should the process that started it die
+first (a Dask worker ended with its cluster), ng_run gets SIGINT from the kernel
+(PDEATHSIG). Each start reads only its own output in the log, which every start in the
+stage's folder appends to (evaluate starts the servers once per checkpoint).
 
 Running (`head`): the head's `/server_instances` gives the agent's URL, and its
 `/global_config_dict_yaml` the policy its model server calls, which must be the stage's
@@ -26,11 +29,13 @@ backend: a stage whose sampling and model would act on nothing is refused.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -179,13 +184,19 @@ def _started(
     _link_venvs(venv, links)
     log_path = work_dir / "nemo_gym.log"
     log.info("nemo_gym: starting %s (output: %s)", " ".join(command[:2]), log_path)
+    begin = log_path.stat().st_size if log_path.exists() else 0  # earlier starts' output
     start = time.monotonic()
     with log_path.open("ab") as out:
         process = subprocess.Popen(
-            command, cwd=work_dir, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            cwd=work_dir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_child_signals,
         )
     try:
-        url = _wait_ready(process, f"127.0.0.1:{head}", env.agent or "", log_path)
+        url = _wait_ready(process, f"127.0.0.1:{head}", env.agent or "", log_path, begin)
         log.info(
             "nemo_gym: servers ready in %.1f s; agent %s at %s",
             time.monotonic() - start,
@@ -197,7 +208,22 @@ def _started(
         stop_ng_run(process, log)
 
 
-def _wait_ready(process: subprocess.Popen[bytes], head: str, agent: str, log_path: Path) -> str:
+def _child_signals() -> None:
+    """In ng_run's process, before it runs: SIGINT as Python's default (a process started in
+    the background of a shell inherits it ignored, and Python then installs no handler, so
+    `stop_ng_run`'s SIGINT would wait out STOP_S for the SIGKILL), and SIGINT again when the
+    process that started it dies (a Dask worker killed with its cluster, on SIGTERM to `pipe
+    run` too): ng_run stops its servers and its Ray cluster on it (Linux's PDEATHSIG)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+
+
+def _wait_ready(
+    process: subprocess.Popen[bytes], head: str, agent: str, log_path: Path, begin: int = 0
+) -> str:
+    """The agent's URL once this start's output (the log past `begin`: every start in the
+    stage's folder appends to it) says the servers are ready."""
     deadline = time.monotonic() + READY_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -205,7 +231,7 @@ def _wait_ready(process: subprocess.Popen[bytes], head: str, agent: str, log_pat
                 f"nemo_gym: ng_run exited with {process.returncode} before its servers were "
                 f"ready; the end of {log_path}:\n{_tail(log_path)}"
             )
-        if b"servers ready!" in log_path.read_bytes():
+        if b"servers ready!" in log_path.read_bytes()[begin:]:
             url = agent_url(head, agent)
             if url is None:
                 raise ValueError(

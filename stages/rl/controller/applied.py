@@ -325,6 +325,11 @@ def _environment(cfg: RLConfig) -> tuple[str, str]:
     if env is None:
         return S, "none: each sample is one turn scored by the verifier"
     what = env.url or env.kind
+    if env.agent_plays:  # the agent ends its episodes (its config's bound, e.g. max_steps)
+        return A, (
+            f"each sample is an episode {what}'s agent plays, its turns bounded by the "
+            "agent's config; the loss covers the model's own tokens only"
+        )
     return A, (
         f"each sample is an episode with {what}, at most {max_turns(env)} turns; the loss "
         "covers the model's own tokens only"

@@ -152,7 +152,8 @@ def _play(c: Any, indices: list[int], step: int, round_: int) -> list[Any]:
         max_length=cfg.max_length,
         seed=cfg.seed * 1_000_003 + step + round_ * 7_919_001,
         batch_size=play_batch(cfg),
-        max_turns=max_turns(env),
+        # an agent ends its own episodes (agent_play reads no bound): 1 stands in
+        max_turns=1 if env is not None and env.agent_plays else max_turns(env),
         timeout_s=env.timeout_s if env else 60.0,
         concurrency=env.concurrency if env else 64,
         parser=episode_parser(env.tool_call_parser if env else None, c.engine.tokenizer),

@@ -151,8 +151,10 @@ def agent_trace(episode: AgentEpisode, max_length: int) -> Trace:
     turns = _turns(episode)
     if not turns or any("generation_token_ids" not in x for x in turns):
         episode.error = (
-            "masked: the agent's answer carries no token ids (its model server must be "
-            "vllm_model_for_training, pointed at the stage's endpoint)"
+            "masked: the agent's answer carries no token ids: a turn's prompt past max_length "
+            f"({max_length}, the endpoint's context; NeMo Gym's model server answers the "
+            "refusal with an empty turn cut for length), or a model server other than "
+            "vllm_model_for_training"
         )
         return t
     for k, turn in enumerate(turns, start=1):
