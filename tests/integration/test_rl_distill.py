@@ -129,3 +129,61 @@ def test_the_tiny_students_reverse_kl_to_its_teacher_falls_over_steps(tmp_path: 
     assert settings["distill_coef"]["status"] == "applied"
     assert settings["teacher"]["status"] == "applied"
     assert "reverse KL to the teacher" in result.stdout
+
+
+def test_the_teacher_roles_own_rank_scores_like_the_teacher_loaded_whole(tmp_path: Path):
+    """The teacher role's rank process (`stages.rl.roles.teacher`, on devices of its own)
+    answers `teacher_logprobs` with the teacher's numbers, and the controller's side
+    (`RefRanks` of role teacher) sets them as the samples' `teacher_logprobs`."""
+    import logging
+    import threading
+
+    from stages.lib.builders.recipe import TinyModel
+    from stages.lib.builders.tiny import build_tiny_model
+    from stages.lib.distributed.spawn import Ranks, launch
+    from stages.rl import RLConfig
+    from stages.rl.algo.logprobs import Sample
+    from stages.rl.roles.brief import ActorBrief
+    from stages.rl.roles.channel import StageEnd
+    from stages.rl.roles.frozen import RefRanks, load_reference, reference_logprobs
+
+    teacher = str(tmp_path / "teacher")
+    spec = TinyModel(hidden_size=32, num_layers=1, num_heads=2, vocab_size=300)
+    build_tiny_model(spec, [f"{a} + {a} = {2 * a}" for a in range(50)], teacher, 1)
+    cfg = RLConfig(input="d.jsonl", teacher=teacher, verifier=None, micro_train_batch_size=2)
+    end = StageEnd()
+    brief = ActorBrief(
+        config=cfg,
+        model_dir=teacher,
+        stage_dir=str(tmp_path),
+        device="cpu",
+        trainer="torch",
+        ds_config=None,
+        threads=1,
+        channel=end.address,
+        authkey=end.authkey.hex(),
+        sync_backend="gloo",
+        sync_store="",
+        resume_tag=None,
+        total_updates=1,
+    )
+    brief.write(str(tmp_path / "teacher_brief.json"))
+    log = str(tmp_path / "teacher_log.txt")
+    args = ("stages.rl.roles.teacher", str(tmp_path / "teacher_brief.json"), Ranks(world=1))
+    ranks = threading.Thread(
+        target=launch, args=(*args, "cpu", 1, log, logging.getLogger("test")), daemon=True
+    )
+    ranks.start()
+    end.accept(ranks.is_alive, timeout_s=300)
+    side = RefRanks.__new__(RefRanks)  # the controller's side, on the ranks started here
+    side.roles, side.end, side.role, side.thread = None, end, "teacher", ranks
+    samples = [Sample(ids=tuple(range(5, 9 + n)), prompt_len=3) for n in range(3)]
+    got = side.score(samples)
+    side.stop()
+    end.close()
+    assert "rank 0 of 1, frozen teacher, torch.float32" in Path(log).read_text()
+    whole, _ = load_reference(teacher, False, None, "cpu")
+    want = reference_logprobs(whole, samples, "cpu", cfg, 0)
+    for sample, theirs in zip(got, want, strict=True):
+        assert sample.ref_logprobs == ()
+        assert sample.teacher_logprobs == pytest.approx(theirs, abs=1e-6)
