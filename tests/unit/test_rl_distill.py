@@ -192,6 +192,24 @@ def test_without_a_teacher_or_verifier_nothing_scores(tmp_path: Path):
     ]
 
 
+def test_a_tokenizer_not_on_disk_at_plan_is_compared_when_the_stage_starts(tmp_path: Path):
+    resources = "{ratio: {vllm: 2, actor: 4, teacher: 2}}"
+    assert plan(tmp_path, "verifier: null", "teacher", resources).exit_code == 0
+    text = (
+        (tmp_path / "p.yaml")
+        .read_text()
+        .replace("model: student", "model: {hidden_size: 32, num_layers: 1, num_heads: 2}")
+    )
+    (tmp_path / "p.yaml").write_text(text)
+    result = run_cli("validate", "p.yaml", cwd=tmp_path)
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "p.yaml:11:16: note: stages.rl.config.teacher: the policy has no tokenizer on disk yet: "
+        "the two tokenizers are compared when the stage starts, and a teacher whose tokenizer "
+        "differs fails it"
+    ]
+
+
 # --- the per-token term ---------------------------------------------------------------------
 OLD = (-1.0, -2.0, -0.5)
 TEACHER = (-1.5, -1.0, -0.5)

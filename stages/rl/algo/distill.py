@@ -153,12 +153,19 @@ def check_distill(cfg: Any, ctx: ResolveContext) -> list[Diagnostic]:
 def check_teacher_tokenizer(cfg: Any, ctx: ResolveContext) -> list[Diagnostic]:
     """The teacher's tokenizer files against the policy's, where both are on disk (a folder,
     a hub id in the cache); a tiny-model spec, an earlier stage's output, a GGUF file or a
-    hub id not yet fetched is compared when the stage starts (`teacher_tokenizer_error`)."""
+    hub id not yet fetched is compared when the stage starts (`teacher_tokenizer_error`),
+    which a note says."""
     from stages.lib.model.reward_tokens import tokenizer_folder
 
     policy, teacher = tokenizer_folder(cfg.model), tokenizer_folder(cfg.teacher)
     if policy is None or teacher is None:
-        return []
+        missing = [n for n, f in (("the policy", policy), ("the teacher", teacher)) if f is None]
+        has = "have" if len(missing) > 1 else "has"
+        later = (
+            f"{' and '.join(missing)} {has} no tokenizer on disk yet: the two tokenizers are "
+            "compared when the stage starts, and a teacher whose tokenizer differs fails it"
+        )
+        return [ctx.error("teacher", later, "note")]
     why = teacher_tokenizer_error(policy, teacher)
     return [] if why is None else [ctx.error("teacher", why)]
 
