@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 BRIEF_TIMEOUT_S = 900.0
 TRAINED = ("actor", "critic", "ref", "teacher", "reward")
-FROZEN = ("ref", "teacher")  # loaded inside the actor's ranks unless on devices of their own
+FROZEN = ("ref", "teacher")
 
 
 def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
@@ -33,11 +33,12 @@ def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     errors: list[BaseException] = []
     threads = []
     roles = []
+    # the frozen roles' own ranks: used, on devices of their own (else the actor's ranks load them)
     used = {"ref": cfg.kl_coef > 0, "teacher": cfg.teacher is not None}
+    own = {role: used[role] and not in_actor(ctx.slots, role) for role in FROZEN}
     for role in TRAINED:
         ranks = local_ranks(ctx, role, cfg.num_processes)
-        # a frozen role on no devices of its own: the actor's ranks load it
-        if ranks is None or (role in FROZEN and not (used[role] and not in_actor(ctx.slots, role))):
+        if ranks is None or not own.get(role, True):
             continue
         path = link.lookup(f"brief-{role}", timeout_s=BRIEF_TIMEOUT_S)
         threads.append(start_ranks(cfg, ctx, role, path, ranks, errors, link.aborted))
