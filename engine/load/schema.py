@@ -34,7 +34,7 @@ SCHEMES = ("tcp", "tls", "ucx", "inproc")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _ADDRESS = re.compile(r"^(?P<scheme>[a-z]+)://\S+$")
 
-Role = Literal["vllm", "actor", "critic", "ref", "reward"]
+Role = Literal["vllm", "actor", "critic", "ref", "teacher", "reward"]
 ROLES: tuple[str, ...] = get_args(Role)  # the one list of roles, in placement order
 
 
@@ -110,13 +110,13 @@ class ResourcesSpec(Model):
 
     ratio: dict[Role, Annotated[int, Field(gt=0)]] = Field(
         default_factory=_default_ratio,
-        description="GPU ratio among roles (vllm, actor, critic, ref, reward), "
+        description="GPU ratio among roles (vllm, actor, critic, ref, teacher, reward), "
         "e.g. {vllm: 1, actor: 1, critic: 1}.",
     )
     colocate: Colocate = Field(
         "none",
         description="none, all, or groups of roles sharing GPUs, "
-        "e.g. [[actor, ref], [critic, reward]].",
+        "e.g. [[actor, ref], [critic, reward]] or [[ref, teacher]].",
     )
 
     @field_validator("colocate")
@@ -138,7 +138,7 @@ class StageResources(Model):
     """What a stage asks the cluster for."""
 
     role: Role | None = Field(
-        None, description="Take the GPUs of this role (vllm, actor, critic, ref, reward)."
+        None, description="Take the GPUs of this role (vllm, actor, critic, ref, teacher, reward)."
     )
     gpus: int | None = Field(None, ge=0, description="Take this many GPUs.")
 

@@ -32,6 +32,7 @@ from stages.lib.model.dtypes import SAVE_DTYPE_HELP, Dtype
 from stages.lib.model.gguf import memory_model
 from stages.lib.model.path import check_model_ref
 from stages.rl.algo.combinations import check_algorithm, derive_algorithm
+from stages.rl.algo.distill import DistillSettings, check_distill, derive_distill
 from stages.rl.algo.options import AlgorithmOptions
 from stages.rl.settings.distributed import DistributedSettings
 from stages.rl.settings.optim import OptimSettings
@@ -40,16 +41,21 @@ from stages.rl.settings.scoring import ScoringSettings, check_scoring, derive_sc
 
 
 # pydantic lists a model's fields from its last base to its first, then its own: `pipe plan
-# --explain` and the schema show rollout, reward model, algorithm, optimisation, distributed,
-# then these
+# --explain` and the schema show rollout, reward model, teacher, algorithm, optimisation,
+# distributed, then these
 class RLConfig(
-    DistributedSettings, OptimSettings, AlgorithmOptions, ScoringSettings, RolloutSettings
+    DistributedSettings,
+    OptimSettings,
+    AlgorithmOptions,
+    DistillSettings,
+    ScoringSettings,
+    RolloutSettings,
 ):
     """Online RL: sample groups from the engine, score them, update the actor, sync weights."""
 
     SPANS_NODES = True  # the controller on the engine's worker; other roles where placed
-    INPUTS = ("input", "eval_input", "model", "reward_model", "chat_template")
-    MODEL_INPUTS = ("model", "reward_model", "chat_template")
+    INPUTS = ("input", "eval_input", "model", "reward_model", "teacher", "chat_template")
+    MODEL_INPUTS = ("model", "reward_model", "teacher", "chat_template")
     OUTPUTS = ("output",)
     OUTPUT_TYPES: ClassVar[dict[str, str]] = {"output": "checkpoint"}
     REFUSED_ROLES: ClassVar[dict[str, str]] = {
@@ -57,6 +63,9 @@ class RLConfig(
         "exact_match, regex, math, or your own 'module:function'): set reward_model (a "
         "checkpoint with a scalar head, or '@stage') to bring the reward role, or leave "
         "'reward' out",
+        "teacher": "it has no teacher; set teacher (a checkpoint with the policy's tokenizer, "
+        "or '@stage') to bring the teacher role for on-policy distillation, or leave "
+        "'teacher' out",
     }
 
     # what the stage reads and writes, how long it runs, when it saves and evaluates
@@ -100,21 +109,24 @@ class RLConfig(
 
     @classmethod
     def refused_roles(cls, data: Mapping[str, Any]) -> dict[str, str]:
-        """`reward` while the stage has no reward_model (with one, the stage holds it)."""
+        """`reward` while the stage has no reward_model, `teacher` while it has no teacher
+        (with one, the stage holds the role)."""
         refused = super().refused_roles(data)
-        if data.get("reward_model"):
-            refused.pop("reward", None)
+        for role, field in (("reward", "reward_model"), ("teacher", "teacher")):
+            if data.get(field):
+                refused.pop(role, None)
         return refused
 
     @classmethod
     def roles_used(cls, data: Mapping[str, Any]) -> tuple[str, ...]:
-        """The rollout engines and the actor; the reference when kl_coef > 0, the critic under
-        ppo, the reward model's role with a reward_model."""
+        """The rollout engines and the actor; the reference when kl_coef > 0, the teacher with
+        a teacher, the critic under ppo, the reward model's role with a reward_model."""
         kl = data.get("kl_coef", 0.0)
         ref = ("ref",) if isinstance(kl, int | float) and kl > 0 else ()
+        teacher = ("teacher",) if data.get("teacher") else ()
         critic = ("critic",) if data.get("algorithm") == "ppo" else ()
         reward = ("reward",) if data.get("reward_model") else ()
-        return ("vllm", "actor", *ref, *critic, *reward)
+        return ("vllm", "actor", *ref, *teacher, *critic, *reward)
 
     @classmethod
     def preset_path(cls, key: str, data: Mapping[str, Any]) -> tuple[str, ...] | None:
@@ -126,7 +138,7 @@ class RLConfig(
 
     @classmethod
     def headline(cls, result: Mapping[str, Any]) -> list[str]:
-        """Reward and held-out accuracy, first -> last."""
+        """Reward (and the reverse KL to a teacher) and held-out accuracy, first -> last."""
         if not result.get("steps"):
             return []
 
@@ -136,6 +148,9 @@ class RLConfig(
             return f"{first} -> {last}"
 
         line = f"reward {arrow(result.get('reward_first'), result.get('reward_last'), '.3f')}"
+        if "distill_reverse_kl_first" in result:
+            kl = arrow(result["distill_reverse_kl_first"], result["distill_reverse_kl_last"], ".3f")
+            line += f", reverse KL to the teacher {kl}"
         start, end = result.get("eval_accuracy_start"), result.get("eval_accuracy_end")
         if start is not None or end is not None:
             line += f", held-out accuracy {arrow(start, end, '.1%')}"
@@ -151,6 +166,7 @@ class RLConfig(
             out
             | derive_algorithm(self)
             | derive_scoring(self, ctx)
+            | derive_distill(self)
             | derive_rollout_batch(self, ctx)
         )
 
@@ -159,8 +175,9 @@ class RLConfig(
         trainer, and the frozen reference when kl_coef > 0: in the compute dtype, split by
         ZeRO-3 under DeepSpeed, on the ref role's devices or, when that role has none of its
         own, inside the actor's ranks (`stages.rl.roles.frozen`; colocated with the actor, the two
-        share devices and are summed there); the reward model, frozen in the compute dtype,
-        whole on each of the reward role's devices (`stages.rl.roles.reward`)."""
+        share devices and are summed there); the teacher, frozen as the reference is, on the
+        teacher role's devices or inside the actor's ranks; the reward model, frozen in the
+        compute dtype, whole on each of the reward role's devices (`stages.rl.roles.reward`)."""
         model = memory_model(self.model if isinstance(self.model, str) else self.model.model_dump())
         engines = [replace(n, role="vllm") for n in self.backend.memory_needs()]
         if not engines:
@@ -172,6 +189,14 @@ class RLConfig(
                 "ref", "frozen", model, zero_stage=zero, bf16=self.bf16, inside="actor"
             )
             needs.append(ref)
+        if self.teacher is not None:
+            zero = self.zero_stage if self.trainer != "torch" else 0
+            teacher = memory_model(self.teacher)
+            needs.append(
+                MemoryNeed(
+                    "teacher", "frozen", teacher, zero_stage=zero, bf16=self.bf16, inside="actor"
+                )
+            )
         if self.algorithm == "ppo":
             needs.append(trainer_memory(self, model, self.max_length, role="critic"))
         if self.reward_model is not None:
@@ -190,6 +215,7 @@ class RLConfig(
         )
         out += check_algorithm(self, ctx, self.environment is not None)
         out += check_scoring(self, ctx)
+        out += check_distill(self, ctx)
         if self.backend.RL_ENGINE is None:
             kinds = " or ".join(map(repr, rl_engine_kinds()))
             out.append(

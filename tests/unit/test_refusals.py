@@ -829,6 +829,11 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "an earlier stage's or the hub's reward model without the statistics normalize_reward "
         "divides by (a folder that exists is refused at plan time)"
     ),
+    ("stages/rl/controller/start.py", "teacher '{}': {}"): data(
+        "a teacher whose tokenizer is known only when the stage starts: an earlier stage's "
+        "output, a GGUF file, a hub id not in the cache, or a policy built from a tiny-model "
+        "spec (two folders on disk are compared, and refused, at plan time)"
+    ),
     ("stages/lib/distributed/trainer_choice.py", "trainer 'deepspeed' asked for"): environment(
         "deepspeed on the worker; plan may run where it is not installed"
     ),

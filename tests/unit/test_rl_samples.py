@@ -46,6 +46,7 @@ def test_each_logged_sample_lines_up_ids_mask_and_logprobs():
         n = len(row["completion_ids"])
         assert len(row["loss_mask"]) == len(row["behaviour_logprobs"]) == n
         assert row["ref_logprobs"] == [] and row["advantages"] == []  # not in this step
+        assert row["teacher_logprobs"] == []
 
 
 @pytest.mark.parametrize(

@@ -67,15 +67,25 @@ def reinforce_pp_returns(
     ref: Sequence[Sequence[float]] | None,
     masks: Sequence[Sequence[float]],
     kl_coef: float,
+    teacher: Sequence[Sequence[float]] | None = None,
+    distill_coef: float = 0.0,
 ) -> list[list[float]]:
     """Per sample, each token's return: the sum from that token on of `-kl_coef * (old -
-    ref)` (on loss tokens) plus the final reward at the last token; then normalised over
-    every loss token of the batch (mean 0, std 1). Observation tokens get 0."""
+    ref)` and, with a teacher, `-distill_coef * (old - teacher)` (on loss tokens) plus the
+    final reward at the last token; then normalised over every loss token of the batch
+    (mean 0, std 1). Observation tokens get 0."""
     returns: list[list[float]] = []
     for i, final in enumerate(rewards):
         mask = masks[i]
         per = token_rewards(
-            final, len(mask), old[i], None if ref is None else ref[i], kl_coef, mask
+            final,
+            len(mask),
+            old[i],
+            None if ref is None else ref[i],
+            kl_coef,
+            mask,
+            None if teacher is None else teacher[i],
+            distill_coef,
         )
         acc, out = 0.0, [0.0] * len(per)
         for t in reversed(range(len(per))):
@@ -87,12 +97,18 @@ def reinforce_pp_returns(
 
 def reinforce_pp_samples(c: Any, samples: list[Any]) -> list[Any]:
     """The batch with REINFORCE++'s per-token advantages (the reference's log-probabilities
-    as PPO gets them, `stages.rl.algo.ppo.batch_reference`)."""
+    as PPO gets them, `stages.rl.algo.ppo.batch_reference`; the teacher's, with one, as the
+    samples carry them)."""
+    from stages.rl.algo.distill import distill_coef
+
+    coef = distill_coef(c.cfg)
     adv = reinforce_pp_returns(
         [s.reward for s in samples],
         [s.old_logprobs for s in samples],
         batch_reference(c, samples),
         [s.loss_mask() for s in samples],
         c.cfg.kl_coef,
+        [s.teacher_logprobs for s in samples] if coef > 0 else None,
+        coef,
     )
     return [replace(s, advantages=tuple(a)) for s, a in zip(samples, adv, strict=True)]

@@ -46,6 +46,7 @@ class Sample:
     old_values: tuple[float, ...] = ()  # PPO: the critic's values when sampled
     reward: float = 0.0  # the verifier's
     ref_logprobs: tuple[float, ...] = ()  # the reference's, when the ref role's ranks scored it
+    teacher_logprobs: tuple[float, ...] = ()  # the teacher's (on-policy distillation)
     mask: tuple[int, ...] = ()  # per completion token: 1 the model's, 0 an observation's; () all 1
 
     @property

@@ -7,7 +7,8 @@ Output: per-token advantages and returns (GAE with `gamma` and `lambd`), advanta
 whitened over the batch, and the critic's clipped value loss.
 
 - The reward of a token is `-kl_coef * (old - ref)` (the KL penalty, when there is a
-  reference), and the last token also gets the verifier's reward.
+  reference) plus `-distill_coef * (old - teacher)` (on-policy distillation, when there is
+  a teacher: `stages.rl.algo.distill`), and the last token also gets the verifier's reward.
 - GAE: `delta_t = r_t + gamma * V_{t+1} - V_t` (V after the last token is 0),
   `A_t = delta_t + gamma * lambd * A_{t+1}`, returns `A_t + V_t`.
 - Value loss: `0.5 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)` per token,
@@ -29,14 +30,22 @@ def token_rewards(
     ref: Sequence[float] | None,
     kl_coef: float,
     mask: Sequence[float] | None = None,
+    teacher: Sequence[float] | None = None,
+    distill_coef: float = 0.0,
 ) -> list[float]:
     """Per-token rewards of one completion: `-kl_coef * (old - ref)` at each token (times
-    `mask`, where given: REINFORCE++ puts no KL on observation tokens), plus the final reward
-    at the last token. PPO's GAE and REINFORCE++'s returns both start from it."""
+    `mask`, where given: REINFORCE++ puts no KL on observation tokens), plus, with a teacher,
+    its reverse KL `-distill_coef * (old - teacher)` there too, and the final reward at the
+    last token. PPO's GAE and REINFORCE++'s returns both start from it."""
+    from stages.rl.algo.distill import distill_terms
+
     rewards = [0.0] * length
+    weights = [1.0] * length if mask is None else mask
     if kl_coef > 0 and old is not None and ref is not None:
-        weights = [1.0] * length if mask is None else mask
         rewards = [-kl_coef * (o - r) * w for o, r, w in zip(old, ref, weights, strict=True)]
+    if distill_coef > 0 and old is not None and teacher is not None:
+        terms = distill_terms(old, teacher, weights, distill_coef)
+        rewards = [r + d for r, d in zip(rewards, terms, strict=True)]
     rewards[-1] += final
     return rewards
 
@@ -103,13 +112,25 @@ def ppo_samples(c: Any, samples: list[Any]) -> list[Any]:
     samples when the ref role has ranks of its own, else from the actor's ranks)."""
     from dataclasses import asdict, replace
 
+    from stages.rl.algo.distill import distill_coef
+
     cfg = c.cfg
     payload = {"samples": [asdict(s) for s in samples]}
     values = c.critic.request("values", payload, timeout_s=3600, alive=c.actor_alive)
     refs: list[Any] = batch_reference(c, samples) or [None] * len(samples)
+    coef = distill_coef(cfg)
     advantages, returns = [], []
     for s, v, ref in zip(samples, values, refs, strict=True):
-        rewards = token_rewards(s.reward, s.completion_len, s.old_logprobs, ref, cfg.kl_coef)
+        rewards = token_rewards(
+            s.reward,
+            s.completion_len,
+            s.old_logprobs,
+            ref,
+            cfg.kl_coef,
+            None,
+            s.teacher_logprobs or None,
+            coef,
+        )
         a, r = gae(rewards, v, cfg.gamma, cfg.lambd)
         advantages.append(a)
         returns.append(r)

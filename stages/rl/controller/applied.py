@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from stages.lib.api.sampling import request_sampling
 from stages.lib.distributed.sleep import sleep_method
 from stages.lib.env.field import scores_itself
+from stages.rl.algo.distill import distill_coef
 from stages.rl.algo.effects import account_algorithm
 from stages.rl.algo.options import per_token_returns
 from stages.rl.controller.records import SAMPLES_PER_STEP
@@ -93,6 +94,7 @@ def account(
         "max_output_tokens": (A, "most tokens per answer"),
         "max_length": (A, "prompt + answer cut to this for the update"),
         "kl_coef": _kl(cfg),
+        **_distill(cfg),
         "ppo_epochs": (A, "updates over each rollout batch"),
         **account_algorithm(cfg),
         "gamma": (A, "GAE discount")
@@ -276,10 +278,30 @@ def _kl(cfg: RLConfig) -> tuple[str, str]:
     return A, "k3 KL to a frozen reference in the actor's loss"
 
 
+def _distill(cfg: RLConfig) -> dict[str, tuple[str, str]]:
+    """The teacher and its weight (`stages.rl.algo.distill`), or skipped without one."""
+    if cfg.teacher is None:
+        return {"teacher": (S, "none: no distillation"), "distill_coef": (S, "no teacher")}
+    how = (
+        "in each token's reward, so in its return (with the KL's)"
+        if per_token_returns(cfg)
+        else "added to each token's group advantage, not normalised"
+    )
+    return {
+        "teacher": (
+            A,
+            "scores every sampled token (its log-probability): the reverse KL per token",
+        ),
+        "distill_coef": (A, f"-{distill_coef(cfg)} x (log pi_old - log pi_teacher) {how}"),
+    }
+
+
 def _verifier(cfg: RLConfig) -> tuple[str, str]:
     env = cfg.environment
     if env is not None and scores_itself(env):
         return S, "the environment scores its own episodes"
+    if cfg.verifier is None and cfg.reward_model is None:
+        return S, "none (null): the teacher's per-token reverse KL alone trains the policy"
     if cfg.verifier is None:
         return S, "none (null): the reward model alone scores the samples"
     if cfg.reward_model is not None and cfg.reward_weights is None:

@@ -74,7 +74,8 @@ def rollout(c: Any, step: int) -> Batch:
     raw: list[float] = []  # the reward model's scores, every round's
     scored = [_score(cfg, g, s) for g, s in zip(groups, _model_scores(c, groups, raw), strict=True)]
     dynamic = refills(cfg)
-    every = per_token_returns(cfg) and not dynamic
+    # with a teacher every group trains: its term differs token by token (algo.distill)
+    every = (per_token_returns(cfg) or cfg.teacher is not None) and not dynamic
     kept = [i for i, s in enumerate(scored) if s.trains(dynamic, every)]
     # DAPO's dynamic sampling: refill from further prompts until `want` groups carry a signal
     while dynamic and len(kept) < want and rounds < cfg.dynamic_sampling_max_rounds:

@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from stages.lib.io.jsonl import write_json
-from stages.rl.controller.loop import Batch, run_steps
+from stages.rl.controller.loop import Batch, distill_ends, run_steps
 from stages.rl.controller.records import plot, read_metrics, write_settings
 from stages.rl.roles.launch import Roles
 from stages.rl.rollout.prompts import Prompts, Stream, load_prompts
@@ -69,6 +69,7 @@ class Controller:
         self.critic: Any = None  # ppo: the critic's channel
         self.critic_thread: Any = None
         self.ref: Any = None  # kl_coef > 0, the ref role on devices of its own: its ranks
+        self.teacher: Any = None  # a teacher, the teacher role on devices of its own: its ranks
         self.reward: Any = None  # reward_model: the reward role's ranks (`RewardRanks`)
         self.engine: Any = None
         self.engine_sleeps = self.engine_asleep = False
@@ -180,8 +181,9 @@ class Controller:
             self.critic.request("stop", timeout_s=600, alive=self.actor_alive)
             if self.critic_thread is not None:
                 self.critic_thread.join(timeout=120)
-        if self.ref is not None:
-            self.ref.stop()
+        for frozen in (self.ref, self.teacher):
+            if frozen is not None:
+                frozen.stop()
         if self.reward is not None:
             self.reward.stop()
         if self.actor_thread is not None:
@@ -215,6 +217,10 @@ class Controller:
             "reference": ("ref role's ranks" if self.ref else "actor's ranks")
             if self.cfg.kl_coef > 0
             else None,
+            "teacher": ("teacher role's ranks" if self.teacher else "actor's ranks")
+            if self.cfg.teacher is not None
+            else None,
+            **distill_ends(every),
         }
         write_json(f"{self.dir}/rl_result.json", out)
         return out
@@ -244,6 +250,7 @@ class Controller:
             self.channel,
             self.critic,
             self.ref and self.ref.end,
+            self.teacher and self.teacher.end,
             self.reward and self.reward.end,
         ):
             if end is not None:

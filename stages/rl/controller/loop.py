@@ -42,6 +42,9 @@ MISMATCH_FIELDS = (
     "tis_weight_mean",
     "tis_capped_frac",
 )
+# on-policy distillation (`stages.rl.algo.distill`): the reverse KL per token to the teacher
+# and the teacher's mean log-probability of the sampled tokens, every step with a teacher
+DISTILL_FIELDS = ("distill_reverse_kl", "teacher_logprob_mean")
 
 if TYPE_CHECKING:
     from engine.stage import StageContext
@@ -84,6 +87,7 @@ class Controller(Protocol):
     sleeps: bool
     channel: StageEnd
     critic: StageEnd | None
+    teacher: Any  # the teacher role's own ranks (`RefRanks`), or None
     engine: Any  # its `tokenizer` renders the logged samples
 
     def generate(self, step: int) -> Batch: ...
@@ -120,6 +124,7 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
         stale = c.version - batch.version  # updates since the weights that sampled it
         sync = {"sync_s": 0.0, "probe_diff": 0.0, "probe_logprob": None}
         train_s = 0.0
+        distilled: dict[str, Any] = {}
         if batch.samples:
             t = time.perf_counter()
             c.rest_engine()  # the hybrid engine: vLLM sleeps while the actor trains
@@ -127,6 +132,10 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
                 trained_states(c, "reload")
             if cfg.kl_coef > 0:  # the ref role's ranks score the batch (when it has its own)
                 batch.samples = c.with_reference(batch.samples)
+            if cfg.teacher is not None:  # the teacher scores every sampled token
+                from stages.rl.algo.distill import distil
+
+                batch.samples, distilled = distil(c, batch.samples)
             if cfg.algorithm == "ppo":
                 from stages.rl.algo.ppo import ppo_samples
 
@@ -159,7 +168,7 @@ def run_steps(c: Controller, start: int, first_eval: float | None) -> list[dict[
             stale,
             c,
             batch,
-            stats,
+            stats | distilled,
             sync,
             train_s,
             held_out if step % cfg.eval_every == 0 or step == c.total else None,
@@ -230,6 +239,7 @@ def _row(
         "value_loss": stats.get("value_loss"),
         # the engine's log-probabilities against the actor's before the step's first update
         **{k: stats.get(k) for k in MISMATCH_FIELDS},
+        **{k: stats.get(k) for k in DISTILL_FIELDS},
         "updates": stats.get("updates", 0),
         "gen_s": round(batch.gen_s, 4),
         "train_s": round(train_s, 4),
@@ -245,6 +255,15 @@ def _row(
         "eval_accuracy": held_out,
         "eval_first_turn": c.first_turn if held_out is not None else None,
     }
+
+
+def distill_ends(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first and last steps' reverse KL per token to the teacher (rl_result.json, the
+    headline); nothing without a teacher."""
+    kl = [r["distill_reverse_kl"] for r in rows if r.get("distill_reverse_kl") is not None]
+    if not kl:
+        return {}
+    return {"distill_reverse_kl_first": kl[0], "distill_reverse_kl_last": kl[-1]}
 
 
 def _warn_mismatch(c: Controller, row: dict[str, Any]) -> None:
@@ -268,6 +287,8 @@ def _progress(c: Controller, row: dict[str, Any]) -> None:
     held = f", held-out {row['eval_accuracy']:.1%}" if row["eval_accuracy"] is not None else ""
     if row["logprob_diff_max"] is not None:
         held += f", logprob diff {row['logprob_diff_mean']:.2g} (max {row['logprob_diff_max']:.2g})"
+    if row["distill_reverse_kl"] is not None:
+        held += f", reverse KL to the teacher {row['distill_reverse_kl']:.3g}"
     if row["in_flight"] is not None:
         held += f", in flight {row['in_flight']:.0f} (peak {row['in_flight_peak']})"
     accuracy = f"{row['accuracy']:.1%}" if row["accuracy"] is not None else "-"

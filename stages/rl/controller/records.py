@@ -54,8 +54,9 @@ def logs_samples(step: int, every: int) -> bool:
 
 def sample_records(step: int, samples: Sequence[Any], tokenizer: Any) -> list[dict[str, Any]]:
     """The first `SAMPLES_PER_STEP` of a step's batch as it goes to the actor: text and ids,
-    loss mask, the engine's (behaviour) log-probabilities and the reference's where the step
-    has them (one per completion id, else empty), reward and advantage (PPO: per token)."""
+    loss mask, the engine's (behaviour) log-probabilities, the reference's and the teacher's
+    where the step has them (one per completion id, else empty), reward and advantage (PPO,
+    REINFORCE++ and with a teacher: per token)."""
     out = []
     for index, s in enumerate(samples[:SAMPLES_PER_STEP]):
         out.append(
@@ -66,6 +67,7 @@ def sample_records(step: int, samples: Sequence[Any], tokenizer: Any) -> list[di
                 **token_record(tokenizer, s.ids, s.prompt_len, s.mask),
                 "behaviour_logprobs": [round(x, 6) for x in s.old_logprobs],
                 "ref_logprobs": [round(x, 6) for x in s.ref_logprobs],
+                "teacher_logprobs": [round(x, 6) for x in s.teacher_logprobs],
                 "reward": s.reward,
                 "advantage": s.advantage,
                 "advantages": [round(x, 6) for x in s.advantages],

@@ -1,6 +1,6 @@
 """A task of an rl stage on another worker than the controller's: it starts this worker's
-share of every role placed here (the actor's, critic's, reference's and reward model's
-ranks; an engine when the `vllm` role holds devices here) and follows them.
+share of every role placed here (the actor's, critic's, reference's, teacher's and reward
+model's ranks; an engine when the `vllm` role holds devices here) and follows them.
 
 Input: the stage's context (this task's slots, and the link to the controller's task,
 which publishes each role's brief file and each engine's brief). Output: the roles' ranks
@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from stages.rl import RLConfig
 
 BRIEF_TIMEOUT_S = 900.0
-TRAINED = ("actor", "critic", "ref", "reward")
+TRAINED = ("actor", "critic", "ref", "teacher", "reward")
+FROZEN = ("ref", "teacher")
 
 
 def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
@@ -32,10 +33,12 @@ def host_roles(cfg: RLConfig, ctx: StageContext) -> dict[str, Any]:
     errors: list[BaseException] = []
     threads = []
     roles = []
-    own_ref = cfg.kl_coef > 0 and not in_actor(ctx.slots)  # else the actor's ranks load it
+    # the frozen roles' own ranks: used, on devices of their own (else the actor's ranks load them)
+    used = {"ref": cfg.kl_coef > 0, "teacher": cfg.teacher is not None}
+    own = {role: used[role] and not in_actor(ctx.slots, role) for role in FROZEN}
     for role in TRAINED:
         ranks = local_ranks(ctx, role, cfg.num_processes)
-        if ranks is None or (role == "ref" and not own_ref):
+        if ranks is None or not own.get(role, True):
             continue
         path = link.lookup(f"brief-{role}", timeout_s=BRIEF_TIMEOUT_S)
         threads.append(start_ranks(cfg, ctx, role, path, ranks, errors, link.aborted))

@@ -54,6 +54,25 @@ def _model_source(c: Controller) -> str:
     return path
 
 
+def teacher_dir(c: Controller, model_dir: str) -> str | None:
+    """The teacher's folder (a GGUF converted in the compute dtype), its tokenizer checked
+    against the policy's folder `model_dir`: at plan where both were on disk, here for the
+    rest (a tiny model built now, an earlier stage's output, a GGUF, a hub snapshot)."""
+    from stages.lib.model.prepared import compute_dtype, prepare_model
+    from stages.rl.algo.distill import teacher_tokenizer_error
+
+    if c.cfg.teacher is None:
+        return None
+    dtype = compute_dtype(c.cfg.bf16)
+    folder = prepare_model(
+        c.cfg.teacher, run_dir=c.ctx.run_dir, dtype=dtype, template=None, log=c.ctx.log
+    )
+    why = teacher_tokenizer_error(model_dir, folder)
+    if why is not None:
+        raise ValueError(f"teacher '{c.cfg.teacher}': {why}")
+    return folder
+
+
 def answer_field(cfg: Any) -> str:
     """The rows' field holding a reference answer (the tiny model's tokenizer learns it, the
     probe ends with it): the verifier's, or `answer` when no verifier scores."""
@@ -139,6 +158,8 @@ def start(c: Controller) -> int:
     from stages.rl.roles.frozen import RefRanks, in_actor
 
     ref_in_actor = cfg.kl_coef > 0 and in_actor(c.ctx.slots)
+    teacher = teacher_dir(c, model_dir)
+    teacher_in_actor = teacher is not None and in_actor(c.ctx.slots, "teacher")
     saved = resolve_save_dtype(cfg.save_dtype, model_dir)
     brief = ActorBrief(
         config=cfg,
@@ -158,11 +179,15 @@ def start(c: Controller) -> int:
         resume_tag=tag,
         total_updates=max(1, c.total * cfg.ppo_epochs),
         ref_in_actor=ref_in_actor,
+        teacher_dir=teacher,
+        teacher_in_actor=teacher_in_actor,
         save_dtype=saved[0],
     )
     c.actor_thread = c.roles.start("actor", brief, c.channel)
     if cfg.kl_coef > 0 and not ref_in_actor:  # started as the critic's ranks are
         c.ref = RefRanks(c.roles, c.host, brief, model_dir)
+    if teacher is not None and not teacher_in_actor:  # its own ranks, as the reference's
+        c.teacher = RefRanks(c.roles, c.host, brief, teacher, role="teacher")
     if cfg.reward_model is not None:  # its own ranks, on the reward role's devices
         from stages.rl.roles.reward import RewardRanks
 

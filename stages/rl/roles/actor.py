@@ -47,6 +47,15 @@ class Actor(TrainedRank):
             )
             dtype = next(self.reference.parameters()).dtype
             log.info("frozen reference in the actor's ranks, %s", dtype)
+        self.teacher: Any = None  # here when the teacher role has no devices of its own
+        if self.cfg.teacher is not None and brief.teacher_dir and brief.teacher_in_actor:
+            from stages.rl.roles.frozen import load_reference
+
+            self.teacher, self.teacher_engine = load_reference(
+                brief.teacher_dir, self.cfg.bf16, brief.ds_config, device
+            )
+            dtype = next(self.teacher.parameters()).dtype
+            log.info("frozen teacher in the actor's ranks, %s", dtype)
         if self.resume("checkpoints"):
             log.info("resumed the actor from %s", brief.resume_tag)
         self.publisher: Any = None
@@ -136,6 +145,16 @@ class Actor(TrainedRank):
         samples = [Sample(**s) for s in payload["samples"]]
         return reference_logprobs(self.reference, samples, self.device, self.cfg, self.pad_id)
 
+    def teacher_logprobs(self, payload: dict[str, Any]) -> list[list[float]]:
+        """The frozen teacher's log-probabilities of each sample's completion, when it loads
+        here (on-policy distillation); every rank scores every sample."""
+        from stages.rl.algo.logprobs import Sample
+        from stages.rl.roles.frozen import reference_logprobs
+
+        assert self.teacher is not None
+        samples = [Sample(**s) for s in payload["samples"]]
+        return reference_logprobs(self.teacher, samples, self.device, self.cfg, self.pad_id)
+
     def probe(self, sample: dict[str, Any]) -> list[float]:
         import torch
 
@@ -183,6 +202,7 @@ def handlers_of(actor: Actor) -> dict[str, Any]:
         "sync": actor.sync,
         "probe": actor.probe,
         "ref_logprobs": actor.ref_logprobs,
+        "teacher_logprobs": actor.teacher_logprobs,
         "save": actor.save,
         "final": actor.final,
         "offload": actor.offload,

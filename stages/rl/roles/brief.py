@@ -27,6 +27,8 @@ class ActorBrief(RankBrief):
     resume_tag: str | None
     total_updates: int
     ref_in_actor: bool = False  # kl_coef > 0 and the ref role has no devices of its own
+    teacher_dir: str | None = None  # the teacher's folder (on-policy distillation)
+    teacher_in_actor: bool = False  # a teacher, and the teacher role has no devices of its own
     save_dtype: str = (
         "float32"  # the final checkpoint's (`stages.lib.model.dtypes.resolve_save_dtype`)
     )

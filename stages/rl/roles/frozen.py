@@ -1,13 +1,16 @@
-"""The frozen reference policy (kl_coef > 0): where it loads, how, and what it scores.
+"""The frozen models, the reference policy (kl_coef > 0) and the teacher (on-policy
+distillation): where each loads, how, and what it scores.
 
 Input: the stage's slots (which devices each role holds); a model directory, the compute
 dtype and the actor's ds_config. Output: `in_actor` (does the reference load inside the
 actor's ranks?), `load_reference` (the model in the compute dtype: bf16 when `bf16`, else
 fp32; split over its ranks under ZeRO-3), `reference_logprobs` (each sample's completion
 log-probabilities under it), and `RefRanks`, the controller's side of the ref role's own
-ranks (`stages.rl.roles.ref`).
+ranks (`stages.rl.roles.ref`), which serves the teacher role's too (`stages.rl.roles.teacher`:
+the same code on the teacher's folder).
 
-Where it loads, the rule the memory model (`RLConfig.memory_needs`) counts too:
+Where it loads, the rule the memory model (`RLConfig.memory_needs`) counts too (the
+teacher's the same with the `teacher` role):
 - the `ref` role holds devices of its own: its own ranks there, one torch.distributed job;
   each rank scores every world-th sample and rank 0 gathers the answers;
 - the `ref` role shares the actor's devices (`resources.colocate`), or the stage has no
@@ -20,11 +23,11 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def in_actor(slots: Sequence[Any]) -> bool:
-    """Does the reference load inside the actor's ranks? Yes unless the `ref` role holds
-    devices that are not the actor's (`slots`: the stage's, each with role, worker and
-    devices)."""
-    ref = {(s.worker, d) for s in slots if s.role == "ref" for d in s.devices}
+def in_actor(slots: Sequence[Any], role: str = "ref") -> bool:
+    """Does the frozen model of `role` (the reference, the teacher) load inside the actor's
+    ranks? Yes unless the role holds devices that are not the actor's (`slots`: the
+    stage's, each with role, worker and devices)."""
+    ref = {(s.worker, d) for s in slots if s.role == role for d in s.devices}
     actor = {(s.worker, d) for s in slots if s.role == "actor" for d in s.devices}
     return not ref or ref == actor
 
@@ -96,21 +99,29 @@ def reference_logprobs(
 
 
 class RefRanks:
-    """The controller's side of the ref role's own ranks: started where the role's devices
-    are (`Roles.start`, as the critic's), asked for each batch's log-probabilities before
-    the actor's update, stopped with the stage."""
+    """The controller's side of a frozen role's own ranks (`ref`, or `teacher`): started
+    where the role's devices are (`Roles.start`, as the critic's), asked for each batch's
+    log-probabilities before the actor's update, stopped with the stage."""
 
-    def __init__(self, roles: Any, host: str, brief: Any, model_dir: str) -> None:
-        """`brief`: the actor's; the ranks take their own channel and, under DeepSpeed, a
-        ds_config for the ref role's rank count (it only says how the weights split)."""
+    def __init__(
+        self, roles: Any, host: str, brief: Any, model_dir: str, role: str = "ref"
+    ) -> None:
+        """`brief`: the actor's; the ranks take their own channel, the folder they load
+        (`model_dir`: the actor's for the reference, the teacher's) and, under DeepSpeed, a
+        ds_config for the role's rank count (it only says how the weights split)."""
         from stages.lib.distributed.ds_config import build_ds_config
         from stages.rl.roles.channel import StageEnd
 
-        self.roles, self.end = roles, StageEnd(host)
-        world = roles.devices("ref")[1]
+        self.roles, self.end, self.role = roles, StageEnd(host), role
+        world = roles.devices(role)[1]
         ds = build_ds_config(brief.config, world, model_dir=model_dir) if brief.ds_config else None
-        update = {"channel": self.end.address, "authkey": self.end.authkey.hex(), "ds_config": ds}
-        self.thread = roles.start("ref", brief.model_copy(update=update), self.end)
+        update = {
+            "channel": self.end.address,
+            "authkey": self.end.authkey.hex(),
+            "ds_config": ds,
+            "model_dir": model_dir,
+        }
+        self.thread = roles.start(role, brief.model_copy(update=update), self.end)
 
     def alive(self) -> bool:
         return bool(
@@ -118,12 +129,13 @@ class RefRanks:
         )
 
     def score(self, samples: list[Any]) -> list[Any]:
-        """`samples` with `ref_logprobs` set, from the ref role's ranks."""
+        """`samples` with `ref_logprobs` (`teacher_logprobs`) set, from the role's ranks."""
         from dataclasses import asdict, replace
 
         payload = {"samples": [asdict(s) for s in samples]}
-        scored = self.end.request("ref_logprobs", payload, timeout_s=3600, alive=self.alive)
-        return [replace(s, ref_logprobs=tuple(lp)) for s, lp in zip(samples, scored, strict=True)]
+        kind = f"{self.role}_logprobs"
+        scored = self.end.request(kind, payload, timeout_s=3600, alive=self.alive)
+        return [replace(s, **{kind: tuple(lp)}) for s, lp in zip(samples, scored, strict=True)]
 
     def stop(self) -> None:
         self.end.request("stop", timeout_s=600, alive=self.alive)

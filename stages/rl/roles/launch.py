@@ -1,4 +1,5 @@
-"""Where an rl stage's ranked roles (actor, critic, ref, reward) run and how they are started.
+"""Where an rl stage's ranked roles (actor, critic, ref, teacher, reward) run and how they
+are started.
 
 Input: the stage's context (its slots: which workers hold each role's devices), its
 config and folder. Output: each role's ranks started as one torch.distributed job across
@@ -120,7 +121,7 @@ class Roles:
     def records(self) -> dict[str, list[dict[str, Any]]]:
         """What every rank of each trained role recorded it was given (rank, world size,
         node, worker, ...)."""
-        roles = ("actor", "critic", "ref", "reward")
+        roles = ("actor", "critic", "ref", "teacher", "reward")
         found = {role: records_of(self.dir, role) for role in roles}
         return {role: recs for role, recs in found.items() if recs}
 

@@ -25,6 +25,8 @@ log = logging.getLogger("pipe.rl.ref")
 class RefRank:
     """One rank of the `ref` role: the frozen reference, scoring its share of each batch."""
 
+    WHAT = "reference"  # the frozen model it holds (`stages.rl.roles.teacher`: the teacher)
+
     def __init__(self, brief: Any, rank: int, world: int, device: str) -> None:
         self.brief, self.cfg = brief, brief.config
         self.rank, self.world, self.device = rank, world, device
@@ -32,8 +34,8 @@ class RefRank:
             brief.model_dir, self.cfg.bf16, brief.ds_config, device
         )
         self.pad_id = pad_id(None, self.module.config)
-        self.kind = f"frozen reference, {next(self.module.parameters()).dtype}"
-        log_placed(log, "reference", rank, world, self.kind)
+        self.kind = f"frozen {self.WHAT}, {next(self.module.parameters()).dtype}"
+        log_placed(log, self.WHAT, rank, world, self.kind)
         if self.engine is not None:
             params = list(self.module.parameters())
             held = sum(p.ds_tensor.numel() for p in params)

@@ -8,8 +8,9 @@ policy's ids where the two share a tokenizer and chat template, else the text,
 rules at `pipe validate`: a checkpoint whose `config.json` names a scalar head (and holds
 the statistics `normalize_reward` divides by), the reward role given devices where the
 stage has GPUs, weights and shaping only with a reward model, something to score the
-samples, ids only where the reward model reads them. The controller and the reward role
-apply them (`stages.rl.algo.shaping`, `stages.rl.roles.reward`).
+samples (a verifier, an environment, a reward model or a teacher), ids only where the
+reward model reads them. The controller and the reward role apply them
+(`stages.rl.algo.shaping`, `stages.rl.roles.reward`).
 """
 
 from __future__ import annotations
@@ -137,12 +138,12 @@ def check_scoring(cfg: Any, ctx: ResolveContext) -> list[Diagnostic]:
                         f"reward_model, or leave {name} out",
                     )
                 )
-        if not scored_by_verifier:
+        if not scored_by_verifier and cfg.teacher is None:
             out.append(
                 ctx.error(
                     "verifier",
                     "nothing scores the samples: with no verifier (null) set "
-                    "reward_model, or name a verifier",
+                    "reward_model or teacher, or name a verifier",
                 )
             )
         return out
