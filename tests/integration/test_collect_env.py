@@ -34,6 +34,8 @@ from tests.conftest import ROOT
 sys.path.insert(0, str(ROOT / "bench" / "collect"))
 from fake_server import ThreadHandle, expected_answer, start_in_thread
 
+from tests.integration.test_collect_kill import written_past
+
 pytestmark = pytest.mark.integration
 
 RUNNER = """
@@ -195,9 +197,13 @@ def test_sigkill_then_resume_loses_and_repeats_no_episode(tmp_path: Path):
     rng = random.Random(3)
     seen = []
     try:
-        for _ in range(4):
+        for k in range(4):
             proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            time.sleep(rng.uniform(1.5, 2.5))  # start-up (~1 s) included
+            delay = rng.uniform(1.5, 2.5)  # start-up (~1 s) included
+            if k < 3:
+                time.sleep(delay)
+            else:  # the last kill after some work, however slow the start-up here
+                written_past(output, seen[-1], proc)
             assert proc.poll() is None, "the collector finished before it could be killed"
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)

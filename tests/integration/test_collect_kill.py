@@ -67,6 +67,19 @@ def _partial_keys(output: str) -> list[tuple[int, int]]:
     return keys
 
 
+def written_past(
+    output: str, before: int, proc: subprocess.Popen[bytes], timeout_s: float = 120
+) -> None:
+    """Wait (bounded) until the partial file holds more than `before` pairs: the last kill
+    lands after some work, however long the collector's start-up takes on a loaded machine
+    (no fixed delay outlasts it there)."""
+    deadline = time.monotonic() + timeout_s
+    while len(_partial_keys(output)) <= before and proc.poll() is None:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+
+
 def test_sigkill_at_random_points_then_resume(tmp_path: Path, slow_server: ThreadHandle):
     rows = [
         {"prompt": f"Add {i} and 1.", "answer": expected_answer(f"Add {i} and 1.")}
@@ -84,9 +97,13 @@ def test_sigkill_at_random_points_then_resume(tmp_path: Path, slow_server: Threa
     }
     rng = random.Random(5)
     seen = []
-    for _ in range(KILLS):
+    for k in range(KILLS):
         proc = _start(cfg, tmp_path)
-        time.sleep(rng.uniform(0.3, 2.0))  # start-up included: some kills land before any write
+        delay = rng.uniform(0.3, 2.0)  # start-up included: some kills land before any write
+        if k < KILLS - 1:
+            time.sleep(delay)
+        else:
+            written_past(output, seen[-1], proc)
         assert proc.poll() is None, "the collector finished before it could be killed"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
