@@ -105,7 +105,7 @@ def test_rl_roles_get_a_pad_id_from_a_config_with_an_eos_list_and_no_pad(
     monkeypatch.setattr(critic, "load_model", load)
     monkeypatch.setattr(trained, "make_trainer", lambda *a: None)  # the actor's and critic's
     monkeypatch.setattr(ref, "load_reference", lambda model_dir, *a: (load(model_dir, None), None))
-    cfg = SimpleNamespace(kl_coef=0.0, bf16=False, lora=None)
+    cfg = SimpleNamespace(kl_coef=0.0, teacher=None, bf16=False, lora=None)
     spec = SimpleNamespace(
         config=cfg,
         model_dir=str(path),
