@@ -25,6 +25,7 @@ from stages.lib.model.generate import Generation
 from stages.lib.serve.batcher import local_engine
 from stages.lib.serve.policy import PolicyServer, model_len
 from stages.lib.serve.wire import Sampling
+from tests.families import FAMILIES, family_tokenizer
 
 WEATHER = {
     "type": "function",
@@ -370,3 +371,31 @@ def test_concurrent_requests_are_batched_into_one_engine_call(loaded):
             t.join(30)
     assert results == [200] * 5
     assert server.batcher.batches == [1, 4] and [len(p) for p, _ in engine.calls] == [1, 4]
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, *(f"{f}-real" for f in FAMILIES)])
+def test_every_familys_next_turn_begins_with_the_sampled_ids(family_checkpoint, family):
+    """Token in, token out on each family's template (ChatML, Llama 3, Gemma, Mistral; their
+    releases' vocabularies too, Gemma 3's among them): a
+    second user turn after a sampled answer (closed by the template's closing ids) is asked
+    from those ids and the template's ids of what follows, the whole of them first."""
+    from stages.lib.chat.tokens import answer_end
+    from stages.lib.chat.turns import follow_ids
+
+    tok = family_tokenizer(family_checkpoint, family)
+    opening = prompt_ids(tok, ChatPrompt(tuple(ASK), ()))
+    end = list(answer_end(tok).ids)
+    sampled = [*tok.encode("It  is sunny .", add_special_tokens=False), *end]  # odd spacing
+    said = {"role": "assistant", "content": "It is sunny."}
+    history = [
+        *ASK,
+        {**said, "prompt_token_ids": opening, "generation_token_ids": sampled},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    server, engine = scripted_server(tok, tok.encode("Rain.", add_special_tokens=False))
+    with server:
+        status, out = post(server.base_url + "/chat/completions", {"messages": history})
+    assert status == 200, out
+    asked = list(engine.calls[0][0][0].ids)
+    plain = [*ASK, said, history[-1]]
+    assert asked == [*opening, *sampled, *follow_ids(tok, plain, bool(end))]
