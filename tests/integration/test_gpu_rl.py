@@ -79,7 +79,14 @@ VLLM_PIPELINE = PIPELINE.replace(
 
 def run_vllm_grpo(tmp_path: Path, text: str) -> str:
     """`pipe run` of `text` (5 GRPO steps on vLLM engines): every sync probed within 1e-4;
-    what settings.json says of the backend."""
+    what settings.json says of the backend. Skipped without vLLM's build (the reason its
+    finder gives)."""
+    from stages.lib.backends.vllm import server as vllm_server
+
+    try:
+        vllm_server.find_vllm_python()
+    except RuntimeError as err:
+        pytest.skip(str(err))
     (tmp_path / "p.yaml").write_text(textwrap.dedent(text))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -103,12 +110,6 @@ def run_vllm_grpo(tmp_path: Path, text: str) -> str:
 def test_grpo_with_vllm_engines_on_gpus_hybrid_and_not(tmp_path: Path, colocate: str, sleep: str):
     """vLLM servers on the engine's GPU (shared with the actor and asleep while it trains in
     the hybrid case); weights reloaded from disk and checked by the probe on every sync."""
-    from stages.lib.backends.vllm import server as vllm_server
-
-    try:
-        vllm_server.find_vllm_python()
-    except RuntimeError as err:
-        pytest.skip(str(err))
     text = VLLM_PIPELINE.format(colocate=colocate, sleep=sleep)
     how = run_vllm_grpo(tmp_path, text)
     assert ("sleep while the actor trains" in how) == (sleep == "true")
@@ -119,12 +120,6 @@ def test_grpo_with_one_pipeline_parallel_vllm_engine_over_both_gpus(tmp_path: Pa
     """`vllm_pipeline_parallel_size: 2`: one engine whose two pipeline stages (a layer each)
     hold a GPU each, beside the actor on both; every weight sync reaches both stages' workers
     and the probe checks the engine's log-probs after each."""
-    from stages.lib.backends.vllm import server as vllm_server
-
-    try:
-        vllm_server.find_vllm_python()
-    except RuntimeError as err:
-        pytest.skip(str(err))
     text = VLLM_PIPELINE.format(colocate="all", sleep="false").replace(
         "vllm_enable_sleep: false}", "vllm_enable_sleep: false, vllm_pipeline_parallel_size: 2}"
     )
