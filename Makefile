@@ -88,8 +88,10 @@ gpu-check:
 quickstart: install
 	$(VENV)/bin/pipe run pipelines/quickstart.yaml
 
+# the whole suite: vLLM's, NeMo Gym's and verifiers' venvs and a one-node Slurm install in the
+# background while the tests that need none of them run, then their tests (scripts/test.sh)
 test: install
-	$(PY) -m pytest
+	bash scripts/test.sh
 
 test-fast: install
 	$(PY) -m pytest -m "not slow and not integration"
