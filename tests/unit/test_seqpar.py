@@ -1,0 +1,126 @@
+"""Sequence parallelism (`ring_attn_size`, `stages.lib.distributed.seqpar`) against one rank.
+
+Two gloo ranks, each holding half of every row, give the loss and the gradients one rank gives
+on the whole rows, for a tiny Llama built from config and rows longer than a rank's share.
+
+Tolerance: fp32 throughout. The two sides compute the same products per position and per
+head; what differs is the order of additions (a shard's GEMMs over fewer rows, each weight's
+gradient summed from two ranks' partial backward passes instead of one), which moves a result
+by a few units of fp32's 1.2e-7 relative precision per addition chain. rtol 1e-5 and atol
+1e-6 allow that, and no more: one position attending to the wrong keys, a wrong rotary
+position or a lost gradient term moves the loss and gradients by 1e-2 or more here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+RTOL, ATOL = 1e-5, 1e-6
+WIDTHS = (11, 7)  # two rows, the second right-padded; 11 is odd: the width pads to 12
+
+
+def _model() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA: two query heads per key/value head
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def _batch() -> Any:
+    from stages.train.batch_plan import Micro
+    from stages.train.data import Example
+    from stages.train.loss import collate
+
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for width in WIDTHS:
+        ids = torch.randint(1, 64, (width,), generator=g).tolist()
+        examples.append(Example(input_ids=tuple(ids), prompt_len=2))
+    micro = Micro(units=(0, 1), rows=((0,), (1,)))
+    return collate(micro, examples, pad_id=0, packed=False)
+
+
+def _loss_and_grads(model: Any, batch: Any, tokens: int) -> tuple[float, dict[str, Any]]:
+    from stages.lib.model.logits import flat_head
+    from stages.train.loss import sft_loss_sum
+
+    scored = batch.scored("cpu")
+    with flat_head(model, scored):
+        logits = model(**batch.model_inputs("cpu")).logits
+    loss = sft_loss_sum(logits, batch.at(scored)) / tokens
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from stages.lib.distributed import seqpar
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    sp = seqpar.split_world(world, rank, world)
+    model = _model()
+    seqpar.check_heads(model.config, sp.size)
+    batch = _batch()
+    tokens = int((batch.targets != -100).sum())  # the global count: every shard's denominator
+    with seqpar.active(sp):
+        loss, grads = _loss_and_grads(model, batch.shard(sp), tokens)
+    # the group's gradients summed (the trainers' average over W ranks of loss x W / tokens)
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    dist.all_reduce(flat)
+    total = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(total)
+    if rank == 0:
+        torch.save({"loss": float(total), "grads": flat}, out)
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_give_one_ranks_loss_and_gradients(tmp_path: Path) -> None:
+    from stages.lib.net import free_port
+
+    batch = _batch()
+    assert batch.input_ids.shape[1] == max(WIDTHS) > max(WIDTHS) // 2 + 1  # longer than a share
+    tokens = int((batch.targets != -100).sum())
+    loss, grads = _loss_and_grads(_model(), batch, tokens)  # one rank, the whole rows
+    out = str(tmp_path / "sp.pt")
+    # forked: the ranks start with torch and transformers loaded
+    torch.multiprocessing.start_processes(
+        _rank, args=(2, free_port(), out), nprocs=2, start_method="fork"
+    )
+    sp = torch.load(out)
+    assert sp["loss"] == pytest.approx(loss, rel=RTOL, abs=ATOL)  # measured: 1.2e-7 apart
+    one = torch.cat([g.reshape(-1) for g in grads.values()])
+    assert one.abs().max() > 1e-3  # gradients that say something
+    torch.testing.assert_close(sp["grads"], one, rtol=RTOL, atol=ATOL)  # measured: 3.0e-8
+
+
+def test_heads_that_do_not_split_are_refused() -> None:
+    from stages.lib.distributed import seqpar
+
+    config = _model().config
+    with pytest.raises(ValueError) as err:
+        seqpar.check_heads(config, 4)  # 4 query heads, 2 key/value heads
+    assert str(err.value) == (
+        "ring_attn_size 4 must divide the model's attention heads (4) and key/value heads (2): "
+        "each rank attends with 1/4 of them"
+    )
+    config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="it uses 'eager'"):
+        seqpar.check_heads(config, 2)
