@@ -124,3 +124,57 @@ def test_heads_that_do_not_split_are_refused() -> None:
     config._attn_implementation = "eager"
     with pytest.raises(ValueError, match="it uses 'eager'"):
         seqpar.check_heads(config, 2)
+
+
+PIPELINE = """\
+name: sp
+cluster: {scheduler: local, workers: 1, gpus: 0}
+stages:
+  train:
+    kind: train
+    config:
+      input: data.jsonl
+      model: {hidden_size: 32, num_layers: 2, num_heads: 2, vocab_size: 300}
+      num_processes: 3
+      ring_attn_size: 4
+      packing_samples: true
+      algorithm: dpo
+      train_batch_size: 12
+      micro_train_batch_size: 4
+"""
+
+
+def test_plan_refuses_what_sequence_parallelism_does_not_do(tmp_path: Path, pipe_cli: Any):
+    (tmp_path / "data.jsonl").write_text("")
+    (tmp_path / "p.yaml").write_text(PIPELINE)
+    result = pipe_cli("plan", str(tmp_path / "p.yaml"))
+    assert result.exit_code == 2
+    at = f"{tmp_path / 'p.yaml'}:"
+    assert result.stderr.splitlines() == [
+        f"{at}10:23: stages.train.config.ring_attn_size: 3 rank(s) do not split into "
+        "sequence-parallel groups of 4: use a divisor of 3, or give the stage a multiple of 4 "
+        "(num_processes)",
+        f"{at}10:23: stages.train.config.ring_attn_size: sequence parallelism trains sft only; "
+        f"algorithm is dpo ({at}12:18), whose loss reads whole sequences' log-probabilities: "
+        "set ring_attn_size 1",
+        f"{at}10:23: stages.train.config.ring_attn_size: 4 does not divide the model's "
+        "attention heads (2) and key/value heads (2): each rank attends with 1/4 of them",
+        f"{at}11:24: stages.train.config.packing_samples: packed rows cannot be split across "
+        f"ranks with ring_attn_size 4 ({at}10:23): attention over the gathered rows is causal "
+        "over the whole row (SDPA without the packed rows' block mask); turn packing_samples off",
+    ]
+
+
+def test_the_memory_model_counts_a_ranks_share_of_the_sequence() -> None:
+    from stages.train import TrainConfig
+
+    cfg = TrainConfig.model_validate(
+        {
+            "num_processes": 4,
+            "ring_attn_size": 2,
+            "max_length": 301,
+            "train_batch_size": 16,
+            "micro_train_batch_size": 8,
+        }
+    )
+    assert cfg.memory_needs()[0].seq_len == 151  # 301 padded to 302, half on each rank

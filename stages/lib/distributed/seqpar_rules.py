@@ -1,0 +1,97 @@
+"""The plan-time rules of `ring_attn_size` (sequence parallelism), for train and rl.
+
+Input: a resolved config with `ring_attn_size` (train's, rl's), its `ResolveContext`, the
+stage's ranks and its model as the memory model reads it. Output: located diagnostics, and the
+sequence length one rank holds (`per_rank_length`, what the memory model counts). Light: no
+torch here; the mechanism is `stages.lib.distributed.seqpar`, run in the ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import Diagnostic
+from engine.plan.memory import read_shape
+from engine.stage import ResolveContext
+
+
+def per_rank_length(max_length: int, ring_attn_size: int) -> int:
+    """The positions one rank holds of a `max_length` sequence split over `ring_attn_size`
+    ranks (the width is padded to a multiple of it)."""
+    return -(-max_length // ring_attn_size)
+
+
+def data_parallel_ranks(ranks: int, ring_attn_size: int) -> int:
+    """The data-parallel ranks (batch sizes divide over them): sequence-parallel groups."""
+    return ranks // ring_attn_size if ranks % ring_attn_size == 0 else ranks
+
+
+def check_ring_attn(cfg: Any, ctx: ResolveContext, ranks: int, model: Any) -> list[Diagnostic]:
+    """What train's sequence parallelism does not do, refused with the reason: ranks that do
+    not split into groups of `ring_attn_size`, packed rows, losses over whole sequences (dpo,
+    rm), a model whose heads do not split (read from its config when plan can read it; the
+    ranks check it again, with its attention interface, when they load it)."""
+    size = cfg.ring_attn_size
+    if size == 1:
+        return []
+    out = []
+    here = f"ring_attn_size {size} ({ctx.source('ring_attn_size')})"
+    if ranks % size:
+        out.append(
+            ctx.error(
+                "ring_attn_size",
+                f"{ranks} rank(s) do not split into sequence-parallel groups of {size}: use a "
+                f"divisor of {ranks}, or give the stage a multiple of {size} "
+                f"({'GPUs' if ctx.gpus else 'num_processes'})",
+            )
+        )
+    if cfg.packing_samples:
+        out.append(
+            ctx.error(
+                "packing_samples",
+                f"packed rows cannot be split across ranks with {here}: attention over the "
+                "gathered rows is causal over the whole row (SDPA without the packed rows' "
+                "block mask); turn packing_samples off",
+            )
+        )
+    if cfg.algorithm != "sft":
+        out.append(
+            ctx.error(
+                "ring_attn_size",
+                f"sequence parallelism trains sft only; algorithm is {cfg.algorithm} "
+                f"({ctx.source('algorithm')}), whose loss reads whole sequences' "
+                "log-probabilities: set ring_attn_size 1",
+            )
+        )
+    out += _check_heads(ctx, size, model)
+    return out
+
+
+def _check_heads(ctx: ResolveContext, size: int, model: Any) -> list[Diagnostic]:
+    try:
+        shape = read_shape(model)
+    except (KeyError, ValueError, TypeError, OSError):  # a config plan cannot read: the ranks check
+        shape = None
+    if shape is None or (shape.heads % size == 0 and shape.kv_heads % size == 0):
+        return []
+    return [
+        ctx.error(
+            "ring_attn_size",
+            f"{size} does not divide the model's attention heads ({shape.heads}) and key/value "
+            f"heads ({shape.kv_heads}): each rank attends with 1/{size} of them",
+        )
+    ]
+
+
+def refuse_ring_attn(cfg: Any, ctx: ResolveContext, missing: str) -> list[Diagnostic]:
+    """A kind that declares `ring_attn_size` but does not split sequences yet: > 1 refused,
+    saying what is `missing`."""
+    if cfg.ring_attn_size == 1:
+        return []
+    return [
+        ctx.error(
+            "ring_attn_size",
+            f"sequence parallelism is not wired into this stage yet ({missing}): set "
+            "ring_attn_size 1",
+        )
+    ]
