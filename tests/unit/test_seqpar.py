@@ -178,3 +178,16 @@ def test_the_memory_model_counts_a_ranks_share_of_the_sequence() -> None:
         }
     )
     assert cfg.memory_needs()[0].seq_len == 151  # 301 padded to 302, half on each rank
+
+
+def test_rl_refuses_a_ring_attn_size_it_does_not_act_on(pipe_cli: Any) -> None:
+    from tests.conftest import ROOT
+
+    path = "stages.grpo.config.ring_attn_size"
+    result = pipe_cli("plan", str(ROOT / "pipelines/grpo_quickstart.yaml"), "--set", f"{path}=2")
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"--set {path}=2: {path}: sequence parallelism is not wired into this stage yet (the "
+        "actor's, critic's and reference's passes and the per-sequence log-probabilities, "
+        "values and KL of stages/rl/roles read whole rows; train has it): set ring_attn_size 1"
+    ]
