@@ -8,10 +8,12 @@ torch here; the mechanism is `stages.lib.distributed.seqpar`, run in the ranks.
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from engine.errors import Diagnostic
-from engine.plan.memory import read_shape
 from engine.stage import ResolveContext
 
 
@@ -67,18 +69,38 @@ def check_ring_attn(cfg: Any, ctx: ResolveContext, ranks: int, model: Any) -> li
     return out
 
 
+def model_heads(model: Any) -> tuple[int, int] | None:
+    """A model's (attention heads, key/value heads), from a tiny-model spec or a config
+    mapping, or a checkpoint folder's `config.json`; None when plan cannot read them."""
+    config = model
+    if isinstance(model, str):
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+    if not isinstance(config, Mapping):
+        return None
+    config = config.get("text_config") or config  # a multimodal checkpoint's language model
+    heads = config.get("num_attention_heads") or config.get("num_heads")
+    if not isinstance(heads, int):
+        return None
+    kv = config.get("num_key_value_heads")
+    return heads, kv if isinstance(kv, int) else heads
+
+
 def _check_heads(ctx: ResolveContext, size: int, model: Any) -> list[Diagnostic]:
-    try:
-        shape = read_shape(model)
-    except (KeyError, ValueError, TypeError, OSError):  # a config plan cannot read: the ranks check
-        shape = None
-    if shape is None or (shape.heads % size == 0 and shape.kv_heads % size == 0):
+    found = model_heads(model)
+    if found is None or (found[0] % size == 0 and found[1] % size == 0):
         return []
     return [
         ctx.error(
             "ring_attn_size",
-            f"{size} does not divide the model's attention heads ({shape.heads}) and key/value "
-            f"heads ({shape.kv_heads}): each rank attends with 1/{size} of them",
+            f"{size} does not divide the model's attention heads ({found[0]}) and key/value "
+            f"heads ({found[1]}): each rank attends with 1/{size} of them",
         )
     ]
 
