@@ -187,7 +187,7 @@ def _build_loop(
     if cfg.ring_attn_size > 1:  # ranks in groups that split each sequence
         from stages.lib.distributed import seqpar
 
-        seqpar.check_heads(model.config, cfg.ring_attn_size)
+        seqpar.check_heads(model.config, cfg.ring_attn_size, cfg.max_length)
         sp = seqpar.split_world(cfg.ring_attn_size, rank, world)
     rows = read_rows(str(cfg.input))
     if reward:

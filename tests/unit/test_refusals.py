@@ -404,6 +404,9 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
         "plan reads the heads from a tiny-model spec or a config.json it can open; a model "
         "known only when the stage starts (an earlier stage's output) is checked by the ranks",
     ),
+    ("stages/lib/distributed/seqpar.py", "ring_attn_size {}: the model's sliding-wi"): data(
+        "a checkpoint's sliding window, read when the ranks load its config"
+    ),
     ("stages/lib/distributed/seqpar.py", "ring_attn_size {} needs the model's atte"): data(
         "a checkpoint whose attention transformers does not run through 'sdpa' (eager, flex): "
         "known once the ranks load it"

@@ -191,3 +191,17 @@ def test_rl_refuses_a_ring_attn_size_it_does_not_act_on(pipe_cli: Any) -> None:
         "actor's, critic's and reference's passes and the per-sequence log-probabilities, "
         "values and KL of stages/rl/roles read whole rows; train has it): set ring_attn_size 1"
     ]
+
+
+def test_a_sliding_window_shorter_than_the_rows_is_refused() -> None:
+    from stages.lib.distributed import seqpar
+
+    config = _model().config
+    config.sliding_window = 8
+    seqpar.check_heads(config, 2, max_length=8)  # the window covers every row: no mask needed
+    with pytest.raises(ValueError) as err:
+        seqpar.check_heads(config, 2, max_length=16)
+    assert str(err.value) == (
+        "ring_attn_size 2: the model's sliding-window attention (8 tokens) would attend over "
+        "whole rows of up to max_length 16; set max_length 8 or less, or ring_attn_size 1"
+    )

@@ -71,10 +71,19 @@ def split_world(size: int, rank: int, world: int) -> SeqPar:
     return SeqPar(size, rank % size, rank // size, world // size, group)
 
 
-def check_heads(config: Any, size: int) -> None:
-    """Refuse a model whose heads do not split over `size` ranks, or whose attention is not the
-    `sdpa` interface the exchange wraps (eager attention builds the full mask itself)."""
+def check_heads(config: Any, size: int, max_length: int | None = None) -> None:
+    """Refuse a model whose heads do not split over `size` ranks, whose attention is not the
+    `sdpa` interface the exchange wraps (eager attention builds the full mask itself), or whose
+    sliding-window layers would see a window shorter than `max_length` (the exchange attends
+    causally over the whole row: the window's mask is the local shard's, and is dropped)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if window and max_length is not None and window < max_length:
+        raise ValueError(
+            f"ring_attn_size {size}: the model's sliding-window attention ({window} tokens) "
+            f"would attend over whole rows of up to max_length {max_length}; set max_length "
+            f"{window} or less, or ring_attn_size 1"
+        )
     heads = int(text.num_attention_heads)
     kv = int(getattr(text, "num_key_value_heads", None) or heads)
     if heads % size or kv % size:
