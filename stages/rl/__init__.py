@@ -256,7 +256,7 @@ class RLConfig(
                 )
             )
         out += self._check_sync(ctx) + self._note_sleep(ctx) + self._check_lora(ctx)
-        out += check_rollout_batch(ctx, self)
+        out += check_rollout_batch(ctx, self) + self.refuse_ring_attn(ctx)
         # refusals of the run path known from the config alone (tests/unit/test_refusals.py)
         if self.verifier is not None:
             out += check_verifier(self.verifier, ctx)

@@ -19,6 +19,11 @@ from stages.lib.chat.template import (
 )
 from stages.lib.config import Verifier, check_verifier
 from stages.lib.distributed.ds_config import trainer_memory, trainer_memory_changes
+from stages.lib.distributed.seqpar_rules import (
+    check_ring_attn,
+    data_parallel_ranks,
+    per_rank_length,
+)
 from stages.lib.distributed.trainer_fields import (
     AdamOffload,
     BatchSize,
@@ -30,6 +35,7 @@ from stages.lib.distributed.trainer_fields import (
     MicroBatchSize,
     OverlapComm,
     Ranks,
+    RingAttnSize,
     TrainerSetting,
     WarmupRatio,
     WeightDecay,
@@ -99,6 +105,7 @@ class TrainConfig(StageConfig):
     max_length: MaxLength = Field(
         256, description="Longest training sequence in tokens; longer ones are cut."
     )
+    ring_attn_size: RingAttnSize = 1
     learning_rate: LearningRate = Field(1e-3, description="Peak learning rate.")
     lr_scheduler: LrScheduler = Field(
         "cosine",
@@ -166,12 +173,15 @@ class TrainConfig(StageConfig):
     lora: LoraBlock | None = Field(None, description=LORA_HELP)
 
     def check(self, ctx: ResolveContext) -> list[Diagnostic]:
-        """Batch sizes that divide over the ranks (one per GPU, or num_processes on CPU);
-        offload only with ZeRO."""
+        """Batch sizes that divide over the data-parallel ranks (one rank per GPU, or
+        num_processes on CPU, in groups of ring_attn_size); offload only with ZeRO."""
         from stages.lib.distributed.ds_config import check_deepspeed
         from stages.train.objective import check_objective
 
-        out = check_deepspeed(self, ctx, ctx.gpus or self.num_processes)
+        ranks = ctx.gpus or self.num_processes
+        out = check_deepspeed(self, ctx, data_parallel_ranks(ranks, self.ring_attn_size))
+        model = self.model if isinstance(self.model, str) else self.model.model_dump()
+        out += check_ring_attn(self, ctx, ranks, memory_model(model))
         out += check_objective(self, ctx)
         out += check_model_ref(ctx, "model", self.model)
         out += check_lora(self.lora, ctx, self, ctx.gpus)
@@ -193,7 +203,8 @@ class TrainConfig(StageConfig):
         """The trainer's weights, gradients, optimizer states and activations; with DPO the
         frozen reference too, whole and in fp32 on every rank's device, as the ranks load it
         (`stages.train.worker`; with LoRA the reference is the policy's own base)."""
-        needs = [trainer_memory(self, memory_model(self.model), self.max_length)]
+        seq = per_rank_length(self.max_length, self.ring_attn_size)  # a rank's share of it
+        needs = [trainer_memory(self, memory_model(self.model), seq)]
         if self.algorithm == "dpo" and self.lora is None:
             model = self.model if isinstance(self.model, str) else self.model.model_dump()
             model = memory_model(model)

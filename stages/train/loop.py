@@ -8,7 +8,10 @@ the end, and the run's counters.
 Each step's loss is the mean over the whole global batch: the summed loss of
 every response token (SFT) or pair (DPO, RM) divided by the global batch's count,
 so micro batches and ranks of different sizes weigh what they hold. The
-reported loss is all-reduced over ranks; nothing else crosses ranks per step.
+reported loss is all-reduced over ranks; nothing else crosses ranks per step, but for
+attention's exchanges within a sequence-parallel group (`ring_attn_size`: each rank of a
+group takes the group's micro batches and holds a share of every row; its summed loss is its
+share's, and the shares add up to the rows').
 
 One name, two sides of one concept (a kind's step loop: one train rank's;
 `stages/rl/controller/loop.py`: the rl controller's).
@@ -26,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from stages.lib.distributed import seqpar
+from stages.lib.distributed.seqpar import SeqPar
 from stages.lib.io.metrics import Metrics
 from stages.lib.model.logits import flat_head
 from stages.train import ckpt as train_ckpt
@@ -85,6 +90,7 @@ class Loop:
     resume_key: str = ""
     threads: ThreadTuner | None = None  # num_threads: auto
     held_out: HeldOut | HeldOutPairs | None = None  # eval_input: scored every eval_steps
+    sp: SeqPar | None = None  # ring_attn_size > 1: this rank's sequence-parallel group
     counters: Counters = field(default_factory=Counters)
     _ref_cache: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -97,20 +103,20 @@ class Loop:
             norm = len(step.units)
         else:
             norm = sum(self.data.examples[s].response_len for u in step.units for s in units[u])
-        micros = step.micro[self.rank]
+        sp = self.sp  # its ranks take their group's micro batches, each a share of every row
+        micros = step.micro[self.rank if sp is None else sp.dp_rank]
         lr = self.trainer.lr()  # the rate this step's update uses
         sums = torch.zeros(3, dtype=torch.float64)  # loss; pairs: right-order count, margin/gap
         for i, micro in enumerate(micros):
             self.trainer.begin_micro(i == len(micros) - 1)
             batch = collate(micro, self.data.examples, self.pad_id, self.cfg.packing_samples)
-            if self.cfg.algorithm == "rm":  # a scalar head: no vocabulary logits
-                loss_sum, extra = reward_loss(self.trainer, micro, batch, self.data, self.device)
-            else:
-                scored = batch.scored(self.device)  # logits only where the loss reads them
-                with flat_head(self.trainer.module, scored):
-                    logits = self.trainer.forward(batch.model_inputs(self.device))
-                loss_sum, extra = self._loss(micro, batch, scored, logits)
-            self.trainer.backward(loss_sum * (self.world / norm))
+            if sp is not None:
+                batch = batch.shard(sp)
+            with seqpar.active(sp):  # backward too: checkpointing recomputes attention there
+                loss_sum, extra = self._micro_loss(micro, batch)
+                # a shard's sum over the global count, x world: the trainers' average over the
+                # ranks is the sequence-parallel ranks' sum (`stages.lib.distributed.seqpar`)
+                self.trainer.backward(loss_sum * (self.world / norm))
             sums += torch.tensor([loss_sum.item(), *extra], dtype=torch.float64)
         grad_norm = self.trainer.step()
         if self.world > 1:  # NCCL reduces device tensors only
@@ -124,6 +130,15 @@ class Loop:
             out["accuracy"] = float(sums[1]) / norm
             out["margin" if self.cfg.algorithm == "dpo" else "reward_gap"] = float(sums[2]) / norm
         return out
+
+    def _micro_loss(self, micro: Micro, batch: Batch) -> tuple[torch.Tensor, list[float]]:
+        """One micro batch's forward and summed loss."""
+        if self.cfg.algorithm == "rm":  # a scalar head: no vocabulary logits
+            return reward_loss(self.trainer, micro, batch, self.data, self.device)
+        scored = batch.scored(self.device)  # logits only where the loss reads them
+        with flat_head(self.trainer.module, scored):
+            logits = self.trainer.forward(batch.model_inputs(self.device))
+        return self._loss(micro, batch, scored, logits)
 
     def _loss(
         self, micro: Micro, batch: Batch, scored: torch.Tensor, logits: torch.Tensor

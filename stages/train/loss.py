@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stages.lib.distributed import seqpar
+from stages.lib.distributed.seqpar import SeqPar
 from stages.lib.model.logits import IGNORE, token_logprobs
 from stages.train.batch_plan import Micro
 from stages.train.data import Example
@@ -53,6 +55,25 @@ class Batch:
         the logits of a forward under `flat_head(model, scored)` line up with."""
         mask = scored.cpu()
         return replace(self, targets=self.targets[mask][None], slots=self.slots[mask][None])
+
+    def shard(self, sp: SeqPar) -> Batch:
+        """This rank's contiguous share of every row under sequence parallelism
+        (`stages.lib.distributed.seqpar`): the width padded to a multiple of the group's size,
+        position ids the global ones (rotary embeddings at each token's place in the whole
+        row), no attention mask (attention over the gathered rows is causal; right padding
+        never precedes a real token). Targets are shifted before the cut, so a shard's last
+        position predicts the next shard's first token."""
+        assert self.position_ids is None, "packed rows are refused with ring_attn_size at plan"
+        width = self.input_ids.shape[1]
+        positions = torch.arange(width).expand(self.input_ids.shape[0], width)
+        return replace(
+            self,
+            input_ids=seqpar.shard(self.input_ids, sp, 0),
+            position_ids=seqpar.shard(positions, sp, 0),
+            attention_mask=None,
+            targets=seqpar.shard(self.targets, sp, IGNORE),
+            slots=seqpar.shard(self.slots, sp, 0),
+        )
 
     def model_inputs(self, device: torch.device | str) -> dict[str, Any]:
         out: dict[str, Any] = {"input_ids": self.input_ids.to(device), "use_cache": False}

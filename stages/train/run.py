@@ -219,6 +219,8 @@ def run_train(cfg: TrainConfig, ctx: StageContext) -> dict[str, Any]:
     slow = slow_bf16(device, cfg.bf16)
     if slow is not None:
         ctx.log.warning("%s", slow)
+    if cfg.ring_attn_size > 1:
+        engine += f", each sequence split over {cfg.ring_attn_size} ranks (Ulysses attention)"
     ctx.log.info(
         "train: %s on %d %s rank(s), %d thread(s) each, %s",
         cfg.algorithm,

@@ -183,6 +183,12 @@ def _build_loop(
 
     reward = cfg.algorithm == "rm"
     tokenizer, model = _load(brief)
+    sp = None
+    if cfg.ring_attn_size > 1:  # ranks in groups that split each sequence
+        from stages.lib.distributed import seqpar
+
+        seqpar.check_heads(model.config, cfg.ring_attn_size, cfg.max_length)
+        sp = seqpar.split_world(cfg.ring_attn_size, rank, world)
     rows = read_rows(str(cfg.input))
     if reward:
         pairs = preference_pairs(rows, cfg.margin, str(cfg.input))
@@ -191,7 +197,7 @@ def _build_loop(
         data = training_set(
             rows, tokenizer, algorithm=cfg.algorithm, target=cfg.target, max_length=cfg.max_length
         )
-    plan = plan_for(cfg, data, world)
+    plan = plan_for(cfg, data, sp.dp_size if sp is not None else world)  # data-parallel ranks
     # a reward model's scores read the last non-pad token: its pads are the config's
     pad = int(model.config.pad_token_id) if reward else pad_id(tokenizer, model.config)
     held_out: HeldOut | HeldOutPairs | None = None
@@ -216,6 +222,7 @@ def _build_loop(
         resume_key=brief.resume_key,
         threads=ThreadTuner(brief.threads) if brief.tune_threads else None,
         held_out=held_out,
+        sp=sp,
     )
     return loop, tokenizer
 

@@ -336,3 +336,32 @@ def test_zero3_two_rank_held_out_eval_bf16_finishes(tmp_path: Path):
     init = load_file(str(stage / "init_model" / "model.safetensors"))
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in init.items()}
     assert any(not saved[k].float().equal(init[k].float()) for k in init)
+
+
+@pytest.mark.slow
+def test_two_ranks_splitting_each_row_train_as_one_rank(tmp_path: Path):
+    """`ring_attn_size: 2` through the whole train stage on 2 gloo ranks (the torch trainer):
+    each rank holds half of every row, and the losses and gradient norms are one rank's on
+    the whole rows within fp32 rounding (the sums run in another order; the mechanism's own
+    bound is tests/unit/test_seqpar.py's). The step's wiring is what this adds to it: one
+    data-parallel group takes every micro batch, the loss is over the step's tokens."""
+    data = additions(tmp_path / "data.jsonl", 32)
+    runs = {}
+    for name, extra in (("one", {}), ("split", {"num_processes": 2, "ring_attn_size": 2})):
+        stage = tmp_path / name
+        cfg = config(
+            data,
+            stage,
+            trainer="torch",
+            packing_samples=False,
+            max_steps=3,
+            train_batch_size=8,
+            micro_train_batch_size=4,
+            **extra,
+        )
+        run_train(cfg, context(stage))
+        runs[name] = [(r["loss"], r["grad_norm"]) for r in losses(stage)]
+    assert len(runs["one"]) == len(runs["split"]) == 3
+    for (loss, norm), (split_loss, split_norm) in zip(runs["one"], runs["split"], strict=True):
+        assert split_loss == pytest.approx(loss, rel=1e-5, abs=1e-6)
+        assert split_norm == pytest.approx(norm, rel=1e-5, abs=1e-6)

@@ -380,6 +380,37 @@ REFUSALS: dict[tuple[str, str], Refusal] = {
             ),
         )
     ),
+    ("stages/lib/distributed/seqpar.py", "world size {} is not divisible by ring_a"): plan(
+        Case(
+            TINY.format(
+                config="packing_samples: false, num_processes: 3, ring_attn_size: 2, "
+                "train_batch_size: 24"
+            ),
+            (
+                "p.yaml:3:103: stages.t.config.ring_attn_size: 3 rank(s) do not split into "
+                "sequence-parallel groups of 2: use a divisor of 3, or give the stage a multiple "
+                "of 2 (num_processes)",
+            ),
+        )
+    ),
+    ("stages/lib/distributed/seqpar.py", "ring_attn_size {} must divide the model'"): plan(
+        Case(
+            TINY.format(config="packing_samples: false, num_processes: 8, ring_attn_size: 8"),
+            (
+                "p.yaml:3:103: stages.t.config.ring_attn_size: 8 does not divide the model's "
+                "attention heads (4) and key/value heads (4): each rank attends with 1/8 of them",
+            ),
+        ),
+        "plan reads the heads from a tiny-model spec or a config.json it can open; a model "
+        "known only when the stage starts (an earlier stage's output) is checked by the ranks",
+    ),
+    ("stages/lib/distributed/seqpar.py", "ring_attn_size {}: the model's sliding-wi"): data(
+        "a checkpoint's sliding window, read when the ranks load its config"
+    ),
+    ("stages/lib/distributed/seqpar.py", "ring_attn_size {} needs the model's atte"): data(
+        "a checkpoint whose attention transformers does not run through 'sdpa' (eager, flex): "
+        "known once the ranks load it"
+    ),
     ("stages/lib/distributed/trainer.py", "checkpoint {}/{} does not fit the model: "): data(
         "a resumable checkpoint on disk whose weights are not this model's"
     ),

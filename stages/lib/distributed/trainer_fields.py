@@ -39,6 +39,16 @@ WarmupRatio = Annotated[float, Field(ge=0, lt=1)]
 WeightDecay = Annotated[float, Field(ge=0, description="AdamW weight decay.")]
 Bf16 = Annotated[bool, Field(description="Train in bfloat16 (fp32 otherwise).")]
 Ranks = Annotated[int, Field(gt=0)]
+RingAttnSize = Annotated[
+    int,
+    Field(
+        ge=1,
+        description="Sequence parallelism: ranks that split each sequence between them "
+        "(DeepSpeed-Ulysses attention: an all-to-all gives each rank the whole sequence for "
+        "its share of the heads); the ranks form data-parallel groups of this many, so it "
+        "divides the ranks and the model's heads. 1: off.",
+    ),
+]
 
 
 class TrainedSettings(Protocol):

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from engine.stage import StageConfig
+from engine.errors import Diagnostic
+from engine.stage import ResolveContext, StageConfig
 from stages.lib.distributed import trainer_fields as trainer
+from stages.lib.distributed.seqpar_rules import refuse_ring_attn
 from stages.lib.model.lora import LORA_HELP, LoraBlock
 
 
@@ -31,6 +33,7 @@ class OptimSettings(StageConfig):
     max_length: trainer.MaxLength = Field(
         512, description="Longest prompt + answer trained on, in tokens."
     )
+    ring_attn_size: trainer.RingAttnSize = 1
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     packing_samples: bool = Field(
         False,
@@ -44,3 +47,12 @@ class OptimSettings(StageConfig):
     lora: LoraBlock | None = Field(
         None, description=f"The actor's adapters; the engines generate with them. {LORA_HELP}"
     )
+
+    def refuse_ring_attn(self, ctx: ResolveContext) -> list[Diagnostic]:
+        """`ring_attn_size` > 1 refused: the rl ranks do not split sequences yet (train does:
+        `stages.lib.distributed.seqpar`)."""
+        missing = (
+            "the actor's, critic's and reference's passes and the per-sequence log-probabilities, "
+            "values and KL of stages/rl/roles read whole rows; train has it"
+        )
+        return refuse_ring_attn(self, ctx, missing)
