@@ -93,6 +93,8 @@ def account(
         "temperature": _temperature(cfg),
         "max_output_tokens": (A, "most tokens per answer"),
         "max_length": (A, "prompt + answer cut to this for the update"),
+        # above 1 refused at plan (`OptimSettings.refuse_ring_attn`): every rank reads whole rows
+        "ring_attn_size": (A, "each sequence whole on one rank"),
         "kl_coef": _kl(cfg),
         **_distill(cfg),
         "ppo_epochs": (A, "updates over each rollout batch"),
