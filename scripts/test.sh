@@ -13,7 +13,7 @@
 # verifiers' are opt-in, PIPE_TEST_EXTRAS="vllm slurm gym verifiers": here NeMo Gym's install
 # took 11.5 min of wall time (2.5 min of CPU, 1.6 GB), verifiers' 10 min, and their tests 10
 # and 6 min on the loaded 2 cores, more than CI's 90 minutes leave (BENCHMARKS.md, "CI time").
-# Exit status: non-zero when either pytest run fails (5, no test collected, included).
+# Exit status: non-zero when either pytest run fails (5, no test collected, included; see the end).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -41,4 +41,9 @@ for pid in "${pids[@]}"; do wait "$pid"; done
 "$PY" -m pytest -m "$MARKED" "$@"
 second=$?
 echo "pytest: tests needing no extra venv exit $first; the $MARKED tests exit $second"
+# 5 (no test collected) is a failure, but for one of the two when arguments narrowed the run
+# to tests of one side only (the whole suite has both)
+if [[ $# -gt 0 && $first == 5 && $second == 0 ]] || [[ $# -gt 0 && $first == 0 && $second == 5 ]]; then
+    exit 0
+fi
 [[ $first == 0 && $second == 0 ]]
